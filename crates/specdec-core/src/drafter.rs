@@ -1,0 +1,178 @@
+//! Drafting with a model: any [`Target`] (a smaller model of the same family) becomes a [`Draft`].
+
+use crate::kernels;
+use crate::model::{Draft, DraftRequest, Logits, Proposal, Score, SeqId, Target};
+use crate::rng::Stream;
+use crate::sampling::{Probs, Sampler};
+use crate::TokenId;
+
+/// Drafts by running a model one token at a time, sampling each token with the target's sampling
+/// parameters (greedy stays greedy) and the draft stream of the RNG. All sequences of a batch advance
+/// together, one model call per drafted position.
+#[derive(Debug)]
+pub struct ModelDrafter<M> {
+    model: M,
+    sampler: Option<Sampler>,
+    contexts: Vec<Vec<TokenId>>,
+    logits: Vec<Logits>,
+    scratch: Vec<f32>,
+}
+
+impl<M: Target> ModelDrafter<M> {
+    /// Drafts with `model`.
+    pub fn new(model: M) -> Self {
+        Self {
+            model,
+            sampler: None,
+            contexts: Vec::new(),
+            logits: Vec::new(),
+            scratch: Vec::new(),
+        }
+    }
+
+    /// The model.
+    pub fn model(&self) -> &M {
+        &self.model
+    }
+
+    /// The model, mutably.
+    pub fn model_mut(&mut self) -> &mut M {
+        &mut self.model
+    }
+
+    /// Gives the model back.
+    pub fn into_model(self) -> M {
+        self.model
+    }
+}
+
+impl<M: Target> Draft for ModelDrafter<M> {
+    type Error = DraftError<M::Error>;
+
+    fn vocab_size(&self) -> Option<usize> {
+        Some(self.model.vocab_size())
+    }
+
+    fn propose(
+        &mut self,
+        batch: &[DraftRequest<'_>],
+        out: &mut [Proposal],
+    ) -> Result<(), Self::Error> {
+        out.iter_mut().for_each(Proposal::clear);
+        let Some(first) = batch.first() else {
+            return Ok(());
+        };
+        // One sampler serves the batch; the decoder uses one parameter set per batch.
+        if self.sampler.as_ref().map(Sampler::params) != Some(first.sampling) {
+            first.sampling.validate().map_err(DraftError::Sampling)?;
+            self.sampler = Some(Sampler::new(first.sampling.clone()));
+        }
+        self.contexts.resize_with(batch.len(), Vec::new);
+        for (ctx, req) in self.contexts.iter_mut().zip(batch) {
+            ctx.clear();
+            ctx.extend_from_slice(req.context);
+        }
+        let Self {
+            model,
+            sampler,
+            contexts,
+            logits,
+            scratch,
+        } = self;
+        let sampler = sampler.as_mut().ok_or(DraftError::NoSampler)?;
+        let vocab = model.vocab_size();
+        logits.resize_with(batch.len(), || Logits::new(vocab));
+        let mut active: Vec<bool> = batch.iter().map(|r| r.max_len > 0).collect();
+        let mut live = Vec::with_capacity(batch.len());
+        loop {
+            live.clear();
+            live.extend((0..batch.len()).filter(|&b| active[b]));
+            if live.is_empty() {
+                return Ok(());
+            }
+            let requests: Vec<Score<'_>> = live
+                .iter()
+                .map(|&b| Score {
+                    seq: batch[b].seq,
+                    context: &contexts[b],
+                    draft: &[],
+                })
+                .collect();
+            model
+                .score(&requests, &mut logits[..live.len()])
+                .map_err(DraftError::Model)?;
+            drop(requests);
+            for (slot, &b) in live.iter().enumerate() {
+                let req = &batch[b];
+                let row = logits[slot].row(0);
+                let mut q = Probs::OneHot(0);
+                sampler
+                    .probs(row, &contexts[b], &mut q)
+                    .map_err(DraftError::Sampling)?;
+                let pos = contexts[b].len();
+                let token = q.sample(req.rng.uniform(pos, Stream::Draft));
+                if req.min_confidence > 0.0 {
+                    let confidence = match q {
+                        Probs::OneHot(_) => top_prob(row, scratch),
+                        Probs::Dense(_) => q.prob(token),
+                    };
+                    if confidence < req.min_confidence {
+                        active[b] = false;
+                        continue;
+                    }
+                }
+                out[b].push(token, q);
+                contexts[b].push(token);
+                if out[b].tokens.len() >= req.max_len {
+                    active[b] = false;
+                }
+            }
+        }
+    }
+
+    fn commit(&mut self, seq: SeqId, committed: &[TokenId]) -> Result<(), Self::Error> {
+        self.model.commit(seq, committed).map_err(DraftError::Model)
+    }
+
+    fn prefill(&mut self, seq: SeqId, context: &[TokenId]) -> Result<(), Self::Error> {
+        let vocab = self.model.vocab_size();
+        self.logits.resize_with(1, || Logits::new(vocab));
+        self.model
+            .score(
+                &[Score {
+                    seq,
+                    context,
+                    draft: &[],
+                }],
+                &mut self.logits[..1],
+            )
+            .map_err(DraftError::Model)
+    }
+
+    fn release(&mut self, seq: SeqId) {
+        self.model.release(seq);
+    }
+}
+
+/// The draft's confidence in its most likely token: the top probability at temperature 1.
+fn top_prob(logits: &[f32], scratch: &mut Vec<f32>) -> f32 {
+    scratch.clear();
+    scratch.extend_from_slice(logits);
+    let (max, _) = kernels::max_checked(scratch);
+    let total = kernels::exp_shift_sum(scratch, max, 1.0);
+    (1.0 / total) as f32
+}
+
+/// Why a [`ModelDrafter`] failed.
+#[derive(Debug, thiserror::Error)]
+pub enum DraftError<E: std::error::Error + 'static> {
+    /// The draft model failed.
+    #[error(transparent)]
+    Model(E),
+    /// Forming the draft distribution failed (non-finite logits, invalid parameters).
+    #[error(transparent)]
+    Sampling(crate::Error),
+    /// Internal: the sampler was not set up before drafting.
+    #[error("the draft sampler was not initialised")]
+    NoSampler,
+}

@@ -1,0 +1,298 @@
+//! Metrics: plain, serialisable counters and timings of a generation, and the figures derived from them.
+
+use serde::{Deserialize, Serialize};
+
+use crate::verify::expected_tokens;
+
+/// What one round did, as the decoder reports it to [`Metrics`] and to the draft-length controller.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Round {
+    /// Tokens drafted.
+    pub drafted: usize,
+    /// Drafted tokens accepted.
+    pub accepted: usize,
+    /// Tokens emitted (`accepted + 1`, fewer when a stop token or the limit cut the round).
+    pub emitted: usize,
+    /// Seconds spent drafting.
+    pub draft_secs: f64,
+    /// Seconds the target spent scoring.
+    pub verify_secs: f64,
+    /// Tokens the target scored in one pass: `drafted + 1`.
+    pub verified: usize,
+}
+
+/// Acceptance at one draft position.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct PositionStats {
+    /// Rounds in which this position was drafted and every earlier one accepted.
+    pub reached: u64,
+    /// Of those, rounds in which it was accepted.
+    pub accepted: u64,
+}
+
+/// Target calls that scored `m` tokens.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct VerifyTiming {
+    /// Tokens per call.
+    pub m: usize,
+    /// Calls.
+    pub calls: u64,
+    /// Seconds in all.
+    pub secs: f64,
+}
+
+/// Counters and timings of one generation (or the sum of several).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Metrics {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Rounds after prefill (each emits at least one token).
+    pub rounds: u64,
+    /// Tokens drafted.
+    pub drafted: u64,
+    /// Drafted tokens accepted.
+    pub accepted: u64,
+    /// Tokens emitted by rounds; the first token, sampled at prefill, is not counted.
+    pub emitted: u64,
+    /// Acceptance by draft position (index 0 is the first drafted token of a round).
+    pub per_position: Vec<PositionStats>,
+    /// Rounds by the number of tokens drafted (index = draft length).
+    pub rounds_by_draft_len: Vec<u64>,
+    /// Target calls by block length (index `m - 1`), decode only.
+    pub verify_by_len: Vec<VerifyTiming>,
+    /// Seconds of prompt processing, draft and target, and the first token.
+    pub prefill_secs: f64,
+    /// Seconds of drafting.
+    pub draft_secs: f64,
+    /// Seconds of target scoring during decode.
+    pub verify_secs: f64,
+    /// Wall-clock seconds of the rounds after prefill (drafting, scoring, sampling, verification).
+    pub decode_secs: f64,
+}
+
+impl Metrics {
+    /// Adds one round.
+    pub fn record(&mut self, r: &Round) {
+        self.rounds += 1;
+        self.drafted += r.drafted as u64;
+        self.accepted += r.accepted as u64;
+        self.emitted += r.emitted as u64;
+        self.draft_secs += r.draft_secs;
+        self.verify_secs += r.verify_secs;
+        grow(&mut self.rounds_by_draft_len, r.drafted + 1);
+        self.rounds_by_draft_len[r.drafted] += 1;
+        grow(&mut self.per_position, r.drafted);
+        for (i, s) in self.per_position.iter_mut().take(r.drafted).enumerate() {
+            if i > r.accepted {
+                break;
+            }
+            s.reached += 1;
+            s.accepted += u64::from(i < r.accepted);
+        }
+        if r.verified > 0 {
+            grow(&mut self.verify_by_len, r.verified);
+            let t = &mut self.verify_by_len[r.verified - 1];
+            t.m = r.verified;
+            t.calls += 1;
+            t.secs += r.verify_secs;
+        }
+    }
+
+    /// Accepted / drafted.
+    pub fn acceptance_rate(&self) -> f64 {
+        ratio(self.accepted as f64, self.drafted as f64)
+    }
+
+    /// Tokens per round as vLLM defines it: `1 + accepted / rounds`.
+    pub fn mean_accepted_len(&self) -> f64 {
+        1.0 + ratio(self.accepted as f64, self.rounds as f64)
+    }
+
+    /// Conditional acceptance rate at each draft position.
+    pub fn per_position_acceptance(&self) -> Vec<f64> {
+        self.per_position
+            .iter()
+            .map(|s| ratio(s.accepted as f64, s.reached as f64))
+            .collect()
+    }
+
+    /// Tokens emitted by rounds per second of decoding (after prefill).
+    pub fn decode_tokens_per_s(&self) -> f64 {
+        ratio(self.emitted as f64, self.decode_secs)
+    }
+
+    /// The cost profile measured in this generation: the draft/target step-cost ratio `c` and the
+    /// verification cost curve `r(m)`.
+    pub fn cost_profile(&self) -> Option<CostProfile> {
+        CostProfile::fit(
+            ratio(self.draft_secs, self.drafted as f64),
+            &self.verify_by_len,
+        )
+    }
+
+    /// The speedup the cost model predicts from the measured acceptance and costs:
+    /// `Σ_k n_k E(k) / Σ_k n_k (k c + r(k + 1))` over the rounds' draft lengths `k`.
+    pub fn predicted_speedup(&self) -> Option<f64> {
+        let cost = self.cost_profile()?;
+        let a = self.per_position_acceptance();
+        let (mut tokens, mut time) = (0.0, 0.0);
+        for (k, &n) in self.rounds_by_draft_len.iter().enumerate() {
+            let n = n as f64;
+            tokens += n * expected_tokens(&a[..k.min(a.len())]);
+            time += n * (k as f64 * cost.c + cost.r(k + 1));
+        }
+        (time > 0.0).then(|| tokens / time)
+    }
+
+    /// Decode tokens/s relative to a baseline run (plain decoding through the same loop).
+    pub fn measured_speedup(&self, baseline: &Metrics) -> f64 {
+        ratio(self.decode_tokens_per_s(), baseline.decode_tokens_per_s())
+    }
+}
+
+/// The costs that decide whether speculation pays, in units of one target step on one token.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CostProfile {
+    /// Seconds of one target step on one token (`t(1)`).
+    pub target_step_secs: f64,
+    /// Draft cost per drafted token divided by `t(1)`.
+    pub c: f64,
+    /// `r(m) = 1 + slope (m - 1)` where no measurement exists.
+    pub slope: f64,
+    /// Measured `(m, r(m))` pairs.
+    pub measured: Vec<(usize, f64)>,
+}
+
+impl CostProfile {
+    /// The slope assumed when only one block length was measured: r(m) = 1 + 0.15 (m - 1), close to
+    /// candle's Qwen2 curve on two cores (r(8) about 2).
+    pub const PRIOR_SLOPE: f64 = 0.15;
+
+    /// Fits `t(m) = t1 (1 + slope (m - 1))` by least squares to the measured per-call times (weighted by
+    /// calls) and derives `c` from the draft's seconds per token. `None` without any timing.
+    pub fn fit(draft_secs_per_token: f64, verify: &[VerifyTiming]) -> Option<Self> {
+        let pts: Vec<(f64, f64, f64)> = verify
+            .iter()
+            .filter(|t| t.calls > 0 && t.secs > 0.0)
+            .map(|t| (t.m as f64, t.secs / t.calls as f64, t.calls as f64))
+            .collect();
+        let first = pts.first()?;
+        let (t1, slope) = if pts.len() == 1 {
+            let (m, t, _) = *first;
+            let t1 = t / (1.0 + Self::PRIOR_SLOPE * (m - 1.0));
+            (t1, Self::PRIOR_SLOPE)
+        } else {
+            // Weighted least squares of t on (m - 1): t = a + b (m - 1).
+            let w: f64 = pts.iter().map(|p| p.2).sum();
+            let mx = pts.iter().map(|p| p.2 * (p.0 - 1.0)).sum::<f64>() / w;
+            let my = pts.iter().map(|p| p.2 * p.1).sum::<f64>() / w;
+            let sxx: f64 = pts.iter().map(|p| p.2 * (p.0 - 1.0 - mx).powi(2)).sum();
+            let sxy: f64 = pts
+                .iter()
+                .map(|p| p.2 * (p.0 - 1.0 - mx) * (p.1 - my))
+                .sum();
+            let b = (sxy / sxx).max(0.0);
+            let a = (my - b * mx).max(my * 1e-3);
+            (a, b / a)
+        };
+        let measured = pts.iter().map(|&(m, t, _)| (m as usize, t / t1)).collect();
+        Some(Self {
+            target_step_secs: t1,
+            c: draft_secs_per_token / t1,
+            slope,
+            measured,
+        })
+    }
+
+    /// `r(m) = t(m) / t(1)`: measured where available, else from the fitted line.
+    pub fn r(&self, m: usize) -> f64 {
+        self.measured
+            .iter()
+            .find(|(mm, _)| *mm == m)
+            .map(|&(_, r)| r)
+            .unwrap_or(1.0 + self.slope * (m as f64 - 1.0))
+    }
+}
+
+fn ratio(a: f64, b: f64) -> f64 {
+    if b > 0.0 {
+        a / b
+    } else {
+        0.0
+    }
+}
+
+fn grow<T: Default + Clone>(v: &mut Vec<T>, len: usize) {
+    if v.len() < len {
+        v.resize(len, T::default());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn per_position_counts_stop_after_the_first_rejection() {
+        let mut m = Metrics::default();
+        m.record(&Round {
+            drafted: 4,
+            accepted: 1,
+            emitted: 2,
+            verified: 5,
+            ..Default::default()
+        });
+        m.record(&Round {
+            drafted: 4,
+            accepted: 4,
+            emitted: 5,
+            verified: 5,
+            ..Default::default()
+        });
+        let reached: Vec<u64> = m.per_position.iter().map(|s| s.reached).collect();
+        let accepted: Vec<u64> = m.per_position.iter().map(|s| s.accepted).collect();
+        assert_eq!(reached, [2, 2, 1, 1]);
+        assert_eq!(accepted, [2, 1, 1, 1]);
+        assert_eq!(m.per_position_acceptance(), [1.0, 0.5, 1.0, 1.0]);
+        assert_eq!(m.mean_accepted_len(), 1.0 + 5.0 / 2.0);
+        assert_eq!(m.acceptance_rate(), 5.0 / 8.0);
+    }
+
+    #[test]
+    fn cost_profile_fits_a_line() {
+        let v = [
+            VerifyTiming {
+                m: 1,
+                calls: 10,
+                secs: 1.0,
+            },
+            VerifyTiming {
+                m: 5,
+                calls: 10,
+                secs: 1.8,
+            },
+        ];
+        let p = CostProfile::fit(0.05, &v).unwrap();
+        assert!((p.target_step_secs - 0.1).abs() < 1e-9);
+        assert!((p.slope - 0.2).abs() < 1e-9);
+        assert!((p.c - 0.5).abs() < 1e-9);
+        assert!((p.r(5) - 1.8).abs() < 1e-9);
+        assert!((p.r(3) - 1.4).abs() < 1e-9);
+    }
+
+    #[test]
+    fn metrics_round_trip_through_json() {
+        let mut m = Metrics::default();
+        m.record(&Round {
+            drafted: 2,
+            accepted: 1,
+            emitted: 2,
+            draft_secs: 0.1,
+            verify_secs: 0.2,
+            verified: 3,
+        });
+        let s = serde_json::to_string(&m).unwrap();
+        let back: Metrics = serde_json::from_str(&s).unwrap();
+        assert_eq!(back, m);
+    }
+}

@@ -1,0 +1,200 @@
+//! What the decoder needs from models: a [`Target`] that scores a context plus drafted tokens in one
+//! call, and a [`Draft`] that proposes tokens. Both take a batch of requests (one per sequence) so a
+//! batched runtime implements them without changes here; the single-sequence decoder passes batches of
+//! one.
+//!
+//! Caches: a model keeps whatever cache it likes per [`SeqId`]. Every call carries the full committed
+//! context, so a model can always find the longest common prefix between its cache and the context and
+//! truncate to it; [`Target::commit`] and [`Draft::commit`] say what was committed so caches can be
+//! truncated at once.
+
+use crate::sampling::{Probs, SamplingParams};
+use crate::{CounterRng, TokenId};
+
+/// Identifies a sequence within a model's caches.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SeqId(pub u64);
+
+/// Logits for consecutive positions of one sequence: `[rows, vocab]`, row-major.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Logits {
+    vocab: usize,
+    data: Vec<f32>,
+}
+
+impl Logits {
+    /// Empty logits for a vocabulary of `vocab` tokens.
+    pub fn new(vocab: usize) -> Self {
+        Self {
+            vocab,
+            data: Vec::new(),
+        }
+    }
+
+    /// Clears the rows and sets the vocabulary size, keeping the buffer.
+    pub fn reset(&mut self, vocab: usize) {
+        self.vocab = vocab;
+        self.data.clear();
+    }
+
+    /// Appends one row. Panics if `row.len()` differs from the vocabulary size, a bug in the model.
+    pub fn push_row(&mut self, row: &[f32]) {
+        assert_eq!(
+            row.len(),
+            self.vocab,
+            "a logits row must span the vocabulary"
+        );
+        self.data.extend_from_slice(row);
+    }
+
+    /// Appends rows given as one flat slice of whole rows.
+    pub fn extend_rows(&mut self, rows: &[f32]) {
+        assert_eq!(rows.len() % self.vocab.max(1), 0, "whole rows only");
+        self.data.extend_from_slice(rows);
+    }
+
+    /// The vocabulary size.
+    pub fn vocab(&self) -> usize {
+        self.vocab
+    }
+
+    /// How many rows.
+    pub fn rows(&self) -> usize {
+        self.data.len().checked_div(self.vocab).unwrap_or(0)
+    }
+
+    /// Row `i`.
+    pub fn row(&self, i: usize) -> &[f32] {
+        &self.data[i * self.vocab..(i + 1) * self.vocab]
+    }
+}
+
+/// One sequence's request to [`Target::score`].
+#[derive(Clone, Copy, Debug)]
+pub struct Score<'a> {
+    /// The sequence.
+    pub seq: SeqId,
+    /// All committed tokens, prompt included.
+    pub context: &'a [TokenId],
+    /// Drafted tokens that follow the context (possibly none).
+    pub draft: &'a [TokenId],
+}
+
+/// The model whose distribution the output follows.
+pub trait Target {
+    /// The model's error type.
+    type Error: std::error::Error + Send + Sync + 'static;
+
+    /// The vocabulary size: the length of every logits row.
+    fn vocab_size(&self) -> usize;
+
+    /// The most tokens a sequence can hold (prompt, drafted and generated).
+    fn capacity(&self) -> usize;
+
+    /// For every request, writes into `out[b]` the logits of the `draft.len() + 1` positions that follow
+    /// `context[..len - 1]`: row `i` is the distribution of the token at position `context.len() + i`.
+    /// One call scores a whole block; that is what makes verification cheap.
+    fn score(&mut self, batch: &[Score<'_>], out: &mut [Logits]) -> Result<(), Self::Error>;
+
+    /// `committed` is the sequence's whole committed context; cached positions past it may be dropped.
+    fn commit(&mut self, seq: SeqId, committed: &[TokenId]) -> Result<(), Self::Error>;
+
+    /// The sequence is finished; its cache may be freed.
+    fn release(&mut self, _seq: SeqId) {}
+}
+
+/// One sequence's request to [`Draft::propose`].
+#[derive(Clone, Copy, Debug)]
+pub struct DraftRequest<'a> {
+    /// The sequence.
+    pub seq: SeqId,
+    /// All committed tokens, prompt included.
+    pub context: &'a [TokenId],
+    /// Propose at most this many tokens.
+    pub max_len: usize,
+    /// The sampling parameters of the target, for drafters that sample.
+    pub sampling: &'a SamplingParams,
+    /// Numbers for drafting come from `rng.uniform(pos, Stream::Draft)`, `pos` being the drafted
+    /// token's absolute position.
+    pub rng: CounterRng,
+    /// Stop drafting before a token whose draft confidence is below this (0 = never stop early).
+    pub min_confidence: f32,
+}
+
+/// Tokens proposed for one sequence, each with the distribution it was drawn from.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Proposal {
+    /// Drafted tokens, in order.
+    pub tokens: Vec<TokenId>,
+    /// `probs[i]` is the distribution `tokens[i]` was drawn from; [`Probs::OneHot`] for deterministic
+    /// drafters.
+    pub probs: Vec<Probs>,
+}
+
+impl Proposal {
+    /// Empties the proposal.
+    pub fn clear(&mut self) {
+        self.tokens.clear();
+        self.probs.clear();
+    }
+
+    /// Appends a drafted token.
+    pub fn push(&mut self, token: TokenId, probs: Probs) {
+        self.tokens.push(token);
+        self.probs.push(probs);
+    }
+}
+
+/// Something that proposes tokens: a small model, an n-gram table, prompt lookup...
+pub trait Draft {
+    /// The drafter's error type.
+    type Error: std::error::Error + Send + Sync + 'static;
+
+    /// The vocabulary the drafter proposes from, when it has a fixed one. Must equal the target's.
+    fn vocab_size(&self) -> Option<usize>;
+
+    /// Fills `out[b]` with at most `batch[b].max_len` tokens for each request.
+    fn propose(
+        &mut self,
+        batch: &[DraftRequest<'_>],
+        out: &mut [Proposal],
+    ) -> Result<(), Self::Error>;
+
+    /// `committed` is the sequence's whole committed context.
+    fn commit(&mut self, seq: SeqId, committed: &[TokenId]) -> Result<(), Self::Error>;
+
+    /// Called once with the prompt before the first round, so prompt processing is not charged to
+    /// drafting. The default does nothing.
+    fn prefill(&mut self, _seq: SeqId, _context: &[TokenId]) -> Result<(), Self::Error> {
+        Ok(())
+    }
+
+    /// The sequence is finished.
+    fn release(&mut self, _seq: SeqId) {}
+}
+
+/// The drafter that proposes nothing: plain autoregressive decoding with the target, through the same
+/// decode loop as speculation. The baseline of every speedup.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct NoDraft;
+
+impl Draft for NoDraft {
+    type Error = std::convert::Infallible;
+
+    fn vocab_size(&self) -> Option<usize> {
+        None
+    }
+
+    fn propose(
+        &mut self,
+        _batch: &[DraftRequest<'_>],
+        out: &mut [Proposal],
+    ) -> Result<(), Self::Error> {
+        out.iter_mut().for_each(Proposal::clear);
+        Ok(())
+    }
+
+    fn commit(&mut self, _seq: SeqId, _committed: &[TokenId]) -> Result<(), Self::Error> {
+        Ok(())
+    }
+}

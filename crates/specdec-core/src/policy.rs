@@ -1,0 +1,449 @@
+//! Draft-length policies: how many tokens to draft in the next round.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::metrics::{CostProfile, Round, VerifyTiming};
+use crate::verify::expected_tokens;
+
+/// The longest draft any policy may ask for.
+pub const MAX_DRAFT_LEN: usize = 64;
+
+/// How the draft length is chosen each round.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum DraftLenPolicy {
+    /// Always draft `draft_len` tokens.
+    Fixed {
+        /// Tokens per round, 1..=64.
+        draft_len: usize,
+    },
+    /// An EWMA of the per-round acceptance rate steers the length: one longer while the average is at or
+    /// above `target_acceptance`, one shorter once it falls more than 0.1 below it.
+    Adaptive {
+        /// Length of the first round.
+        initial: usize,
+        /// Shortest length.
+        min: usize,
+        /// Longest length.
+        max: usize,
+        /// The acceptance rate to hold, in (0, 1).
+        target_acceptance: f64,
+        /// Weight of the newest round in the average, in (0, 1].
+        smoothing: f64,
+    },
+    /// Each round, the length `k` in `0..=max` that maximises expected tokens per unit of time,
+    /// `E(k) / (k c + r(k + 1))`, from the per-position acceptance measured so far and the cost profile
+    /// (given, or measured online). `k = 0` (no speculation) is chosen when speculation cannot pay.
+    CostModel {
+        /// Longest length.
+        max: usize,
+        /// Fixed costs; `None` measures them online from the round timings.
+        cost: Option<FixedCost>,
+        /// Every this many rounds, draft one more (or, at `max`, one fewer) than the best length, so that
+        /// acceptance beyond it and a second point of the cost curve keep being measured.
+        probe_every: usize,
+    },
+}
+
+impl Default for DraftLenPolicy {
+    fn default() -> Self {
+        DraftLenPolicy::Fixed { draft_len: 4 }
+    }
+}
+
+/// A cost profile given rather than measured.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FixedCost {
+    /// Draft cost per token over the target's cost per single-token step.
+    pub c: f64,
+    /// `r[m - 1] = cost(target on m tokens) / cost(target on 1 token)`, for `m = 1..`; past the end the
+    /// curve continues with its last slope.
+    pub r: Vec<f64>,
+}
+
+impl FixedCost {
+    fn r(&self, m: usize) -> f64 {
+        match self.r.get(m - 1) {
+            Some(&v) => v,
+            None => {
+                let n = self.r.len();
+                let last = self.r[n - 1];
+                let slope = if n >= 2 { last - self.r[n - 2] } else { 0.0 };
+                last + slope * (m - n) as f64
+            }
+        }
+    }
+}
+
+impl DraftLenPolicy {
+    /// Checks the ranges.
+    pub fn validate(&self) -> Result<()> {
+        let len_ok = |v: usize| (1..=MAX_DRAFT_LEN).contains(&v);
+        match self {
+            DraftLenPolicy::Fixed { draft_len } => {
+                if !len_ok(*draft_len) {
+                    return Err(Error::config(
+                        "draft_len",
+                        draft_len,
+                        "an integer in 1..=64",
+                    ));
+                }
+            }
+            DraftLenPolicy::Adaptive {
+                initial,
+                min,
+                max,
+                target_acceptance,
+                smoothing,
+            } => {
+                if !(len_ok(*min) && min <= initial && initial <= max && len_ok(*max)) {
+                    return Err(Error::config(
+                        "draft_len",
+                        format!("min {min}, initial {initial}, max {max}"),
+                        "1 <= min <= initial <= max <= 64",
+                    ));
+                }
+                if !(*target_acceptance > 0.0 && *target_acceptance < 1.0) {
+                    return Err(Error::config(
+                        "target_acceptance",
+                        target_acceptance,
+                        "a number in (0, 1)",
+                    ));
+                }
+                if !(*smoothing > 0.0 && *smoothing <= 1.0) {
+                    return Err(Error::config("smoothing", smoothing, "a number in (0, 1]"));
+                }
+            }
+            DraftLenPolicy::CostModel {
+                max,
+                cost,
+                probe_every,
+            } => {
+                if !len_ok(*max) {
+                    return Err(Error::config("draft_len max", max, "an integer in 1..=64"));
+                }
+                if *probe_every == 0 {
+                    return Err(Error::config("probe_every", probe_every, "at least 1"));
+                }
+                if let Some(cost) = cost {
+                    let ok = cost.c.is_finite()
+                        && cost.c >= 0.0
+                        && !cost.r.is_empty()
+                        && cost.r.iter().all(|v| v.is_finite() && *v > 0.0);
+                    if !ok {
+                        return Err(Error::config(
+                            "cost",
+                            format!("c {} r {:?}", cost.c, cost.r),
+                            "c >= 0 and a non-empty r of positive finite numbers",
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A controller in its initial state; the policy must be valid.
+    pub fn controller(&self) -> Controller {
+        Controller {
+            policy: self.clone(),
+            k: match self {
+                DraftLenPolicy::Fixed { draft_len } => *draft_len,
+                DraftLenPolicy::Adaptive { initial, .. } => *initial,
+                DraftLenPolicy::CostModel { max, .. } => (*max).min(4),
+            },
+            ewma: None,
+            reached: Vec::new(),
+            accepted: Vec::new(),
+            draft_secs: 0.0,
+            drafted: 0.0,
+            verify: Vec::new(),
+            rounds: 0,
+            last_choice: None,
+        }
+    }
+}
+
+/// The state of a draft-length policy across rounds.
+#[derive(Clone, Debug)]
+pub struct Controller {
+    policy: DraftLenPolicy,
+    k: usize,
+    ewma: Option<f64>,
+    reached: Vec<f64>,
+    accepted: Vec<f64>,
+    draft_secs: f64,
+    drafted: f64,
+    verify: Vec<VerifyTiming>,
+    rounds: u64,
+    last_choice: Option<Choice>,
+}
+
+/// What the cost model chose and why.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Choice {
+    /// The chosen length.
+    pub draft_len: usize,
+    /// Expected tokens per round at that length.
+    pub expected_tokens: f64,
+    /// Expected tokens per target-step of time; speculation pays when this exceeds 1.
+    pub tokens_per_step: f64,
+}
+
+/// Acceptance assumed at a position before any round has reached it.
+const PRIOR_ACCEPTANCE: f64 = 0.6;
+/// Pseudo-observations behind the prior.
+const PRIOR_WEIGHT: f64 = 2.0;
+/// Per-round decay of the cost model's counts, so that it follows drift (a half-life of ~140 rounds).
+const DECAY: f64 = 0.995;
+/// Rounds before the cost model trusts online timings.
+const WARMUP_ROUNDS: u64 = 4;
+
+impl Controller {
+    /// The length to draft next.
+    pub fn next_draft_len(&mut self) -> usize {
+        match &self.policy {
+            DraftLenPolicy::Fixed { .. } | DraftLenPolicy::Adaptive { .. } => self.k,
+            DraftLenPolicy::CostModel {
+                max,
+                cost,
+                probe_every,
+            } => {
+                let (max, probe_every) = (*max, *probe_every as u64);
+                let cost = match cost {
+                    Some(fixed) => Some((fixed.c, Curve::Fixed(fixed.clone()))),
+                    None if self.rounds >= WARMUP_ROUNDS => {
+                        CostProfile::fit(self.draft_secs / self.drafted.max(1.0), &self.verify)
+                            .map(|p| (p.c, Curve::Measured(p)))
+                    }
+                    None => None,
+                };
+                let Some((c, curve)) = cost else {
+                    return self.k;
+                };
+                let choice = best_draft_len(&self.acceptance(max), c, |m| curve.r(m));
+                self.last_choice = Some(choice);
+                let mut k = choice.draft_len;
+                if self.rounds % probe_every == probe_every - 1 {
+                    k = if k < max { k + 1 } else { k - 1 };
+                }
+                self.k = k;
+                k
+            }
+        }
+    }
+
+    /// The cost model's last decision, if it made one.
+    pub fn last_choice(&self) -> Option<Choice> {
+        self.last_choice
+    }
+
+    /// Estimated conditional acceptance at positions `1..=max`.
+    pub fn acceptance(&self, max: usize) -> Vec<f64> {
+        let mut out = Vec::with_capacity(max);
+        let mut last = PRIOR_ACCEPTANCE;
+        for i in 0..max {
+            let (r, a) = (
+                self.reached.get(i).copied().unwrap_or(0.0),
+                self.accepted.get(i).copied().unwrap_or(0.0),
+            );
+            let prior = if i == 0 { PRIOR_ACCEPTANCE } else { last };
+            last = (a + PRIOR_WEIGHT * prior) / (r + PRIOR_WEIGHT);
+            out.push(last);
+        }
+        out
+    }
+
+    /// Learns from a finished round.
+    pub fn observe(&mut self, round: &Round) {
+        self.rounds += 1;
+        match &self.policy {
+            DraftLenPolicy::Fixed { .. } => {}
+            DraftLenPolicy::Adaptive {
+                min,
+                max,
+                target_acceptance,
+                smoothing,
+                ..
+            } => {
+                if round.drafted == 0 {
+                    return;
+                }
+                let rate = round.accepted as f64 / round.drafted as f64;
+                let ewma = match self.ewma {
+                    Some(e) => smoothing * rate + (1.0 - smoothing) * e,
+                    None => rate,
+                };
+                self.ewma = Some(ewma);
+                if ewma >= *target_acceptance {
+                    self.k = (self.k + 1).min(*max);
+                } else if ewma < target_acceptance - 0.1 {
+                    self.k = self.k.saturating_sub(1).max(*min);
+                }
+            }
+            DraftLenPolicy::CostModel { .. } => {
+                for v in self.reached.iter_mut().chain(self.accepted.iter_mut()) {
+                    *v *= DECAY;
+                }
+                if self.reached.len() < round.drafted {
+                    self.reached.resize(round.drafted, 0.0);
+                    self.accepted.resize(round.drafted, 0.0);
+                }
+                for i in 0..round.drafted.min(round.accepted + 1) {
+                    self.reached[i] += 1.0;
+                    self.accepted[i] += f64::from(u8::from(i < round.accepted));
+                }
+                self.draft_secs = self.draft_secs * DECAY + round.draft_secs;
+                self.drafted = self.drafted * DECAY + round.drafted as f64;
+                if round.verified > 0 {
+                    if self.verify.len() < round.verified {
+                        self.verify.resize(round.verified, VerifyTiming::default());
+                    }
+                    for t in &mut self.verify {
+                        t.secs *= DECAY;
+                        t.calls = t.calls.min(1_000);
+                    }
+                    let t = &mut self.verify[round.verified - 1];
+                    t.m = round.verified;
+                    t.calls += 1;
+                    t.secs += round.verify_secs;
+                }
+            }
+        }
+    }
+}
+
+enum Curve {
+    Fixed(FixedCost),
+    Measured(CostProfile),
+}
+
+impl Curve {
+    fn r(&self, m: usize) -> f64 {
+        match self {
+            Curve::Fixed(f) => f.r(m),
+            Curve::Measured(p) => p.r(m),
+        }
+    }
+}
+
+/// The length `k` in `0..=acceptance.len()` that maximises `E(k) / (k c + r(k + 1))`, where
+/// `E(k) = Σ_{i=1..k} Π_{j≤i} a_j + 1` and `a` is the conditional acceptance per position. The smaller
+/// length wins ties; `k = 0` (plain decoding, one token per target step) scores exactly 1 when
+/// `r(1) = 1`.
+pub fn best_draft_len(acceptance: &[f64], c: f64, r: impl Fn(usize) -> f64) -> Choice {
+    let mut best = Choice {
+        draft_len: 0,
+        expected_tokens: 1.0,
+        tokens_per_step: 1.0 / r(1),
+    };
+    for k in 1..=acceptance.len() {
+        let e = expected_tokens(&acceptance[..k]);
+        let score = e / (k as f64 * c + r(k + 1));
+        if score > best.tokens_per_step {
+            best = Choice {
+                draft_len: k,
+                expected_tokens: e,
+                tokens_per_step: score,
+            };
+        }
+    }
+    best
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn round(drafted: usize, accepted: usize) -> Round {
+        Round {
+            drafted,
+            accepted,
+            emitted: accepted + 1,
+            verified: drafted + 1,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn cost_model_declines_speculation_that_cannot_pay() {
+        // A draft as expensive as the target never pays.
+        let choice = best_draft_len(&[0.9; 8], 1.0, |m| 1.0 + 0.1 * (m as f64 - 1.0));
+        assert_eq!(choice.draft_len, 0);
+        // A cheap draft with high acceptance drafts long.
+        let choice = best_draft_len(&[0.9; 8], 0.05, |m| 1.0 + 0.05 * (m as f64 - 1.0));
+        assert!(choice.draft_len >= 5, "{choice:?}");
+        // Low acceptance: short.
+        let choice = best_draft_len(&[0.3; 8], 0.1, |m| 1.0 + 0.1 * (m as f64 - 1.0));
+        assert!(choice.draft_len <= 1, "{choice:?}");
+    }
+
+    #[test]
+    fn adaptive_moves_within_bounds() {
+        let p = DraftLenPolicy::Adaptive {
+            initial: 3,
+            min: 2,
+            max: 5,
+            target_acceptance: 0.7,
+            smoothing: 0.5,
+        };
+        p.validate().unwrap();
+        let mut c = p.controller();
+        for _ in 0..10 {
+            let k = c.next_draft_len();
+            c.observe(&round(k, k));
+        }
+        assert_eq!(c.next_draft_len(), 5);
+        for _ in 0..10 {
+            let k = c.next_draft_len();
+            c.observe(&round(k, 0));
+        }
+        assert_eq!(c.next_draft_len(), 2);
+    }
+
+    #[test]
+    fn cost_model_learns_acceptance() {
+        let p = DraftLenPolicy::CostModel {
+            max: 8,
+            cost: Some(FixedCost {
+                c: 0.1,
+                r: vec![1.0, 1.1, 1.2, 1.3],
+            }),
+            probe_every: 1000,
+        };
+        p.validate().unwrap();
+        let mut c = p.controller();
+        for _ in 0..200 {
+            let k = c.next_draft_len();
+            c.observe(&round(k, 0));
+        }
+        // Nothing is ever accepted: stop speculating.
+        assert_eq!(c.next_draft_len(), 0);
+    }
+
+    #[test]
+    fn invalid_policies_are_rejected() {
+        assert!(DraftLenPolicy::Fixed { draft_len: 0 }.validate().is_err());
+        assert!(DraftLenPolicy::Fixed { draft_len: 65 }.validate().is_err());
+        assert!(DraftLenPolicy::Adaptive {
+            initial: 1,
+            min: 2,
+            max: 3,
+            target_acceptance: 0.5,
+            smoothing: 0.5
+        }
+        .validate()
+        .is_err());
+        assert!(DraftLenPolicy::CostModel {
+            max: 4,
+            cost: Some(FixedCost {
+                c: f64::NAN,
+                r: vec![1.0]
+            }),
+            probe_every: 8
+        }
+        .validate()
+        .is_err());
+    }
+}

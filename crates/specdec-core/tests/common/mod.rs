@@ -1,0 +1,142 @@
+//! Shared helpers: the chi-square goodness-of-fit test and mock set-ups.
+#![allow(dead_code)]
+
+use specdec_core::mock::MockLogits;
+use specdec_core::{Probs, Sampler, SamplingParams, TokenId};
+
+/// ln Γ(x) for x > 0 (Lanczos, g = 7, n = 9; relative error below 1e-13).
+pub fn ln_gamma(x: f64) -> f64 {
+    const G: [f64; 9] = [
+        0.999_999_999_999_809_9,
+        676.520_368_121_885_1,
+        -1_259.139_216_722_402_8,
+        771.323_428_777_653_1,
+        -176.615_029_162_140_6,
+        12.507_343_278_686_905,
+        -0.138_571_095_265_720_12,
+        9.984_369_578_019_572e-6,
+        1.505_632_735_149_311_6e-7,
+    ];
+    if x < 0.5 {
+        return std::f64::consts::PI.ln()
+            - (std::f64::consts::PI * x).sin().ln()
+            - ln_gamma(1.0 - x);
+    }
+    let x = x - 1.0;
+    let mut a = G[0];
+    let t = x + 7.5;
+    for (i, g) in G.iter().enumerate().skip(1) {
+        a += g / (x + i as f64);
+    }
+    0.5 * (2.0 * std::f64::consts::PI).ln() + (x + 0.5) * t.ln() - t + a.ln()
+}
+
+/// The regularised upper incomplete gamma function Q(a, x) (Numerical Recipes 6.2).
+pub fn gamma_q(a: f64, x: f64) -> f64 {
+    if x <= 0.0 {
+        return 1.0;
+    }
+    let gln = ln_gamma(a);
+    if x < a + 1.0 {
+        // Series for P.
+        let mut ap = a;
+        let mut sum = 1.0 / a;
+        let mut del = sum;
+        for _ in 0..10_000 {
+            ap += 1.0;
+            del *= x / ap;
+            sum += del;
+            if del.abs() < sum.abs() * 1e-15 {
+                break;
+            }
+        }
+        1.0 - sum * (-x + a * x.ln() - gln).exp()
+    } else {
+        // Continued fraction for Q (modified Lentz).
+        let tiny = 1e-300;
+        let mut b = x + 1.0 - a;
+        let mut c = 1.0 / tiny;
+        let mut d = 1.0 / b;
+        let mut h = d;
+        for i in 1..10_000 {
+            let an = -(i as f64) * (i as f64 - a);
+            b += 2.0;
+            d = an * d + b;
+            if d.abs() < tiny {
+                d = tiny;
+            }
+            c = b + an / c;
+            if c.abs() < tiny {
+                c = tiny;
+            }
+            d = 1.0 / d;
+            let del = d * c;
+            h *= del;
+            if (del - 1.0).abs() < 1e-15 {
+                break;
+            }
+        }
+        (-x + a * x.ln() - gln).exp() * h
+    }
+}
+
+/// Pearson's chi-square test of observed counts against expected probabilities. Cells expected to
+/// hold fewer than 5 counts are pooled into one. Returns (statistic, degrees of freedom, p-value).
+/// Observations in a cell of zero probability make the p-value 0.
+pub fn chi_square(observed: &[u64], expected: &[f64]) -> (f64, usize, f64) {
+    assert_eq!(observed.len(), expected.len());
+    let n: u64 = observed.iter().sum();
+    let n = n as f64;
+    let mut stat = 0.0;
+    let mut cells = 0usize;
+    let (mut pool_o, mut pool_e) = (0.0, 0.0);
+    for (&o, &p) in observed.iter().zip(expected) {
+        let e = p * n;
+        if p <= 0.0 {
+            if o > 0 {
+                return (f64::INFINITY, 0, 0.0);
+            }
+            continue;
+        }
+        if e < 5.0 {
+            pool_o += o as f64;
+            pool_e += e;
+            continue;
+        }
+        stat += (o as f64 - e).powi(2) / e;
+        cells += 1;
+    }
+    if pool_e > 0.0 {
+        stat += (pool_o - pool_e).powi(2) / pool_e;
+        cells += 1;
+    }
+    let df = cells.saturating_sub(1).max(1);
+    (stat, df, gamma_q(df as f64 / 2.0, stat / 2.0))
+}
+
+/// The target distribution of the token after `context`, formed exactly as the decoder forms it.
+pub fn target_probs(logits: &MockLogits, params: &SamplingParams, context: &[TokenId]) -> Vec<f64> {
+    let mut s = Sampler::new(params.clone());
+    let mut out = Probs::OneHot(0);
+    s.probs(&logits.logits(context), context, &mut out).unwrap();
+    let vocab = logits.vocab();
+    (0..vocab as TokenId)
+        .map(|t| f64::from(out.prob(t)))
+        .collect()
+}
+
+/// A pseudo-random prompt.
+pub fn prompt(seed: u64, len: usize, vocab: usize) -> Vec<TokenId> {
+    let rng = specdec_core::CounterRng::new(seed);
+    (0..len)
+        .map(|i| (rng.uniform(i, specdec_core::Stream::Target) * vocab as f64) as TokenId)
+        .collect()
+}
+
+#[test]
+fn chi_square_p_values_match_tables() {
+    // Upper 5% points of the chi-square distribution.
+    assert!((gamma_q(0.5, 3.841 / 2.0) - 0.05).abs() < 1e-3);
+    assert!((gamma_q(5.0, 18.307 / 2.0) - 0.05).abs() < 1e-3);
+    assert!((gamma_q(50.0, 124.342 / 2.0) - 0.05).abs() < 1e-3);
+}

@@ -1,0 +1,317 @@
+//! Sampled speculative output follows the target distribution.
+//!
+//! Each test draws many generations with fixed seeds and applies Pearson's chi-square test to the
+//! observed counts against the distribution computed analytically from the mock target. Threshold:
+//! p-value >= 1e-6, i.e. a correct implementation fails with probability 1e-6 per test (and, the seeds
+//! being fixed, the outcome is deterministic). `a_broken_verifier_is_caught` proves the same test
+//! rejects a verifier that skips the residual.
+
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
+mod common;
+
+use std::ops::ControlFlow;
+
+use common::{chi_square, target_probs};
+use specdec_core::mock::{MockLogits, MockModel};
+use specdec_core::verify::{verify_onehot, verify_rejection, Verdict};
+use specdec_core::{
+    generate, CounterRng, DraftLenPolicy, GenerateConfig, ModelDrafter, Probs, SamplingParams,
+    Stream, TokenId, VerifyMode,
+};
+
+/// The false-failure rate of every test here.
+const ALPHA: f64 = 1e-6;
+const VOCAB: usize = 5;
+const PROMPT: [TokenId; 3] = [1, 2, 3];
+
+fn target_logits() -> MockLogits {
+    MockLogits::Hashed {
+        vocab: VOCAB,
+        seed: 3,
+        scale: 1.5,
+    }
+}
+
+fn draft_logits() -> MockLogits {
+    MockLogits::Perturbed {
+        base: Box::new(target_logits()),
+        seed: 4,
+        noise: 1.5,
+    }
+}
+
+fn configs() -> Vec<(&'static str, SamplingParams, usize)> {
+    let d = SamplingParams::default();
+    vec![
+        ("t1", d.clone(), 4),
+        (
+            "t0.7_topk3",
+            SamplingParams {
+                temperature: 0.7,
+                top_k: 3,
+                ..d.clone()
+            },
+            3,
+        ),
+        (
+            "t1.3_topp0.8",
+            SamplingParams {
+                temperature: 1.3,
+                top_p: 0.8,
+                ..d.clone()
+            },
+            6,
+        ),
+        (
+            "minp0.2_penalties",
+            SamplingParams {
+                min_p: 0.2,
+                repetition_penalty: 1.3,
+                presence_penalty: 0.2,
+                ..d
+            },
+            2,
+        ),
+    ]
+}
+
+/// Exact joint distribution of the first three generated tokens: the first comes from prefill, the
+/// second and third from the first speculative round(s).
+fn exact_joint(params: &SamplingParams) -> Vec<f64> {
+    let logits = target_logits();
+    let mut out = vec![0.0; VOCAB.pow(3)];
+    let p1 = target_probs(&logits, params, &PROMPT);
+    for a in 0..VOCAB {
+        let ctx_a: Vec<TokenId> = PROMPT.iter().copied().chain([a as TokenId]).collect();
+        let p2 = target_probs(&logits, params, &ctx_a);
+        for b in 0..VOCAB {
+            let ctx_ab: Vec<TokenId> = ctx_a.iter().copied().chain([b as TokenId]).collect();
+            let p3 = target_probs(&logits, params, &ctx_ab);
+            for c in 0..VOCAB {
+                out[(a * VOCAB + b) * VOCAB + c] = p1[a] * p2[b] * p3[c];
+            }
+        }
+    }
+    out
+}
+
+fn sample_joint(mode: VerifyMode, params: &SamplingParams, k: usize, n: u64) -> Vec<u64> {
+    let mut counts = vec![0u64; VOCAB.pow(3)];
+    let mut target = MockModel::new(target_logits());
+    let mut drafter = ModelDrafter::new(MockModel::new(draft_logits()));
+    for seed in 0..n {
+        let config = GenerateConfig {
+            max_new_tokens: 16,
+            sampling: params.clone(),
+            seed,
+            verify_mode: mode,
+            draft_len: DraftLenPolicy::Fixed { draft_len: k },
+            ..GenerateConfig::default()
+        };
+        let mut got = Vec::with_capacity(3);
+        let out = generate(&mut target, &mut drafter, &PROMPT, &config, &mut |t| {
+            got.push(t);
+            if got.len() == 3 {
+                ControlFlow::Break(())
+            } else {
+                ControlFlow::Continue(())
+            }
+        })
+        .unwrap();
+        assert_eq!(out.tokens, got);
+        let [a, b, c] = got[..] else {
+            panic!("expected 3 tokens, got {got:?}")
+        };
+        counts[(a as usize * VOCAB + b as usize) * VOCAB + c as usize] += 1;
+    }
+    counts
+}
+
+#[test]
+fn speculative_joint_distribution_matches_the_target() {
+    for mode in [VerifyMode::Rejection, VerifyMode::OneHot] {
+        for (name, params, k) in configs() {
+            let expected = exact_joint(&params);
+            let observed = sample_joint(mode, &params, k, 30_000);
+            let (stat, df, p) = chi_square(&observed, &expected);
+            eprintln!("{mode:?} {name}: chi2 {stat:.1} on {df} df, p = {p:.3}");
+            assert!(
+                p >= ALPHA,
+                "{mode:?} {name}: chi2 {stat:.1} on {df} df, p = {p:.3e}"
+            );
+            // Marginal of the second token, the first drawn by a speculative round.
+            let mut obs2 = vec![0u64; VOCAB];
+            let mut exp2 = vec![0.0; VOCAB];
+            for (i, (&o, &e)) in observed.iter().zip(&expected).enumerate() {
+                obs2[(i / VOCAB) % VOCAB] += o;
+                exp2[(i / VOCAB) % VOCAB] += e;
+            }
+            let (stat, df, p) = chi_square(&obs2, &exp2);
+            assert!(
+                p >= ALPHA,
+                "{mode:?} {name} (2nd token): chi2 {stat:.1} on {df} df, p = {p:.3e}"
+            );
+        }
+    }
+}
+
+// --- One round at the level of the verify functions, with a pluggable verifier. ---
+
+type Verifier = fn(&[TokenId], &[Probs], &[Probs], &CounterRng, usize) -> Verdict;
+
+fn rejection(d: &[TokenId], q: &[Probs], p: &[Probs], rng: &CounterRng, pos: usize) -> Verdict {
+    verify_rejection(d, q, p, rng, pos, &mut Vec::new())
+}
+
+fn onehot(d: &[TokenId], _q: &[Probs], p: &[Probs], rng: &CounterRng, pos: usize) -> Verdict {
+    verify_onehot(d, p, rng, pos)
+}
+
+/// Rejection sampling with the residual skipped: after a rejection it resamples from p. Biased.
+fn broken(d: &[TokenId], q: &[Probs], p: &[Probs], rng: &CounterRng, pos: usize) -> Verdict {
+    for (i, ((&x, q), p)) in d.iter().zip(q).zip(p).enumerate() {
+        let a = (f64::from(p.prob(x)) / f64::from(q.prob(x))).min(1.0);
+        if rng.uniform(pos + i, Stream::Accept) >= a {
+            return Verdict {
+                accepted: i,
+                next: p.sample(rng.uniform(pos + i, Stream::Residual)),
+            };
+        }
+    }
+    Verdict {
+        accepted: d.len(),
+        next: p[d.len()].sample(rng.uniform(pos + d.len(), Stream::Target)),
+    }
+}
+
+fn dense(v: [f32; VOCAB]) -> Probs {
+    let s: f32 = v.iter().sum();
+    Probs::Dense(v.iter().map(|x| x / s).collect())
+}
+
+/// Position-dependent, context-independent distributions: tokens are independent with marginals p_pos.
+fn p_at(pos: usize) -> Probs {
+    [
+        dense([0.5, 0.2, 0.1, 0.1, 0.1]),
+        dense([0.05, 0.05, 0.3, 0.3, 0.3]),
+        dense([0.2, 0.2, 0.2, 0.2, 0.2]),
+    ][pos % 3]
+        .clone()
+}
+
+fn q_at(pos: usize) -> Probs {
+    [
+        dense([0.1, 0.1, 0.2, 0.3, 0.3]),
+        dense([0.6, 0.1, 0.1, 0.1, 0.1]),
+        dense([0.4, 0.0, 0.3, 0.3, 0.0]),
+    ][pos % 3]
+        .clone()
+}
+
+/// Emits two tokens starting at position 0 with rounds of `k` drafted tokens, verified by `verify`.
+fn first_two(verify: Verifier, k: usize, seed: u64) -> (TokenId, TokenId) {
+    let rng = CounterRng::new(seed);
+    let mut emitted = Vec::new();
+    let mut pos = 0;
+    while emitted.len() < 2 {
+        let draft: Vec<TokenId> = (0..k)
+            .map(|i| q_at(pos + i).sample(rng.uniform(pos + i, Stream::Draft)))
+            .collect();
+        let q: Vec<Probs> = (0..k).map(|i| q_at(pos + i)).collect();
+        let p: Vec<Probs> = (0..=k).map(|i| p_at(pos + i)).collect();
+        let v = verify(&draft, &q, &p, &rng, pos);
+        emitted.extend_from_slice(&draft[..v.accepted]);
+        emitted.push(v.next);
+        pos += v.accepted + 1;
+    }
+    (emitted[0], emitted[1])
+}
+
+fn round_p_value(verify: Verifier, k: usize, n: u64) -> f64 {
+    let mut counts = vec![0u64; VOCAB * VOCAB];
+    for seed in 0..n {
+        let (a, b) = first_two(verify, k, seed);
+        counts[a as usize * VOCAB + b as usize] += 1;
+    }
+    let (p0, p1) = (p_at(0), p_at(1));
+    let expected: Vec<f64> = (0..VOCAB * VOCAB)
+        .map(|i| {
+            f64::from(p0.prob((i / VOCAB) as TokenId)) * f64::from(p1.prob((i % VOCAB) as TokenId))
+        })
+        .collect();
+    let (stat, df, p) = chi_square(&counts, &expected);
+    eprintln!("k {k}: chi2 {stat:.1} on {df} df, p = {p:.3e}");
+    p
+}
+
+#[test]
+fn verify_functions_give_the_target_distribution() {
+    for k in [1, 2, 3, 5] {
+        let p = round_p_value(rejection, k, 40_000);
+        assert!(p >= ALPHA, "rejection, k {k}: p = {p:.3e}");
+        let p = round_p_value(onehot, k, 40_000);
+        assert!(p >= ALPHA, "onehot, k {k}: p = {p:.3e}");
+    }
+}
+
+#[test]
+fn a_broken_verifier_is_caught() {
+    for k in [1, 3] {
+        let p = round_p_value(broken, k, 40_000);
+        assert!(
+            p < ALPHA,
+            "the biased verifier passed with p = {p:.3e} at k {k}"
+        );
+    }
+}
+
+#[test]
+fn onehot_mode_reproduces_plain_sampling_with_the_same_seed() {
+    let d = SamplingParams::default();
+    let cases = [
+        SamplingParams {
+            temperature: 0.9,
+            top_p: 0.9,
+            ..d.clone()
+        },
+        SamplingParams {
+            temperature: 1.2,
+            top_k: 3,
+            repetition_penalty: 1.2,
+            ..d.clone()
+        },
+        d,
+    ];
+    for params in cases {
+        for seed in 0..20 {
+            for k in 1..=8 {
+                let config = GenerateConfig {
+                    max_new_tokens: 30,
+                    sampling: params.clone(),
+                    seed,
+                    verify_mode: VerifyMode::OneHot,
+                    draft_len: DraftLenPolicy::Fixed { draft_len: k },
+                    ..GenerateConfig::default()
+                };
+                let mut target = MockModel::new(target_logits());
+                let plain = generate(
+                    &mut target,
+                    &mut specdec_core::NoDraft,
+                    &PROMPT,
+                    &config,
+                    &mut |_| ControlFlow::Continue(()),
+                )
+                .unwrap();
+                let mut target = MockModel::new(target_logits());
+                let mut drafter = ModelDrafter::new(MockModel::new(draft_logits()));
+                let spec = generate(&mut target, &mut drafter, &PROMPT, &config, &mut |_| {
+                    ControlFlow::Continue(())
+                })
+                .unwrap();
+                assert_eq!(spec.tokens, plain.tokens, "seed {seed}, k {k}, {params:?}");
+                assert!(spec.metrics.drafted > 0);
+            }
+        }
+    }
+}

@@ -1,0 +1,240 @@
+//! Every path against one reference: greedy speculative output equals greedy target-only output, token
+//! for token, for every draft length, policy and drafter kind, on many contexts.
+
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
+mod common;
+
+use std::ops::ControlFlow;
+
+use specdec_core::mock::{MockLogits, MockModel};
+use specdec_core::{
+    generate, Draft, DraftLenPolicy, DraftRequest, FixedCost, GenerateConfig, ModelDrafter,
+    NoDraft, Output, Probs, Proposal, SamplingParams, SeqId, TokenId,
+};
+
+const VOCAB: usize = 48;
+
+fn target_logits() -> MockLogits {
+    MockLogits::Hashed {
+        vocab: VOCAB,
+        seed: 11,
+        scale: 3.0,
+    }
+}
+
+/// A deterministic model-free drafter: proposes the tokens that followed the last occurrence of the
+/// final token earlier in the context (prompt lookup), one-hot.
+struct Lookup;
+
+impl Draft for Lookup {
+    type Error = std::convert::Infallible;
+    fn vocab_size(&self) -> Option<usize> {
+        None
+    }
+    fn propose(
+        &mut self,
+        batch: &[DraftRequest<'_>],
+        out: &mut [Proposal],
+    ) -> Result<(), Self::Error> {
+        for (req, out) in batch.iter().zip(out) {
+            out.clear();
+            let ctx = req.context;
+            let Some(&last) = ctx.last() else { continue };
+            if let Some(i) = ctx[..ctx.len() - 1].iter().rposition(|&t| t == last) {
+                for &t in ctx[i + 1..].iter().take(req.max_len) {
+                    out.push(t, Probs::OneHot(t));
+                }
+            }
+        }
+        Ok(())
+    }
+    fn commit(&mut self, _: SeqId, _: &[TokenId]) -> Result<(), Self::Error> {
+        Ok(())
+    }
+}
+
+fn run<D: Draft>(drafter: &mut D, prompt: &[TokenId], config: &GenerateConfig) -> Output {
+    let mut target = MockModel::new(target_logits());
+    let mut streamed = Vec::new();
+    let out = generate(&mut target, drafter, prompt, config, &mut |t| {
+        streamed.push(t);
+        ControlFlow::Continue(())
+    })
+    .unwrap();
+    assert_eq!(streamed, out.tokens, "the callback sees exactly the output");
+    out
+}
+
+fn policies(k: usize) -> Vec<DraftLenPolicy> {
+    vec![
+        DraftLenPolicy::Fixed { draft_len: k },
+        DraftLenPolicy::Adaptive {
+            initial: k,
+            min: 1,
+            max: k.max(2),
+            target_acceptance: 0.6,
+            smoothing: 0.3,
+        },
+        DraftLenPolicy::CostModel {
+            max: k,
+            cost: Some(FixedCost {
+                c: 0.05,
+                r: vec![1.0, 1.1, 1.2, 1.3, 1.4],
+            }),
+            probe_every: 3,
+        },
+        DraftLenPolicy::CostModel {
+            max: k,
+            cost: None,
+            probe_every: 5,
+        },
+    ]
+}
+
+fn drafters() -> Vec<(&'static str, MockLogits)> {
+    vec![
+        (
+            "close",
+            MockLogits::Perturbed {
+                base: Box::new(target_logits()),
+                seed: 5,
+                noise: 1.0,
+            },
+        ),
+        (
+            "far",
+            MockLogits::Perturbed {
+                base: Box::new(target_logits()),
+                seed: 6,
+                noise: 4.0,
+            },
+        ),
+        (
+            "adversarial",
+            MockLogits::Negated(Box::new(target_logits())),
+        ),
+        (
+            "fixed",
+            MockLogits::Fixed((0..VOCAB).map(|i| (i % 7) as f32).collect()),
+        ),
+        (
+            "scripted",
+            MockLogits::Scripted(
+                (0..5)
+                    .map(|s| (0..VOCAB).map(|i| ((i * 3 + s) % 11) as f32).collect())
+                    .collect(),
+            ),
+        ),
+    ]
+}
+
+#[test]
+fn greedy_speculative_equals_greedy_target_only() {
+    for (penalty, stop) in [(1.0, vec![]), (1.3, vec![7])] {
+        let config = |policy| GenerateConfig {
+            max_new_tokens: 40,
+            sampling: SamplingParams {
+                repetition_penalty: penalty,
+                ..SamplingParams::greedy()
+            },
+            stop_tokens: stop.clone(),
+            draft_len: policy,
+            ..GenerateConfig::default()
+        };
+        for p in 0..12u64 {
+            let prompt = common::prompt(p, 3 + p as usize, VOCAB);
+            let reference = run(&mut NoDraft, &prompt, &config(DraftLenPolicy::default()));
+            assert!(!reference.tokens.is_empty());
+            for k in 1..=8 {
+                for policy in policies(k) {
+                    let cfg = config(policy.clone());
+                    for (name, logits) in drafters() {
+                        let mut drafter = ModelDrafter::new(MockModel::new(logits));
+                        let out = run(&mut drafter, &prompt, &cfg);
+                        assert_eq!(
+                            out.tokens, reference.tokens,
+                            "drafter {name}, k {k}, policy {policy:?}, prompt {p}"
+                        );
+                        assert_eq!(out.stop_reason, reference.stop_reason);
+                        let m = &out.metrics;
+                        assert!(m.accepted <= m.drafted);
+                        // The first token comes from prefill, the rest from rounds.
+                        assert_eq!(
+                            out.tokens.len() as u64,
+                            m.emitted + u64::from(!out.tokens.is_empty())
+                        );
+                    }
+                    let out = run(&mut Lookup, &prompt, &cfg);
+                    assert_eq!(out.tokens, reference.tokens, "lookup, k {k}, prompt {p}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_close_draft_is_accepted_and_an_adversarial_one_is_not() {
+    let prompt = common::prompt(1, 8, VOCAB);
+    let config = GenerateConfig {
+        max_new_tokens: 64,
+        sampling: SamplingParams::greedy(),
+        draft_len: DraftLenPolicy::Fixed { draft_len: 4 },
+        ..GenerateConfig::default()
+    };
+    let mut close = ModelDrafter::new(MockModel::new(MockLogits::Perturbed {
+        base: Box::new(target_logits()),
+        seed: 5,
+        noise: 0.05,
+    }));
+    let out = run(&mut close, &prompt, &config);
+    assert!(out.metrics.acceptance_rate() > 0.5, "{:?}", out.metrics);
+    let mut same = ModelDrafter::new(MockModel::new(target_logits()));
+    let out = run(&mut same, &prompt, &config);
+    assert_eq!(out.metrics.acceptance_rate(), 1.0);
+    assert!(out.metrics.mean_accepted_len() > 4.5);
+    let mut adversarial = ModelDrafter::new(MockModel::new(MockLogits::Negated(Box::new(
+        target_logits(),
+    ))));
+    let out = run(&mut adversarial, &prompt, &config);
+    assert_eq!(out.metrics.accepted, 0);
+    assert_eq!(out.metrics.mean_accepted_len(), 1.0);
+}
+
+#[test]
+fn the_target_scores_each_round_in_one_call_and_rolls_back() {
+    let prompt = common::prompt(2, 10, VOCAB);
+    let config = GenerateConfig {
+        max_new_tokens: 50,
+        sampling: SamplingParams::greedy(),
+        draft_len: DraftLenPolicy::Fixed { draft_len: 5 },
+        ..GenerateConfig::default()
+    };
+    let mut target = MockModel::new(target_logits());
+    let mut drafter = ModelDrafter::new(MockModel::new(MockLogits::Perturbed {
+        base: Box::new(target_logits()),
+        seed: 9,
+        noise: 2.0,
+    }));
+    let out = generate(&mut target, &mut drafter, &prompt, &config, &mut |_| {
+        ControlFlow::Continue(())
+    })
+    .unwrap();
+    let m = &out.metrics;
+    // One call for prefill, one per round.
+    assert_eq!(target.stats().calls, m.rounds + 1);
+    // Every scored token is fed once: the prompt, and each round's next token plus its draft.
+    assert_eq!(
+        target.stats().fed,
+        prompt.len() as u64 + m.rounds + m.drafted
+    );
+    // After the last commit the cache holds exactly the committed sequence minus the newest token
+    // (never fed), or less.
+    let committed: Vec<TokenId> = prompt.iter().chain(&out.tokens).copied().collect();
+    let cached = target.cached(SeqId(0));
+    assert!(committed.starts_with(cached));
+    assert!(cached.len() >= committed.len() - 1);
+    // The draft never drafts more than asked.
+    assert!(m.per_position.len() <= 5);
+    assert!(drafter.model().stats().calls > 0);
+}

@@ -18,7 +18,7 @@ fn exp_neg(x: f32) -> f32 {
     const LN2_LO: f32 = -2.121_944_4e-4;
     // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer without a rounding instruction.
     const ROUND: f32 = 12_582_912.0;
-    let x = x.max(-87.0);
+    let x = if x < -87.0 { -87.0 } else { x };
     let n = (x * LOG2E + ROUND) - ROUND;
     let r = x - n * LN2_HI - n * LN2_LO;
     let mut p = 1.987_569_2e-4_f32;
@@ -28,7 +28,12 @@ fn exp_neg(x: f32) -> f32 {
     p = p * r + 1.666_666_5e-1;
     p = p * r + 0.5;
     let e = p * (r * r) + r + 1.0;
-    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    // 2^n from the bits of n + 127 held exactly in the low mantissa bits of ROUND + n + 127, with no
+    // float-to-int conversion (which would not vectorise as cheaply).
+    let biased = (n + (ROUND + 127.0))
+        .to_bits()
+        .wrapping_sub(ROUND.to_bits());
+    let scale = f32::from_bits(biased << 23);
     e * scale
 }
 
@@ -37,30 +42,40 @@ fn combine(acc: [f32; LANES]) -> f64 {
     acc.iter().map(|&v| f64::from(v)).sum()
 }
 
-/// Max and the index of the first non-finite value, if any.
+/// Max and the index of the first non-finite value, if any. A NaN or an infinity makes the sum
+/// non-finite; only then (or if finite values overflow the sum, which the scan tells apart) is the
+/// slice scanned value by value. Two separate passes vectorise; one fused pass did not.
 #[inline(always)]
 fn max_and_check_generic(x: &[f32]) -> (f32, Option<usize>) {
+    if !sum_generic(x).is_finite() {
+        if let Some(i) = x.iter().position(|v| !v.is_finite()) {
+            return (f32::NAN, Some(i));
+        }
+    }
+    (max_generic(x), None)
+}
+
+#[inline(always)]
+fn fold_max(acc: [f32; LANES]) -> f32 {
+    acc.iter()
+        .fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m })
+}
+
+/// The maximum of `x` (NaN-free input).
+#[inline(always)]
+fn max_generic(x: &[f32]) -> f32 {
     let mut acc = [f32::NEG_INFINITY; LANES];
-    let mut finite = true;
     let chunks = x.chunks_exact(LANES);
     let tail = chunks.remainder();
     for c in chunks {
         for l in 0..LANES {
             acc[l] = if c[l] > acc[l] { c[l] } else { acc[l] };
-            finite &= c[l].is_finite();
         }
     }
     for &v in tail {
         acc[0] = if v > acc[0] { v } else { acc[0] };
-        finite &= v.is_finite();
     }
-    if !finite {
-        return (f32::NAN, x.iter().position(|v| !v.is_finite()));
-    }
-    let m = acc
-        .iter()
-        .fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m });
-    (m, None)
+    fold_max(acc)
 }
 
 /// `x[i] = exp((x[i] - max) * inv_t)`, returning the sum.
@@ -109,33 +124,20 @@ fn sum_generic(x: &[f32]) -> f64 {
 /// Index of the maximum; the lowest index wins ties.
 #[inline(always)]
 fn argmax_generic(x: &[f32]) -> usize {
-    let mut best = [f32::NEG_INFINITY; LANES];
-    let mut idx = [0usize; LANES];
-    let chunks = x.chunks_exact(LANES);
-    let tail_start = x.len() - chunks.remainder().len();
-    for (ci, c) in chunks.enumerate() {
-        for l in 0..LANES {
-            if c[l] > best[l] {
-                best[l] = c[l];
-                idx[l] = ci * LANES + l;
-            }
+    let m = max_generic(x);
+    // The first chunk holding the maximum, found with one vector compare per chunk.
+    let mut chunks = x.chunks_exact(LANES);
+    for (ci, c) in chunks.by_ref().enumerate() {
+        let mut hit = 0u32;
+        for &v in c {
+            hit |= u32::from(v == m);
+        }
+        if hit != 0 {
+            return ci * LANES + c.iter().position(|&v| v == m).unwrap_or(0);
         }
     }
-    let mut b = f32::NEG_INFINITY;
-    let mut bi = 0usize;
-    for l in 0..LANES {
-        if best[l] > b || (best[l] == b && idx[l] < bi) {
-            b = best[l];
-            bi = idx[l];
-        }
-    }
-    for (i, &v) in x[tail_start..].iter().enumerate() {
-        if v > b {
-            b = v;
-            bi = tail_start + i;
-        }
-    }
-    bi
+    let start = x.len() - chunks.remainder().len();
+    start + chunks.remainder().iter().position(|&v| v == m).unwrap_or(0)
 }
 
 macro_rules! dispatch {
@@ -169,6 +171,10 @@ macro_rules! dispatch {
 dispatch! {
     /// The maximum of `x`, or the index of the first NaN or infinity.
     pub fn max_checked(x: &[f32]) -> (f32, Option<usize>) => max_and_check_generic
+}
+dispatch! {
+    /// The maximum of `x`, which must be free of NaN.
+    pub fn max(x: &[f32]) -> f32 => max_generic
 }
 dispatch! {
     /// Replaces `x[i]` by `exp((x[i] - max) * inv_t)` and returns the sum of the results.

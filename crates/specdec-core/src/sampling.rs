@@ -4,9 +4,6 @@
 //! speculative and plain decoding see identical probabilities. The order of the transforms is that of
 //! llama.cpp and Hugging Face: penalties, temperature, softmax, top-k, top-p, min-p, renormalisation.
 
-use std::cmp::Reverse;
-use std::collections::BinaryHeap;
-
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
@@ -195,7 +192,6 @@ pub fn sample_dense(w: &[f32], u: f64) -> usize {
 pub struct Sampler {
     params: SamplingParams,
     counts: Vec<(TokenId, u32)>,
-    heap: BinaryHeap<Reverse<u64>>,
     keep: Vec<u64>,
 }
 
@@ -205,7 +201,6 @@ impl Sampler {
         Self {
             params,
             counts: Vec::new(),
-            heap: BinaryHeap::new(),
             keep: Vec::new(),
         }
     }
@@ -218,12 +213,17 @@ impl Sampler {
     /// The distribution of the next token given `logits` and the committed `history` (for penalties).
     /// Reuses `out`'s buffer when it is already dense.
     pub fn probs(&mut self, logits: &[f32], history: &[TokenId], out: &mut Probs) -> Result<()> {
-        let (_, bad) = kernels::max_checked(logits);
+        let (max, bad) = kernels::max_checked(logits);
         if let Some(index) = bad {
             return Err(Error::NonFiniteLogits {
                 index,
                 value: logits[index],
             });
+        }
+        let penalties = self.params.has_penalties();
+        if self.params.is_greedy() && !penalties {
+            *out = Probs::OneHot(kernels::argmax(logits) as TokenId);
+            return Ok(());
         }
         let mut buf = match std::mem::replace(out, Probs::OneHot(0)) {
             Probs::Dense(v) => v,
@@ -231,14 +231,16 @@ impl Sampler {
         };
         buf.clear();
         buf.extend_from_slice(logits);
-        if self.params.has_penalties() {
+        let max = if penalties {
             self.apply_penalties(&mut buf, history);
-        }
+            kernels::max(&buf)
+        } else {
+            max
+        };
         if self.params.is_greedy() {
             *out = Probs::OneHot(kernels::argmax(&buf) as TokenId);
             return Ok(());
         }
-        let (max, _) = kernels::max_checked(&buf);
         let total = kernels::exp_shift_sum(&mut buf, max, 1.0 / self.params.temperature);
         kernels::scale(&mut buf, (1.0 / total) as f32);
         self.truncate(&mut buf);
@@ -342,29 +344,34 @@ impl Sampler {
 
     /// Fills `self.keep` with the keys of the `n` most likely tokens, most likely first (lowest index
     /// first among equals).
+    ///
+    /// The `n`-th largest of the block maxima is a lower bound on the `n`-th largest value (at least `n`
+    /// blocks hold a value that large), so one vectorised pass of block maxima and one comparison pass
+    /// leave only a handful of candidates to sort.
     fn top_keys(&mut self, probs: &[f32], n: usize) {
-        self.heap.clear();
         self.keep.clear();
-        if n >= probs.len() {
-            self.keep
-                .extend(probs.iter().enumerate().map(|(i, &v)| make_key(i, v)));
+        let blocks: Vec<f32> = probs.chunks(TOP_BLOCK).map(kernels::max).collect();
+        let floor = if n < blocks.len() {
+            let mut b = blocks;
+            let (_, nth, _) = b.select_nth_unstable_by(n - 1, |x, y| y.total_cmp(x));
+            *nth
         } else {
-            for (i, &v) in probs.iter().enumerate() {
-                let key = make_key(i, v);
-                if self.heap.len() < n {
-                    self.heap.push(Reverse(key));
-                } else if let Some(&Reverse(min)) = self.heap.peek() {
-                    if key > min {
-                        self.heap.pop();
-                        self.heap.push(Reverse(key));
-                    }
-                }
-            }
-            self.keep.extend(self.heap.drain().map(|Reverse(k)| k));
-        }
+            f32::NEG_INFINITY
+        };
+        self.keep.extend(
+            probs
+                .iter()
+                .enumerate()
+                .filter(|(_, &v)| v >= floor)
+                .map(|(i, &v)| make_key(i, v)),
+        );
         self.keep.sort_unstable_by(|a, b| b.cmp(a));
+        self.keep.truncate(n);
     }
 }
+
+/// Block length of the top-k prefilter.
+const TOP_BLOCK: usize = 256;
 
 /// A sort key: larger for a more likely token, and for the lower index among equals. The bit pattern of
 /// a non-negative `f32` orders like its value.

@@ -1,0 +1,152 @@
+//! The one error type of the runtime.
+
+use std::path::PathBuf;
+
+/// Everything that can go wrong loading or running a model.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// Reading or writing a file failed.
+    #[error("{}: {source}", path.display())]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file is not valid GGUF (bad magic, bad header, absurd counts).
+    #[error("{}: not a valid GGUF file: {reason}", path.display())]
+    Gguf {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A metadata key the model needs is absent.
+    #[error("{}: missing GGUF metadata key `{key}`", path.display())]
+    MissingKey {
+        /// The file.
+        path: PathBuf,
+        /// The key.
+        key: String,
+    },
+    /// A metadata key holds a value of the wrong type or range.
+    #[error("{}: GGUF metadata key `{key}` is invalid: expected {expected}", path.display())]
+    BadKey {
+        /// The file.
+        path: PathBuf,
+        /// The key.
+        key: String,
+        /// What was expected.
+        expected: &'static str,
+    },
+    /// The architecture is not one this runtime implements.
+    #[error("{}: unsupported architecture `{arch}` (supported: llama, qwen2)", path.display())]
+    UnsupportedArch {
+        /// The file.
+        path: PathBuf,
+        /// `general.architecture`.
+        arch: String,
+    },
+    /// A tensor the architecture needs is absent.
+    #[error("{}: missing tensor `{name}`", path.display())]
+    MissingTensor {
+        /// The file.
+        path: PathBuf,
+        /// The tensor.
+        name: String,
+    },
+    /// A tensor has the wrong shape.
+    #[error("{}: tensor `{name}` has shape {got:?}, expected {expected:?}", path.display())]
+    TensorShape {
+        /// The file.
+        path: PathBuf,
+        /// The tensor.
+        name: String,
+        /// The shape found (rows, columns).
+        got: Vec<usize>,
+        /// The shape expected.
+        expected: Vec<usize>,
+    },
+    /// A tensor's quantisation type is not supported.
+    #[error("{}: tensor `{name}` has unsupported type {dtype}", path.display())]
+    UnsupportedType {
+        /// The file.
+        path: PathBuf,
+        /// The tensor.
+        name: String,
+        /// The type.
+        dtype: String,
+    },
+    /// A tensor's data lies past the end of the file.
+    #[error("{}: tensor `{name}` ends at byte {end} but the file has {len} bytes (truncated?)", path.display())]
+    Truncated {
+        /// The file.
+        path: PathBuf,
+        /// The tensor.
+        name: String,
+        /// Where its data ends.
+        end: u64,
+        /// The file's length.
+        len: u64,
+    },
+    /// The sequence does not fit the cache.
+    #[error("context overflow: {len} tokens do not fit a context of {capacity}")]
+    ContextOverflow {
+        /// Tokens needed.
+        len: usize,
+        /// Tokens available.
+        capacity: usize,
+    },
+    /// A token id is outside the vocabulary.
+    #[error("token {token} is out of range for a vocabulary of {vocab}")]
+    TokenOutOfRange {
+        /// The token.
+        token: u32,
+        /// The vocabulary size.
+        vocab: usize,
+    },
+    /// A rollback asked for more tokens than the cache holds.
+    #[error("cannot roll back to {len} tokens: the cache holds {cached}")]
+    Rollback {
+        /// The length asked for.
+        len: usize,
+        /// The cached length.
+        cached: usize,
+    },
+    /// A session was asked to score more than one sequence at once.
+    #[error("a session holds one sequence; got a batch of {0}")]
+    BatchUnsupported(usize),
+    /// Building or running the tokenizer failed.
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    /// Rendering the chat template failed.
+    #[error("chat template: {0}")]
+    Template(String),
+    /// A model argument is neither a file nor a known alias.
+    #[error("unknown model `{0}`: give a path to a .gguf file or one of the aliases {aliases}", aliases = crate::fetch::ALIASES.join(", "))]
+    UnknownModel(String),
+    /// Fetching a model failed.
+    #[error("fetching {model}: {reason}")]
+    Fetch {
+        /// The alias.
+        model: String,
+        /// What went wrong and what to do.
+        reason: String,
+    },
+    /// A candle kernel failed.
+    #[error("kernel: {0}")]
+    Kernel(#[from] candle_core::Error),
+}
+
+impl Error {
+    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io {
+            path: path.into(),
+            source,
+        }
+    }
+}
+
+/// Shorthand for results of the runtime.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

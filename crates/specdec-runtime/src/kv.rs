@@ -1,0 +1,93 @@
+//! The KV cache: keys and values of every layer for up to `capacity` positions, allocated once.
+//!
+//! invariant: `truncate` only shortens, in O(1) (a length, no copy); writing past `capacity` is a
+//! typed `ContextOverflow`, never a reallocation. The buffers come from the zeroed allocator, so
+//! untouched positions cost address space, not resident memory.
+
+use crate::error::{Error, Result};
+
+/// Keys and values per layer, `[capacity, kv_dim]` each, of which the first `len` rows are valid.
+#[derive(Clone, Debug)]
+pub struct KvCache {
+    k: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
+    kv_dim: usize,
+    capacity: usize,
+    len: usize,
+}
+
+impl KvCache {
+    /// A cache for `n_layer` layers of `kv_dim` values per position and `capacity` positions.
+    pub fn new(n_layer: usize, kv_dim: usize, capacity: usize) -> Self {
+        Self {
+            k: (0..n_layer).map(|_| vec![0.0; capacity * kv_dim]).collect(),
+            v: (0..n_layer).map(|_| vec![0.0; capacity * kv_dim]).collect(),
+            kv_dim,
+            capacity,
+            len: 0,
+        }
+    }
+
+    /// Valid positions.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when no position is valid.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The most positions it can hold.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Keeps the first `len` positions. Growing is an error.
+    pub fn truncate(&mut self, len: usize) -> Result<()> {
+        if len > self.len {
+            return Err(Error::Rollback {
+                len,
+                cached: self.len,
+            });
+        }
+        self.len = len;
+        Ok(())
+    }
+
+    /// Checks that `m` positions starting at `pos` (which must be the current length) fit.
+    pub(crate) fn reserve(&self, pos: usize, m: usize) -> Result<()> {
+        if pos != self.len {
+            return Err(Error::Rollback {
+                len: pos,
+                cached: self.len,
+            });
+        }
+        if pos + m > self.capacity {
+            return Err(Error::ContextOverflow {
+                len: pos + m,
+                capacity: self.capacity,
+            });
+        }
+        Ok(())
+    }
+
+    /// Writes rows `pos..pos + m` of layer `layer` (`k` and `v` are `[m, kv_dim]`).
+    pub(crate) fn write(&mut self, layer: usize, pos: usize, k: &[f32], v: &[f32]) {
+        let (a, b) = (pos * self.kv_dim, pos * self.kv_dim + k.len());
+        self.k[layer][a..b].copy_from_slice(k);
+        self.v[layer][a..b].copy_from_slice(v);
+    }
+
+    /// Keys and values of layer `layer` for positions `0..upto`.
+    pub(crate) fn layer(&self, layer: usize, upto: usize) -> (&[f32], &[f32]) {
+        let n = upto * self.kv_dim;
+        (&self.k[layer][..n], &self.v[layer][..n])
+    }
+
+    /// Marks `len` positions valid after a forward pass wrote them.
+    pub(crate) fn set_len(&mut self, len: usize) {
+        debug_assert!(len <= self.capacity);
+        self.len = len;
+    }
+}

@@ -1,0 +1,355 @@
+//! The decoder-only transformer shared by the supported architectures: immutable weights, shared
+//! freely (wrap in `Arc`), and a forward pass over a block of tokens that writes the KV cache and
+//! returns logits for as many of the block's last positions as asked.
+//!
+//! invariant: the logits of a position do not depend on how the tokens were grouped into blocks. Every
+//! step is row-independent: matmuls (see [`crate::weights`]), norms, rope and attention, which visits
+//! exactly the keys `0..=pos` of each row in one fixed order with no mask. So block scoring of k
+//! drafted tokens equals k single-token steps bit for bit, which is what makes greedy speculative
+//! output identical to greedy plain output on real models.
+
+use std::path::Path;
+
+use candle_core::quantized::GgmlDType;
+
+use crate::config::{ModelConfig, RopeStyle};
+use crate::error::{Error, Result};
+use crate::gguf::Gguf;
+use crate::kv::KvCache;
+use crate::weights::QWeight;
+
+/// How weights are prepared at load time.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LoadOptions {
+    /// Re-quantise Q5_0 and Q5_1 matrices to Q8_0, whose dot product candle vectorises (its Q5 path is
+    /// scalar). Costs ~1.5x the bytes of those matrices; the embedding table is left as it is.
+    pub requantize_q5: bool,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        Self {
+            requantize_q5: true,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Layer {
+    attn_norm: Vec<f32>,
+    wq: QWeight,
+    wk: QWeight,
+    wv: QWeight,
+    bias: Option<[Vec<f32>; 3]>,
+    wo: QWeight,
+    ffn_norm: Vec<f32>,
+    w_gate: QWeight,
+    w_up: QWeight,
+    w_down: QWeight,
+}
+
+/// A loaded model.
+#[derive(Debug)]
+pub struct Model {
+    config: ModelConfig,
+    embd: QWeight,
+    layers: Vec<Layer>,
+    norm: Vec<f32>,
+    /// `None` when the output projection is tied to the embedding.
+    output: Option<QWeight>,
+    inv_freq: Vec<f64>,
+}
+
+impl Model {
+    /// Loads a GGUF model.
+    pub fn load(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Self> {
+        let g = Gguf::open(path)?;
+        Self::from_gguf(&g, options)
+    }
+
+    /// Loads the weights of an open GGUF file.
+    pub fn from_gguf(g: &Gguf, options: &LoadOptions) -> Result<Self> {
+        let c = ModelConfig::from_gguf(g)?;
+        let prep = |w: QWeight| -> Result<QWeight> {
+            if options.requantize_q5 && matches!(w.dtype(), GgmlDType::Q5_0 | GgmlDType::Q5_1) {
+                w.requantize(GgmlDType::Q8_0)
+            } else {
+                Ok(w)
+            }
+        };
+        let mat = |name: &str, rows: usize, cols: usize| g.matrix(name, rows, cols).and_then(prep);
+        let embd = g.matrix("token_embd.weight", c.vocab, c.n_embd)?;
+        let mut layers = Vec::with_capacity(c.n_layer);
+        for i in 0..c.n_layer {
+            let n = |s: &str| format!("blk.{i}.{s}");
+            let bias = if c.qkv_bias {
+                Some([
+                    g.vector(&n("attn_q.bias"), c.q_dim())?,
+                    g.vector(&n("attn_k.bias"), c.kv_dim())?,
+                    g.vector(&n("attn_v.bias"), c.kv_dim())?,
+                ])
+            } else {
+                None
+            };
+            layers.push(Layer {
+                attn_norm: g.vector(&n("attn_norm.weight"), c.n_embd)?,
+                wq: mat(&n("attn_q.weight"), c.q_dim(), c.n_embd)?,
+                wk: mat(&n("attn_k.weight"), c.kv_dim(), c.n_embd)?,
+                wv: mat(&n("attn_v.weight"), c.kv_dim(), c.n_embd)?,
+                bias,
+                wo: mat(&n("attn_output.weight"), c.n_embd, c.q_dim())?,
+                ffn_norm: g.vector(&n("ffn_norm.weight"), c.n_embd)?,
+                w_gate: mat(&n("ffn_gate.weight"), c.n_ff, c.n_embd)?,
+                w_up: mat(&n("ffn_up.weight"), c.n_ff, c.n_embd)?,
+                w_down: mat(&n("ffn_down.weight"), c.n_embd, c.n_ff)?,
+            });
+        }
+        let output = if g.has_tensor("output.weight") {
+            Some(mat("output.weight", c.vocab, c.n_embd)?)
+        } else {
+            None
+        };
+        let half = c.rope_dim / 2;
+        let inv_freq = (0..half)
+            .map(|i| f64::from(c.rope_theta).powf(-(2.0 * i as f64) / c.rope_dim as f64))
+            .collect();
+        Ok(Self {
+            norm: g.vector("output_norm.weight", c.n_embd)?,
+            config: c,
+            embd,
+            layers,
+            output,
+            inv_freq,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// Bytes of weights held.
+    pub fn weight_bytes(&self) -> usize {
+        let l: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]
+                    .iter()
+                    .map(|w| w.size_in_bytes())
+                    .sum::<usize>()
+            })
+            .sum();
+        l + self.embd.size_in_bytes() + self.output.as_ref().map_or(0, QWeight::size_in_bytes)
+    }
+
+    /// A KV cache sized for this model.
+    pub fn cache(&self, capacity: usize) -> KvCache {
+        KvCache::new(self.config.n_layer, self.config.kv_dim(), capacity)
+    }
+
+    /// Runs `tokens` at positions `cache.len()..`, appending their keys and values to `cache`, and
+    /// writes into `logits` the logits of the last `logits_rows` positions (`[logits_rows, vocab]`).
+    pub fn forward(
+        &self,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        logits_rows: usize,
+        logits: &mut Vec<f32>,
+    ) -> Result<()> {
+        let c = &self.config;
+        let m = tokens.len();
+        let pos = cache.len();
+        cache.reserve(pos, m)?;
+        assert!(logits_rows <= m, "logits for at most the block's rows");
+        let d = c.n_embd;
+        // [m, d]
+        let mut x = vec![0.0f32; m * d];
+        for (row, &t) in x.chunks_exact_mut(d).zip(tokens) {
+            if t as usize >= c.vocab {
+                return Err(Error::TokenOutOfRange {
+                    token: t,
+                    vocab: c.vocab,
+                });
+            }
+            self.embd.row_into(t as usize, row)?;
+        }
+        let rope = self.rope_table(pos, m);
+        let mut h = vec![0.0f32; m * d];
+        let mut q = vec![0.0f32; m * c.q_dim()];
+        let mut k = vec![0.0f32; m * c.kv_dim()];
+        let mut v = vec![0.0f32; m * c.kv_dim()];
+        let mut attn = vec![0.0f32; m * c.q_dim()];
+        let mut o = vec![0.0f32; m * d];
+        let mut gate = vec![0.0f32; m * c.n_ff];
+        let mut up = vec![0.0f32; m * c.n_ff];
+        for (li, l) in self.layers.iter().enumerate() {
+            let _span = tracing::trace_span!("layer", li).entered();
+            rms_norm(&x, &l.attn_norm, c.rms_eps, &mut h);
+            l.wq.matmul(&h, m, &mut q)?;
+            l.wk.matmul(&h, m, &mut k)?;
+            l.wv.matmul(&h, m, &mut v)?;
+            if let Some([bq, bk, bv]) = &l.bias {
+                add_rows(&mut q, bq);
+                add_rows(&mut k, bk);
+                add_rows(&mut v, bv);
+            }
+            self.apply_rope(&mut q, c.n_head, &rope);
+            self.apply_rope(&mut k, c.n_head_kv, &rope);
+            cache.write(li, pos, &k, &v);
+            let (keys, values) = cache.layer(li, pos + m);
+            attention(c, &q, keys, values, pos, &mut attn);
+            l.wo.matmul(&attn, m, &mut o)?;
+            add(&mut x, &o);
+            rms_norm(&x, &l.ffn_norm, c.rms_eps, &mut h);
+            l.w_gate.matmul(&h, m, &mut gate)?;
+            l.w_up.matmul(&h, m, &mut up)?;
+            for (g, u) in gate.iter_mut().zip(&up) {
+                *g = *g / (1.0 + (-*g).exp()) * u;
+            }
+            l.w_down.matmul(&gate, m, &mut o)?;
+            add(&mut x, &o);
+        }
+        cache.set_len(pos + m);
+        let last = &x[(m - logits_rows) * d..];
+        let mut normed = vec![0.0f32; logits_rows * d];
+        rms_norm(last, &self.norm, c.rms_eps, &mut normed);
+        logits.clear();
+        logits.resize(logits_rows * c.vocab, 0.0);
+        let out = self.output.as_ref().unwrap_or(&self.embd);
+        out.matmul(&normed, logits_rows, logits)?;
+        Ok(())
+    }
+
+    /// `(cos, sin)` of every rope angle of positions `pos..pos + m`: `[m, rope_dim / 2]` each.
+    fn rope_table(&self, pos: usize, m: usize) -> (Vec<f32>, Vec<f32>) {
+        let half = self.inv_freq.len();
+        let mut cos = Vec::with_capacity(m * half);
+        let mut sin = Vec::with_capacity(m * half);
+        for p in pos..pos + m {
+            for &f in &self.inv_freq {
+                let a = p as f64 * f;
+                cos.push(a.cos() as f32);
+                sin.push(a.sin() as f32);
+            }
+        }
+        (cos, sin)
+    }
+
+    /// Rotates the first `rope_dim` dimensions of each head of each row of `x` (`[m, heads * hd]`).
+    fn apply_rope(&self, x: &mut [f32], heads: usize, (cos, sin): &(Vec<f32>, Vec<f32>)) {
+        let c = &self.config;
+        let half = c.rope_dim / 2;
+        for (row, (cr, sr)) in x
+            .chunks_exact_mut(heads * c.head_dim)
+            .zip(cos.chunks_exact(half).zip(sin.chunks_exact(half)))
+        {
+            for head in row.chunks_exact_mut(c.head_dim) {
+                for i in 0..half {
+                    let (a, b) = match c.rope_style {
+                        RopeStyle::Interleaved => (2 * i, 2 * i + 1),
+                        RopeStyle::Neox => (i, i + half),
+                    };
+                    let (x0, x1) = (head[a], head[b]);
+                    head[a] = x0 * cr[i] - x1 * sr[i];
+                    head[b] = x0 * sr[i] + x1 * cr[i];
+                }
+            }
+        }
+    }
+}
+
+/// Causal attention for rows at positions `pos..pos + m`: row `i` attends to keys `0..=pos + i`
+/// exactly, in order, with no mask, so its result is independent of the other rows.
+fn attention(
+    c: &ModelConfig,
+    q: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    pos: usize,
+    out: &mut [f32],
+) {
+    let hd = c.head_dim;
+    let group = c.n_head / c.n_head_kv;
+    let kv_dim = c.kv_dim();
+    let scale = 1.0 / (hd as f32).sqrt();
+    let mut scores = Vec::with_capacity(pos + q.len() / c.q_dim());
+    for (i, (qrow, orow)) in q
+        .chunks_exact(c.q_dim())
+        .zip(out.chunks_exact_mut(c.q_dim()))
+        .enumerate()
+    {
+        let n = pos + i + 1;
+        for (h, (qh, oh)) in qrow
+            .chunks_exact(hd)
+            .zip(orow.chunks_exact_mut(hd))
+            .enumerate()
+        {
+            let off = (h / group) * hd;
+            scores.clear();
+            let mut max = f32::NEG_INFINITY;
+            for j in 0..n {
+                let s = dot(qh, &keys[j * kv_dim + off..j * kv_dim + off + hd]) * scale;
+                max = max.max(s);
+                scores.push(s);
+            }
+            let mut total = 0.0f32;
+            for s in &mut scores {
+                *s = (*s - max).exp();
+                total += *s;
+            }
+            oh.fill(0.0);
+            for (j, &w) in scores.iter().enumerate() {
+                let w = w / total;
+                let vj = &values[j * kv_dim + off..j * kv_dim + off + hd];
+                for (o, &vv) in oh.iter_mut().zip(vj) {
+                    *o += w * vv;
+                }
+            }
+        }
+    }
+}
+
+/// A dot product with 8 independent accumulators combined in a fixed order.
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let ca = a.chunks_exact(8);
+    let cb = b.chunks_exact(8);
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ca.zip(cb) {
+        for l in 0..8 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// Row-wise RMS norm: `out = x / sqrt(mean(x²) + eps) * w`.
+fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let d = w.len();
+    for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+        let ss: f32 = dot(xr, xr) / d as f32;
+        let s = 1.0 / (ss + eps).sqrt();
+        for ((o, &xv), &wv) in or.iter_mut().zip(xr).zip(w) {
+            *o = xv * s * wv;
+        }
+    }
+}
+
+fn add(x: &mut [f32], y: &[f32]) {
+    for (a, b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}
+
+/// Adds `bias` to every row of `x`.
+fn add_rows(x: &mut [f32], bias: &[f32]) {
+    for row in x.chunks_exact_mut(bias.len()) {
+        add(row, bias);
+    }
+}

@@ -1,0 +1,217 @@
+//! The tokenizer, built from GGUF metadata; stop tokens; the chat template; incremental detokenising.
+
+use candle_core::quantized::tokenizer::TokenizerFromGguf;
+use minijinja::{context, Environment};
+use serde::Serialize;
+use specdec_core::TokenId;
+
+use crate::error::{Error, Result};
+use crate::gguf::Gguf;
+
+/// Tokens that end a turn in the chat formats we know, when the vocabulary has them.
+const END_OF_TURN: [&str; 6] = [
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|eot_id|>",
+    "<|end_of_text|>",
+    "</s>",
+    "<|end|>",
+];
+
+/// A tokenizer with the model's special tokens and chat template.
+#[derive(Clone)]
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    vocab: usize,
+    bos: Option<(TokenId, String)>,
+    eos: Option<(TokenId, String)>,
+    add_bos: bool,
+    stop: Vec<TokenId>,
+    chat_template: Option<String>,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("vocab", &self.vocab)
+            .field("bos", &self.bos)
+            .field("eos", &self.eos)
+            .field("stop", &self.stop)
+            .finish_non_exhaustive()
+    }
+}
+
+/// One message of a conversation.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct Message {
+    /// `system`, `user` or `assistant`.
+    pub role: String,
+    /// The text.
+    pub content: String,
+}
+
+impl Message {
+    /// A message.
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        Self {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+}
+
+impl Tokenizer {
+    /// Builds the tokenizer described by `tokenizer.ggml.*` (candle's `TokenizerFromGguf`) and reads
+    /// the special tokens and `tokenizer.chat_template`.
+    pub fn from_gguf(g: &Gguf) -> Result<Self> {
+        let inner = tokenizers::Tokenizer::from_gguf(g.content())
+            .map_err(|e| Error::Tokenizer(format!("{}: {e}", g.path().display())))?;
+        let vocab = g.array_len("tokenizer.ggml.tokens")?;
+        let token = |key: &str| -> Result<Option<(TokenId, String)>> {
+            Ok(match g.usize_opt(key)? {
+                Some(id) => inner.id_to_token(id as TokenId).map(|s| (id as TokenId, s)),
+                None => None,
+            })
+        };
+        let bos = token("tokenizer.ggml.bos_token_id")?;
+        let eos = token("tokenizer.ggml.eos_token_id")?;
+        let mut stop: Vec<TokenId> = eos.iter().map(|(id, _)| *id).collect();
+        for name in END_OF_TURN {
+            if let Some(id) = inner.token_to_id(name) {
+                if !stop.contains(&id) {
+                    stop.push(id);
+                }
+            }
+        }
+        Ok(Self {
+            inner,
+            vocab,
+            bos,
+            eos,
+            add_bos: g.bool_opt("tokenizer.ggml.add_bos_token")?.unwrap_or(false),
+            stop,
+            chat_template: g.str("tokenizer.chat_template").ok().map(str::to_string),
+        })
+    }
+
+    /// The vocabulary size of the tokenizer.
+    pub fn vocab_size(&self) -> usize {
+        self.vocab
+    }
+
+    /// Tokens that end generation: the EOS token and any end-of-turn tokens the vocabulary has
+    /// (`<|im_end|>`, `<|endoftext|>` for Qwen).
+    pub fn stop_tokens(&self) -> &[TokenId] {
+        &self.stop
+    }
+
+    /// Encodes text. Special tokens written in the text (`<|im_start|>`) become their ids; a BOS token
+    /// is prepended when the model asks for one and `add_bos` is set.
+    pub fn encode(&self, text: &str, add_bos: bool) -> Result<Vec<TokenId>> {
+        let enc = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| Error::Tokenizer(e.to_string()))?;
+        let mut ids = Vec::with_capacity(enc.len() + 1);
+        if add_bos && self.add_bos {
+            if let Some((bos, _)) = &self.bos {
+                ids.push(*bos);
+            }
+        }
+        ids.extend_from_slice(enc.get_ids());
+        Ok(ids)
+    }
+
+    /// Decodes tokens, special tokens included.
+    pub fn decode(&self, ids: &[TokenId]) -> Result<String> {
+        self.inner
+            .decode(ids, false)
+            .map_err(|e| Error::Tokenizer(e.to_string()))
+    }
+
+    /// The token's text, for diagnostics.
+    pub fn token_text(&self, id: TokenId) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
+    /// Whether the model ships a chat template.
+    pub fn has_chat_template(&self) -> bool {
+        self.chat_template.is_some()
+    }
+
+    /// Renders `messages` with the model's chat template, ending with the assistant's turn opened.
+    pub fn apply_chat_template(&self, messages: &[Message]) -> Result<String> {
+        let template = self
+            .chat_template
+            .as_deref()
+            .ok_or_else(|| Error::Template("the model has no tokenizer.chat_template".into()))?;
+        let mut env = Environment::new();
+        minijinja_contrib::add_to_environment(&mut env);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> std::result::Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    msg,
+                ))
+            },
+        );
+        env.add_template("chat", template)
+            .map_err(|e| Error::Template(e.to_string()))?;
+        let tmpl = env
+            .get_template("chat")
+            .map_err(|e| Error::Template(e.to_string()))?;
+        let name = |t: &Option<(TokenId, String)>| t.as_ref().map(|(_, s)| s.clone());
+        tmpl.render(context! {
+            messages => minijinja::Value::from(minijinja::value::Serde(messages)),
+            add_generation_prompt => true,
+            bos_token => name(&self.bos).unwrap_or_default(),
+            eos_token => name(&self.eos).unwrap_or_default(),
+        })
+        .map_err(|e| Error::Template(e.to_string()))
+    }
+}
+
+/// Turns a stream of tokens into text pieces without ever emitting a broken UTF-8 sequence: a piece is
+/// released only once its bytes decode to complete characters.
+#[derive(Debug, Default)]
+pub struct StreamDecoder {
+    ids: Vec<TokenId>,
+    prefix: usize,
+    read: usize,
+}
+
+impl StreamDecoder {
+    /// A decoder with nothing decoded yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds a token; returns the new text it completes, if any.
+    pub fn push(&mut self, tok: &Tokenizer, id: TokenId) -> Result<Option<String>> {
+        self.ids.push(id);
+        let before = tok.decode(&self.ids[self.prefix..self.read])?;
+        let now = tok.decode(&self.ids[self.prefix..])?;
+        if now.len() > before.len() && !now.ends_with('\u{FFFD}') && now.starts_with(&before) {
+            let piece = now[before.len()..].to_string();
+            self.prefix = self.read;
+            self.read = self.ids.len();
+            Ok(Some(piece))
+        } else {
+            Ok(None)
+        }
+    }
+
+    /// Whatever is still held back (an incomplete character at the end of generation).
+    pub fn finish(&mut self, tok: &Tokenizer) -> Result<Option<String>> {
+        let before = tok.decode(&self.ids[self.prefix..self.read])?;
+        let now = tok.decode(&self.ids[self.prefix..])?;
+        self.prefix = self.ids.len();
+        self.read = self.ids.len();
+        Ok(now
+            .strip_prefix(&before)
+            .filter(|s| !s.is_empty())
+            .map(str::to_string))
+    }
+}

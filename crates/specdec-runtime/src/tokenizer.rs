@@ -64,8 +64,9 @@ impl Tokenizer {
     /// Builds the tokenizer described by `tokenizer.ggml.*` (candle's `TokenizerFromGguf`) and reads
     /// the special tokens and `tokenizer.chat_template`.
     pub fn from_gguf(g: &Gguf) -> Result<Self> {
-        let inner = tokenizers::Tokenizer::from_gguf(g.content())
+        let mut inner = tokenizers::Tokenizer::from_gguf(g.content())
             .map_err(|e| Error::Tokenizer(format!("{}: {e}", g.path().display())))?;
+        fix_pre_tokenizer(g, &mut inner)?;
         let vocab = g.array_len("tokenizer.ggml.tokens")?;
         let token = |key: &str| -> Result<Option<(TokenId, String)>> {
             Ok(match g.usize_opt(key)? {
@@ -171,6 +172,30 @@ impl Tokenizer {
         })
         .map_err(|e| Error::Template(e.to_string()))
     }
+}
+
+/// candle maps pre-tokenizer names it does not know to GPT-2's, which adds a prefix space. Where the
+/// file says `add_space_prefix = false` that is wrong; for `smollm` llama.cpp also splits digits one by
+/// one before the byte-level step.
+fn fix_pre_tokenizer(g: &Gguf, inner: &mut tokenizers::Tokenizer) -> Result<()> {
+    use tokenizers::pre_tokenizers::{
+        byte_level::ByteLevel, digits::Digits, sequence::Sequence, PreTokenizerWrapper,
+    };
+    let pre = g.str("tokenizer.ggml.pre").unwrap_or("gpt2");
+    if matches!(pre, "qwen2" | "llama3" | "smaug-bpe" | "lfm2") {
+        return Ok(());
+    }
+    let prefix_space = g
+        .bool_opt("tokenizer.ggml.add_space_prefix")?
+        .unwrap_or(true);
+    let byte_level: PreTokenizerWrapper = ByteLevel::new(prefix_space, true, true).into();
+    let wrapper = if pre == "smollm" {
+        Sequence::new(vec![Digits::new(true).into(), byte_level]).into()
+    } else {
+        byte_level
+    };
+    inner.with_pre_tokenizer(Some(wrapper));
+    Ok(())
 }
 
 /// Turns a stream of tokens into text pieces without ever emitting a broken UTF-8 sequence: a piece is

@@ -1,0 +1,376 @@
+//! Tiny random-weight models written by the tests: loading, shapes, the block-vs-single numerics
+//! invariant, rollback, greedy speculative == greedy plain, malformed files.
+
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
+mod common;
+
+use std::ops::ControlFlow;
+use std::sync::Arc;
+
+use candle_core::quantized::GgmlDType;
+use common::{all_specs, tiny, tiny_model};
+use proptest::prelude::*;
+use specdec_core::{
+    generate, DraftLenPolicy, GenerateConfig, ModelDrafter, NoDraft, SamplingParams, Target,
+};
+use specdec_runtime::testing::TinySpec;
+use specdec_runtime::{Arch, Error, LoadOptions, Model, Session};
+
+fn tokens(n: usize, vocab: usize, seed: u32) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| (i * 37 + seed * 11 + 5) % vocab as u32)
+        .collect()
+}
+
+#[test]
+fn block_logits_equal_single_token_logits_bit_for_bit() {
+    for spec in all_specs() {
+        let model = tiny_model(&spec);
+        let vocab = model.config().vocab;
+        let toks = tokens(12, vocab, 1);
+        // One token at a time.
+        let mut single = Session::new(model.clone(), 64);
+        let mut one_by_one = Vec::new();
+        for &t in &toks {
+            one_by_one.extend_from_slice(single.feed(&[t], 1).unwrap());
+        }
+        // A 4-token prefix, then a block of 8 with logits for every row.
+        let mut block = Session::new(model.clone(), 64);
+        let mut got = block.feed(&toks[..4], 4).unwrap().to_vec();
+        got.extend_from_slice(block.feed(&toks[4..], 8).unwrap());
+        assert_eq!(got.len(), 12 * vocab, "{:?} {:?}", spec.arch, spec.dtype);
+        let same = got
+            .iter()
+            .zip(&one_by_one)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(
+            same,
+            "{:?} {:?}: block and single-token logits differ",
+            spec.arch, spec.dtype
+        );
+        assert!(got.iter().all(|v| v.is_finite()));
+    }
+}
+
+#[test]
+fn chunked_prefill_equals_one_pass() {
+    let spec = TinySpec {
+        ctx: 1024,
+        ..TinySpec::new(Arch::Qwen2, GgmlDType::Q8_0)
+    };
+    let model = tiny_model(&spec);
+    let toks = tokens(300, model.config().vocab, 2);
+    // 300 tokens go in as chunks of 256 + 44.
+    let mut a = Session::new(model.clone(), 1024);
+    let la = a.feed(&toks, 3).unwrap().to_vec();
+    let mut b = Session::new(model.clone(), 1024);
+    b.feed(&toks[..150], 1).unwrap();
+    let lb = b.feed(&toks[150..], 3).unwrap().to_vec();
+    assert!(la.iter().zip(&lb).all(|(x, y)| x.to_bits() == y.to_bits()));
+}
+
+#[test]
+fn append_truncate_append_equals_append() {
+    for spec in [
+        TinySpec::new(Arch::Llama, GgmlDType::Q4_1),
+        TinySpec::new(Arch::Qwen2, GgmlDType::Q4K),
+    ] {
+        let model = tiny_model(&spec);
+        let vocab = model.config().vocab;
+        let a = tokens(6, vocab, 3);
+        let b = tokens(5, vocab, 4);
+        let c = tokens(5, vocab, 5);
+        let mut s = Session::new(model.clone(), 64);
+        s.feed(&a, 1).unwrap();
+        let first = s.feed(&b, 5).unwrap().to_vec();
+        s.rollback(a.len()).unwrap();
+        s.feed(&c, 2).unwrap();
+        s.rollback(a.len()).unwrap();
+        let again = s.feed(&b, 5).unwrap().to_vec();
+        assert!(first
+            .iter()
+            .zip(&again)
+            .all(|(x, y)| x.to_bits() == y.to_bits()));
+        assert_eq!(s.tokens().len(), a.len() + b.len());
+        assert!(matches!(
+            s.rollback(100),
+            Err(Error::Rollback { len: 100, .. })
+        ));
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+    #[test]
+    fn truncate_never_grows_the_cache(ops in prop::collection::vec((any::<bool>(), 0usize..12), 1..20)) {
+        let model = tiny_model(&TinySpec::new(Arch::Llama, GgmlDType::Q8_0));
+        let mut s = Session::new(model, 48);
+        let mut len = 0usize;
+        for (feed, n) in ops {
+            if feed {
+                let r = s.feed(&tokens(n.max(1), 100, n as u32), 1);
+                if len + n.max(1) > 48 {
+                    let overflow = matches!(r, Err(Error::ContextOverflow { .. }));
+                    prop_assert!(overflow);
+                } else {
+                    prop_assert!(r.is_ok());
+                    len += n.max(1);
+                }
+            } else {
+                let r = s.rollback(n);
+                if n > len {
+                    prop_assert!(r.is_err());
+                } else {
+                    prop_assert!(r.is_ok());
+                    len = n;
+                }
+            }
+            prop_assert_eq!(s.tokens().len(), len);
+        }
+    }
+}
+
+#[test]
+fn greedy_speculative_equals_greedy_plain_on_tiny_models() {
+    for arch in [Arch::Llama, Arch::Qwen2] {
+        let target = tiny_model(&TinySpec::new(arch, GgmlDType::Q8_0));
+        // The same weights in a coarser type: a draft that mostly agrees.
+        let draft = tiny_model(&TinySpec::new(arch, GgmlDType::Q4_0));
+        let prompt = tokens(7, 256, 6);
+        let base = GenerateConfig {
+            max_new_tokens: 40,
+            sampling: SamplingParams::greedy(),
+            ..GenerateConfig::default()
+        };
+        let mut t = Session::new(target.clone(), 256);
+        let reference = generate(&mut t, &mut NoDraft, &prompt, &base, &mut |_| {
+            ControlFlow::Continue(())
+        })
+        .unwrap();
+        assert_eq!(reference.tokens.len(), 40);
+        let mut accepted = 0;
+        for k in 1..=8 {
+            let config = GenerateConfig {
+                draft_len: DraftLenPolicy::Fixed { draft_len: k },
+                ..base.clone()
+            };
+            let mut t = Session::new(target.clone(), 256);
+            let mut d = ModelDrafter::new(Session::new(draft.clone(), 256));
+            let out = generate(&mut t, &mut d, &prompt, &config, &mut |_| {
+                ControlFlow::Continue(())
+            })
+            .unwrap();
+            assert_eq!(out.tokens, reference.tokens, "{arch:?} k {k}");
+            accepted += out.metrics.accepted;
+        }
+        assert!(
+            accepted > 0,
+            "{arch:?}: the draft never agreed; the test would not exercise acceptance"
+        );
+    }
+}
+
+#[test]
+fn vocabulary_mismatch_and_context_overflow_are_errors() {
+    let target = tiny_model(&TinySpec::new(Arch::Qwen2, GgmlDType::Q8_0));
+    let draft = tiny_model(&TinySpec {
+        vocab: 300,
+        ..TinySpec::new(Arch::Qwen2, GgmlDType::Q8_0)
+    });
+    let config = GenerateConfig {
+        sampling: SamplingParams::greedy(),
+        ..GenerateConfig::default()
+    };
+    let mut t = Session::new(target.clone(), 64);
+    let mut d = ModelDrafter::new(Session::new(draft, 64));
+    let e = generate(&mut t, &mut d, &[1, 2, 3], &config, &mut |_| {
+        ControlFlow::Continue(())
+    })
+    .unwrap_err();
+    assert!(
+        matches!(
+            e.error,
+            specdec_core::Error::VocabMismatch {
+                draft: 300,
+                target: 272
+            }
+        ),
+        "{e}"
+    );
+    let mut t = Session::new(target, 16);
+    assert_eq!(t.capacity(), 16);
+    let e = generate(
+        &mut t,
+        &mut NoDraft,
+        &tokens(20, 256, 1),
+        &config,
+        &mut |_| ControlFlow::Continue(()),
+    )
+    .unwrap_err();
+    assert!(
+        matches!(
+            e.error,
+            specdec_core::Error::ContextOverflow {
+                len: 21,
+                capacity: 16
+            }
+        ),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_session_clamps_its_capacity_to_the_trained_context() {
+    let model = tiny_model(&TinySpec::new(Arch::Llama, GgmlDType::Q8_0));
+    assert_eq!(Session::new(model, 1 << 20).capacity(), 512);
+}
+
+#[test]
+fn q5_weights_are_requantised_to_q8_0_on_request() {
+    let (_dir, path) = tiny(&TinySpec::new(Arch::Qwen2, GgmlDType::Q5_0));
+    let fast = Model::load(
+        &path,
+        &LoadOptions {
+            requantize_q5: true,
+        },
+    )
+    .unwrap();
+    let exact = Model::load(
+        &path,
+        &LoadOptions {
+            requantize_q5: false,
+        },
+    )
+    .unwrap();
+    assert!(fast.weight_bytes() > exact.weight_bytes());
+    // Both produce finite logits that mostly agree on the argmax.
+    let toks = tokens(8, 256, 2);
+    let mut a = Session::new(Arc::new(fast), 32);
+    let mut b = Session::new(Arc::new(exact), 32);
+    let la = a.feed(&toks, 1).unwrap().to_vec();
+    let lb = b.feed(&toks, 1).unwrap().to_vec();
+    let argmax = |v: &[f32]| {
+        v.iter()
+            .enumerate()
+            .max_by(|x, y| x.1.total_cmp(y.1))
+            .unwrap()
+            .0
+    };
+    assert_eq!(argmax(&la), argmax(&lb));
+}
+
+// --- Malformed files. ---
+
+fn load_err(bytes: &[u8]) -> Error {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("bad.gguf");
+    std::fs::write(&p, bytes).unwrap();
+    Model::load(&p, &LoadOptions::default()).unwrap_err()
+}
+
+#[test]
+fn malformed_files_are_typed_errors() {
+    let (_dir, path) = tiny(&TinySpec::new(Arch::Qwen2, GgmlDType::Q8_0));
+    let good = std::fs::read(&path).unwrap();
+
+    let e = load_err(&good[..good.len() / 2]);
+    assert!(
+        matches!(e, Error::Truncated { .. } | Error::Gguf { .. }),
+        "{e}"
+    );
+    assert!(
+        e.to_string().contains("bad.gguf"),
+        "the error names the file: {e}"
+    );
+
+    let mut bad = good.clone();
+    bad[..4].copy_from_slice(b"GGML");
+    assert!(matches!(load_err(&bad), Error::Gguf { .. }));
+
+    // Absurd tensor and metadata counts right after the magic and version: no huge allocation.
+    let mut bad = good.clone();
+    bad[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
+    assert!(matches!(load_err(&bad), Error::Gguf { .. }));
+    let mut bad = good.clone();
+    bad[16..24].copy_from_slice(&(1u64 << 40).to_le_bytes());
+    assert!(matches!(load_err(&bad), Error::Gguf { .. }));
+
+    assert!(matches!(load_err(b""), Error::Gguf { .. }));
+    assert!(matches!(load_err(b"GGUF"), Error::Gguf { .. }));
+}
+
+#[test]
+fn wrong_architecture_key_and_shape_are_typed_errors() {
+    use candle_core::quantized::gguf_file::{self, Value};
+    use candle_core::quantized::QTensor;
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, meta: Vec<(&str, Value)>, tensors: Vec<(&str, QTensor)>| {
+        let p = dir.path().join(name);
+        let mut f = std::fs::File::create(&p).unwrap();
+        let m: Vec<(&str, &Value)> = meta.iter().map(|(k, v)| (*k, v)).collect();
+        let t: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (*k, v)).collect();
+        gguf_file::write(&mut f, &m, &t).unwrap();
+        Model::load(&p, &LoadOptions::default()).unwrap_err()
+    };
+    let e = write(
+        "arch.gguf",
+        vec![("general.architecture", Value::String("mamba".into()))],
+        vec![],
+    );
+    assert!(
+        matches!(&e, Error::UnsupportedArch { arch, .. } if arch == "mamba"),
+        "{e}"
+    );
+    let e = write(
+        "key.gguf",
+        vec![("general.architecture", Value::String("llama".into()))],
+        vec![],
+    );
+    assert!(
+        matches!(&e, Error::MissingKey { key, .. } if key == "llama.embedding_length"),
+        "{e}"
+    );
+
+    // A model whose q projection has the wrong shape.
+    let (_d, path) = tiny(&TinySpec::new(Arch::Llama, GgmlDType::F32));
+    let g = specdec_runtime::Gguf::open(&path).unwrap();
+    let mut meta: Vec<(&str, Value)> = g
+        .content()
+        .metadata
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.clone()))
+        .collect();
+    meta.sort_by(|a, b| a.0.cmp(b.0));
+    let mut f = std::fs::File::open(&path).unwrap();
+    let mut tensors: Vec<(&str, QTensor)> = Vec::new();
+    for name in g.content().tensor_infos.keys() {
+        let mut t = g
+            .content()
+            .tensor(&mut f, name, &candle_core::Device::Cpu)
+            .unwrap();
+        if name == "blk.0.attn_q.weight" {
+            let x = candle_core::Tensor::zeros(
+                (32, 64),
+                candle_core::DType::F32,
+                &candle_core::Device::Cpu,
+            )
+            .unwrap();
+            t = QTensor::quantize(&x, GgmlDType::F32).unwrap();
+        }
+        tensors.push((name.as_str(), t));
+    }
+    let e = write("shape.gguf", meta, tensors);
+    assert!(
+        matches!(&e, Error::TensorShape { name, .. } if name == "blk.0.attn_q.weight"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_model_target_reports_its_vocabulary_and_capacity() {
+    let model = tiny_model(&TinySpec::new(Arch::Llama, GgmlDType::Q8_0));
+    let s = Session::new(model, 100);
+    assert_eq!(s.vocab_size(), 272);
+    assert_eq!(Target::capacity(&s), 100);
+}

@@ -9,6 +9,7 @@
 //!
 //! - [`model`]: the [`Target`] and [`Draft`] traits (batched), [`NoDraft`] (plain decoding).
 //! - [`drafter`]: [`ModelDrafter`], any target-like model used as a drafter.
+//! - [`ngram`]: [`NGramDrafter`] (prompt lookup) and [`HybridDrafter`] (lookup, else a model).
 //! - [`sampling`]: temperature, top-k, top-p, min-p and penalties, applied identically everywhere.
 //! - [`verify`]: greedy, one-hot and rejection-sampling verification, single and batched.
 //! - [`rng`]: Philox4x32-10, a counter-based RNG keyed by (seed, position, stream).
@@ -56,6 +57,7 @@ pub mod metrics;
 #[cfg(feature = "mock")]
 pub mod mock;
 pub mod model;
+pub mod ngram;
 pub mod policy;
 pub mod rng;
 pub mod sampling;
@@ -69,6 +71,7 @@ pub use drafter::{DraftError, ModelDrafter};
 pub use error::{Error, Result, Side};
 pub use metrics::{CostProfile, Metrics, Round};
 pub use model::{Draft, DraftRequest, Logits, NoDraft, Proposal, Score, SeqId, Target};
+pub use ngram::{HybridDrafter, NGramDrafter};
 pub use policy::{best_draft_len, Controller, DraftLenPolicy, FixedCost};
 pub use rng::{CounterRng, Stream};
 pub use sampling::{Probs, Sampler, SamplingParams};

@@ -41,7 +41,8 @@ pub enum DraftLenPolicy {
         /// Fixed costs; `None` measures them online from the round timings.
         cost: Option<FixedCost>,
         /// Every this many rounds, draft one more (or, at `max`, one fewer) than the best length, so that
-        /// acceptance beyond it and a second point of the cost curve keep being measured.
+        /// acceptance beyond it and a second point of the cost curve keep being measured. While the best
+        /// length is 0 the gap doubles after each probe, up to 1024 rounds.
         probe_every: usize,
     },
 }
@@ -151,15 +152,16 @@ impl DraftLenPolicy {
             k: match self {
                 DraftLenPolicy::Fixed { draft_len } => *draft_len,
                 DraftLenPolicy::Adaptive { initial, .. } => *initial,
-                DraftLenPolicy::CostModel { max, .. } => (*max).min(4),
+                DraftLenPolicy::CostModel { .. } => 1,
             },
             ewma: None,
             reached: Vec::new(),
             accepted: Vec::new(),
-            draft_secs: 0.0,
-            drafted: 0.0,
-            verify: Vec::new(),
+            draft_costs: Vec::new(),
+            verify_times: Vec::new(),
             rounds: 0,
+            next_probe: 0,
+            probe_gap: 0,
             last_choice: None,
         }
     }
@@ -173,10 +175,14 @@ pub struct Controller {
     ewma: Option<f64>,
     reached: Vec<f64>,
     accepted: Vec<f64>,
-    draft_secs: f64,
-    drafted: f64,
-    verify: Vec<VerifyTiming>,
+    /// Recent per-round seconds per drafted token (a window of `WINDOW`).
+    draft_costs: Vec<f64>,
+    /// Recent per-call seconds by block length (index `m - 1`), a window of `WINDOW` each.
+    verify_times: Vec<Vec<f64>>,
     rounds: u64,
+    /// The round of the next probe, and the current gap between probes (doubling while `k = 0` wins).
+    next_probe: u64,
+    probe_gap: u64,
     last_choice: Option<Choice>,
 }
 
@@ -199,6 +205,29 @@ const PRIOR_WEIGHT: f64 = 2.0;
 const DECAY: f64 = 0.995;
 /// Rounds before the cost model trusts online timings.
 const WARMUP_ROUNDS: u64 = 4;
+/// Recent rounds whose timings the cost model keeps; it uses their medians, which ignore the rare slow
+/// round (a drafter catching up after rounds without speculation, a scheduler hiccup).
+const WINDOW: usize = 32;
+/// Probe only while the best speculative length is predicted within this factor of the best choice.
+const PROBE_THRESHOLD: f64 = 0.9;
+/// The longest gap between probes while speculation does not pay.
+const MAX_PROBE_GAP: u64 = 1024;
+
+fn push_window(v: &mut Vec<f64>, x: f64) {
+    if v.len() == WINDOW {
+        v.remove(0);
+    }
+    v.push(x);
+}
+
+fn median(v: &[f64]) -> Option<f64> {
+    if v.is_empty() {
+        return None;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    Some(s[s.len() / 2])
+}
 
 impl Controller {
     /// The length to draft next.
@@ -214,24 +243,66 @@ impl Controller {
                 let cost = match cost {
                     Some(fixed) => Some((fixed.c, Curve::Fixed(fixed.clone()))),
                     None if self.rounds >= WARMUP_ROUNDS => {
-                        CostProfile::fit(self.draft_secs / self.drafted.max(1.0), &self.verify)
-                            .map(|p| (p.c, Curve::Measured(p)))
+                        self.measured_profile().map(|p| (p.c, Curve::Measured(p)))
                     }
                     None => None,
                 };
                 let Some((c, curve)) = cost else {
+                    // Warm-up: alternate one drafted token and none, which measures r(1), r(2) and c
+                    // without letting a model drafter fall behind.
+                    self.k = usize::from(self.rounds % 2 == 0).min(max);
                     return self.k;
                 };
-                let choice = best_draft_len(&self.acceptance(max), c, |m| curve.r(m));
+                let acceptance = self.acceptance(max);
+                let choice = best_draft_len(&acceptance, c, |m| curve.r(m));
                 self.last_choice = Some(choice);
+                // The best speculative length's predicted rate; a probe is worth its cost only when
+                // speculation is close to paying.
+                let best_speculative = (1..=max)
+                    .map(|k| expected_tokens(&acceptance[..k]) / (k as f64 * c + curve.r(k + 1)))
+                    .fold(0.0, f64::max);
+                let worth_probing = choice.draft_len > 0
+                    || best_speculative >= PROBE_THRESHOLD * choice.tokens_per_step;
                 let mut k = choice.draft_len;
-                if self.rounds % probe_every == probe_every - 1 {
-                    k = if k < max { k + 1 } else { k - 1 };
+                if self.probe_gap == 0 {
+                    self.probe_gap = probe_every;
+                    self.next_probe = self.rounds + probe_every;
+                }
+                if self.rounds >= self.next_probe {
+                    // Measure one length more (or fewer, at the top) than the best. While no
+                    // speculation wins, probes grow rarer: each one costs a drafter catch-up.
+                    if worth_probing {
+                        k = if k < max { k + 1 } else { k - 1 };
+                    }
+                    self.probe_gap = if choice.draft_len == 0 {
+                        (self.probe_gap * 2).min(MAX_PROBE_GAP)
+                    } else {
+                        probe_every
+                    };
+                    self.next_probe = self.rounds + self.probe_gap;
                 }
                 self.k = k;
                 k
             }
         }
+    }
+
+    /// The cost profile from the recent rounds' median timings.
+    fn measured_profile(&self) -> Option<CostProfile> {
+        let c = median(&self.draft_costs).unwrap_or(0.0);
+        let verify: Vec<VerifyTiming> = self
+            .verify_times
+            .iter()
+            .enumerate()
+            .filter_map(|(i, t)| {
+                median(t).map(|secs| VerifyTiming {
+                    m: i + 1,
+                    calls: 1,
+                    secs,
+                })
+            })
+            .collect();
+        CostProfile::fit(c, &verify)
     }
 
     /// The cost model's last decision, if it made one.
@@ -294,20 +365,20 @@ impl Controller {
                     self.reached[i] += 1.0;
                     self.accepted[i] += f64::from(u8::from(i < round.accepted));
                 }
-                self.draft_secs = self.draft_secs * DECAY + round.draft_secs;
-                self.drafted = self.drafted * DECAY + round.drafted as f64;
+                if round.drafted > 0 {
+                    push_window(
+                        &mut self.draft_costs,
+                        round.draft_secs / round.drafted as f64,
+                    );
+                }
                 if round.verified > 0 {
-                    if self.verify.len() < round.verified {
-                        self.verify.resize(round.verified, VerifyTiming::default());
+                    if self.verify_times.len() < round.verified {
+                        self.verify_times.resize(round.verified, Vec::new());
                     }
-                    for t in &mut self.verify {
-                        t.secs *= DECAY;
-                        t.calls = t.calls.min(1_000);
-                    }
-                    let t = &mut self.verify[round.verified - 1];
-                    t.m = round.verified;
-                    t.calls += 1;
-                    t.secs += round.verify_secs;
+                    push_window(
+                        &mut self.verify_times[round.verified - 1],
+                        round.verify_secs,
+                    );
                 }
             }
         }

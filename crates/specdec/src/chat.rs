@@ -44,6 +44,8 @@ pub fn command(args: &ChatArgs, ui: Ui) -> Result<()> {
             }
             _ => {}
         }
+        // Ctrl-C stops the reply being generated; the chat goes on.
+        crate::engine::INTERRUPTED.store(false, std::sync::atomic::Ordering::SeqCst);
         history.push(Message::new("user", line));
         let text = loaded.tokenizer.apply_chat_template(&history)?;
         let prompt = loaded.tokenizer.encode(&text, true)?;

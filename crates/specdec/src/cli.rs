@@ -85,25 +85,25 @@ pub struct DecodeArgs {
     #[arg(long, default_value_t = 256)]
     pub max_tokens: usize,
     /// Temperature; 0 is greedy (the same text as plain greedy decoding, token for token).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub temperature: f32,
     /// Keep the K most likely tokens (0 = all).
     #[arg(long, default_value_t = 0)]
     pub top_k: usize,
     /// Keep the most likely tokens up to this total probability (1 = all).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     pub top_p: f32,
     /// Drop tokens less likely than this fraction of the most likely one (0 = none).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub min_p: f32,
     /// Repetition penalty over the last 64 tokens (1 = off).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     pub repetition_penalty: f32,
     /// Presence penalty (0 = off).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub presence_penalty: f32,
     /// Frequency penalty (0 = off).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub frequency_penalty: f32,
     /// Random seed [default: drawn from the clock, and reported].
     #[arg(long)]
@@ -115,6 +115,9 @@ pub struct DecodeArgs {
     /// Verification of sampled drafts.
     #[arg(long, value_enum, default_value_t = VerifyModeArg::Rejection)]
     pub verify_mode: VerifyModeArg,
+    /// Keep generating past end-of-turn and end-of-text tokens (fixed-length runs).
+    #[arg(long)]
+    pub ignore_eos: bool,
 }
 
 /// `specdec generate`.

@@ -300,7 +300,11 @@ pub fn generate_config(args: &DecodeArgs, tokenizer: &Tokenizer) -> Result<Gener
     });
     let config = GenerateConfig {
         max_new_tokens: args.max_tokens,
-        stop_tokens: tokenizer.stop_tokens().to_vec(),
+        stop_tokens: if args.ignore_eos {
+            Vec::new()
+        } else {
+            tokenizer.stop_tokens().to_vec()
+        },
         sampling,
         seed,
         verify_mode: match args.verify_mode {

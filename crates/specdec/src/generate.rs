@@ -31,7 +31,6 @@ pub fn run(
     config: &GenerateConfig,
     mut sink: Option<&mut dyn Write>,
 ) -> Result<Generation> {
-    INTERRUPTED.store(false, Ordering::SeqCst);
     let mut stream = StreamDecoder::new();
     let mut text = String::new();
     let mut io_error = None;
@@ -153,13 +152,13 @@ pub fn command(args: &GenerateArgs, ui: Ui) -> Result<()> {
             .with_context(|| format!("reading --prompt-file {}", f.display()))?,
         (None, None) => anyhow::bail!("give --prompt TEXT or --prompt-file FILE"),
     };
+    crate::engine::install_ctrl_c();
     let loaded = Loaded::load(&args.model, &[args.decode.drafter], ui)?;
     let config = crate::engine::generate_config(&args.decode, &loaded.tokenizer)?;
     let prompt = loaded.prompt(&prompt_text, args.chat, args.system.as_deref())?;
     let mut target = loaded.target_session();
     let mut drafter = loaded.drafter(args.decode.drafter)?;
     let drafter_name = format!("{:?}", args.decode.drafter).to_lowercase();
-    crate::engine::install_ctrl_c();
     let g = if args.json {
         run(
             &mut target,

@@ -1,0 +1,506 @@
+//! The `specdec` binary against tiny models written by the test: argument errors, the `--json`
+//! schema, greedy identity across drafters, `--drafter none` against the library's plain path, Ctrl-C.
+
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
+use std::ops::ControlFlow;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::sync::Arc;
+
+use candle_core::quantized::GgmlDType;
+use serde_json::Value;
+use specdec_core::{generate, GenerateConfig, NoDraft, SamplingParams};
+use specdec_runtime::testing::TinySpec;
+use specdec_runtime::{Arch, Gguf, LoadOptions, Model, Session, Tokenizer};
+
+struct Fixture {
+    _dir: tempfile::TempDir,
+    target: PathBuf,
+    draft: PathBuf,
+    other_vocab: PathBuf,
+    home: PathBuf,
+}
+
+fn fixture() -> Fixture {
+    let dir = tempfile::tempdir().unwrap();
+    let target = dir.path().join("target.gguf");
+    let draft = dir.path().join("draft.gguf");
+    let other_vocab = dir.path().join("other.gguf");
+    TinySpec {
+        ctx: 4096,
+        ..TinySpec::new(Arch::Qwen2, GgmlDType::Q8_0)
+    }
+    .write(&target)
+    .unwrap();
+    TinySpec {
+        ctx: 4096,
+        ..TinySpec::new(Arch::Qwen2, GgmlDType::Q4_0)
+    }
+    .write(&draft)
+    .unwrap();
+    TinySpec {
+        vocab: 300,
+        ..TinySpec::new(Arch::Qwen2, GgmlDType::Q8_0)
+    }
+    .write(&other_vocab)
+    .unwrap();
+    let home = dir.path().join("home");
+    Fixture {
+        target,
+        draft,
+        other_vocab,
+        home,
+        _dir: dir,
+    }
+}
+
+fn specdec(f: &Fixture, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_specdec"))
+        .args(args)
+        .env("SPECDEC_HOME", &f.home)
+        .output()
+        .unwrap()
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+fn generate_json(f: &Fixture, extra: &[&str]) -> Value {
+    let mut args = vec![
+        "generate",
+        "--quiet",
+        "--json",
+        "--target",
+        s(&f.target),
+        "--draft",
+        s(&f.draft),
+    ];
+    if !extra.contains(&"--prompt") {
+        args.extend_from_slice(&["--prompt", "Hello there, tiny model"]);
+    }
+    args.extend_from_slice(extra);
+    let out = specdec(f, &args);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{args:?} failed: {stderr}");
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn assert_clean_error(out: &Output, needle: &str) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "expected failure, got success: {stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "a panic: {stderr}");
+    assert!(stderr.contains(needle), "stderr lacks {needle:?}: {stderr}");
+    assert!(
+        stderr.lines().filter(|l| l.starts_with("error")).count() == 1,
+        "one error line: {stderr}"
+    );
+}
+
+#[test]
+fn help_documents_every_subcommand() {
+    let f = fixture();
+    for sub in ["generate", "chat", "bench", "fetch"] {
+        let out = specdec(&f, &[sub, "--help"]);
+        assert!(out.status.success());
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(text.contains("Usage"), "{sub}: {text}");
+        if sub != "fetch" {
+            assert!(
+                text.contains("[default: 4096]"),
+                "{sub} shows defaults: {text}"
+            );
+        }
+    }
+}
+
+#[test]
+fn argument_errors_are_one_clear_line() {
+    let f = fixture();
+    let t = s(&f.target);
+    let base = |extra: &[&str]| {
+        let mut a = vec![
+            "generate",
+            "--quiet",
+            "--target",
+            t,
+            "--drafter",
+            "none",
+            "--prompt",
+            "hi",
+        ];
+        a.extend_from_slice(extra);
+        a.into_iter().map(String::from).collect::<Vec<_>>()
+    };
+    let run = |a: Vec<String>| {
+        let refs: Vec<&str> = a.iter().map(String::as_str).collect();
+        specdec(&f, &refs)
+    };
+    assert_clean_error(&run(base(&["--temperature", "-1"])), "temperature");
+    assert_clean_error(&run(base(&["--top-p", "0"])), "top_p");
+    assert_clean_error(&run(base(&["--draft-len", "0"])), "draft-len");
+    assert_clean_error(&run(base(&["--draft-len", "many"])), "draft-len");
+    assert_clean_error(
+        &specdec(
+            &f,
+            &["generate", "--target", "no-such-model", "--prompt", "hi"],
+        ),
+        "unknown model",
+    );
+    assert_clean_error(
+        &specdec(
+            &f,
+            &[
+                "generate",
+                "--target",
+                t,
+                "--draft",
+                s(&f.other_vocab),
+                "--prompt",
+                "hi",
+            ],
+        ),
+        "vocabulary mismatch",
+    );
+    // A prompt longer than the context.
+    let long = "x".repeat(100);
+    assert_clean_error(
+        &specdec(
+            &f,
+            &[
+                "generate",
+                "--target",
+                t,
+                "--drafter",
+                "none",
+                "--prompt-file",
+                "/dev/null",
+            ],
+        ),
+        "empty",
+    );
+    assert_clean_error(
+        &specdec(
+            &f,
+            &["generate", "--target", t, "--prompt-file", "/no/such/file"],
+        ),
+        "/no/such/file",
+    );
+    let mut a = base(&["--ctx", "32"]);
+    a[7] = long;
+    assert_clean_error(&run(a), "context overflow");
+    // A corrupt model file names the file.
+    let bad = f.home.with_file_name("bad.gguf");
+    std::fs::write(&bad, b"GGUF\x03\x00\x00\x00garbage").unwrap();
+    assert_clean_error(
+        &specdec(&f, &["generate", "--target", s(&bad), "--prompt", "hi"]),
+        "bad.gguf",
+    );
+    // Missing prompt: clap's usage error, exit code 2.
+    let out = specdec(&f, &["generate", "--target", t]);
+    assert_eq!(out.status.code(), Some(2));
+    let out = specdec(&f, &["fetch", "no-such-model"]);
+    assert_clean_error(&out, "unknown model");
+}
+
+#[test]
+fn json_output_has_the_documented_schema() {
+    let f = fixture();
+    let v = generate_json(&f, &["--max-tokens", "24", "--draft-len", "3"]);
+    assert!(v["text"].is_string());
+    assert!(v["tokens"].as_array().unwrap().iter().all(Value::is_u64));
+    assert!(
+        ["max_tokens", "stop_token"].contains(&v["stop_reason"].as_str().unwrap()),
+        "{v}"
+    );
+    let stats = &v["stats"];
+    for key in [
+        "prompt_tokens",
+        "generated_tokens",
+        "prefill_s",
+        "decode_s",
+        "decode_tokens_per_s",
+        "rounds",
+        "drafted",
+        "accepted",
+        "acceptance_rate",
+        "mean_accepted_len",
+        "per_position_acceptance",
+        "draft_len_policy",
+        "cost_ratio",
+        "predicted_speedup",
+    ] {
+        assert!(stats.get(key).is_some(), "stats.{key} missing: {stats}");
+    }
+    assert_eq!(stats["draft_len_policy"], "fixed:3");
+    assert_eq!(
+        stats["generated_tokens"].as_u64().unwrap() as usize,
+        v["tokens"].as_array().unwrap().len()
+    );
+    assert!(stats["drafted"].as_u64().unwrap() > 0);
+}
+
+#[test]
+fn greedy_output_is_identical_for_every_drafter() {
+    let f = fixture();
+    let tokens = |drafter: &str, k: &str| {
+        generate_json(
+            &f,
+            &[
+                "--max-tokens",
+                "40",
+                "--ignore-eos",
+                "--drafter",
+                drafter,
+                "--draft-len",
+                k,
+            ],
+        )["tokens"]
+            .clone()
+    };
+    let reference = tokens("none", "4");
+    assert_eq!(reference.as_array().unwrap().len(), 40);
+    for drafter in ["model", "ngram", "hybrid"] {
+        for k in ["1", "3", "8", "auto"] {
+            assert_eq!(
+                tokens(drafter, k),
+                reference,
+                "drafter {drafter}, draft-len {k}"
+            );
+        }
+    }
+}
+
+#[test]
+fn onehot_sampling_is_identical_to_plain_sampling_with_a_seed() {
+    let f = fixture();
+    let run = |drafter: &str| {
+        generate_json(
+            &f,
+            &[
+                "--max-tokens",
+                "30",
+                "--temperature",
+                "0.9",
+                "--top-p",
+                "0.95",
+                "--seed",
+                "7",
+                "--verify-mode",
+                "onehot",
+                "--drafter",
+                drafter,
+            ],
+        )["tokens"]
+            .clone()
+    };
+    let plain = run("none");
+    assert_eq!(run("model"), plain);
+    assert_eq!(run("hybrid"), plain);
+}
+
+#[test]
+fn drafter_none_equals_the_library_target_only_path() {
+    let f = fixture();
+    let v = generate_json(&f, &["--max-tokens", "32", "--drafter", "none"]);
+    let g = Gguf::open(&f.target).unwrap();
+    let tok = Tokenizer::from_gguf(&g).unwrap();
+    let model = Arc::new(Model::from_gguf(&g, &LoadOptions::default()).unwrap());
+    let prompt = tok.encode("Hello there, tiny model", true).unwrap();
+    let config = GenerateConfig {
+        max_new_tokens: 32,
+        sampling: SamplingParams::greedy(),
+        stop_tokens: tok.stop_tokens().to_vec(),
+        ..GenerateConfig::default()
+    };
+    let mut session = Session::new(model, 4096);
+    let out = generate(&mut session, &mut NoDraft, &prompt, &config, &mut |_| {
+        ControlFlow::Continue(())
+    })
+    .unwrap();
+    let got: Vec<u32> = v["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap() as u32)
+        .collect();
+    assert_eq!(got, out.tokens);
+    assert_eq!(
+        v["text"].as_str().unwrap(),
+        tok.decode(&out.tokens).unwrap()
+    );
+}
+
+#[test]
+fn streaming_prints_the_text_and_a_stats_line() {
+    let f = fixture();
+    let out = specdec(
+        &f,
+        &[
+            "generate",
+            "--target",
+            s(&f.target),
+            "--draft",
+            s(&f.draft),
+            "--prompt",
+            "abc",
+            "--max-tokens",
+            "16",
+            "--chat",
+        ],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("tok/s decode"), "{stderr}");
+    assert!(stderr.contains("acceptance"), "{stderr}");
+    let json = generate_json(&f, &["--max-tokens", "16", "--chat", "--prompt", "abc"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        stdout.trim_end_matches('\n'),
+        json["text"].as_str().unwrap()
+    );
+}
+
+#[test]
+fn ctrl_c_stops_generation_and_keeps_the_text() {
+    let f = fixture();
+    let child = Command::new(env!("CARGO_BIN_EXE_specdec"))
+        .args([
+            "generate",
+            "--target",
+            s(&f.target),
+            "--drafter",
+            "none",
+            "--prompt",
+            "go",
+            "--max-tokens",
+            "1000000",
+            "--ctx",
+            "4096",
+            "--ignore-eos",
+        ])
+        .env("SPECDEC_HOME", &f.home)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait for streamed text, then interrupt.
+    let mut child = child;
+    let mut first = [0u8; 1];
+    {
+        use std::io::Read;
+        child
+            .stdout
+            .as_mut()
+            .unwrap()
+            .read_exact(&mut first)
+            .unwrap();
+    }
+    let killed = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status();
+    if !killed.is_ok_and(|s| s.success()) {
+        eprintln!("SKIPPED: cannot send SIGINT on this system");
+        let _ = child.kill();
+        return;
+    }
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("interrupted"), "{stderr}");
+    assert!(
+        !out.stdout.is_empty(),
+        "the text produced before Ctrl-C is printed"
+    );
+}
+
+#[test]
+fn chat_keeps_history_through_the_template() {
+    let f = fixture();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_specdec"))
+        .args([
+            "chat",
+            "--quiet",
+            "--target",
+            s(&f.target),
+            "--draft",
+            s(&f.draft),
+            "--max-tokens",
+            "8",
+        ])
+        .env("SPECDEC_HOME", &f.home)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    {
+        use std::io::Write;
+        let stdin = child.stdin.as_mut().unwrap();
+        stdin.write_all(b"hello\nand again\n/exit\n").unwrap();
+    }
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).lines().count() >= 2,
+        true
+    );
+}
+
+#[test]
+fn real_default_pair_generates_and_matches_plain_decoding() {
+    let (Some(_), Some(_)) = (
+        specdec_runtime::fetch::known("qwen2.5-coder-1.5b-instruct").filter(|m| m.is_present()),
+        specdec_runtime::fetch::known("qwen2.5-coder-0.5b-instruct").filter(|m| m.is_present()),
+    ) else {
+        eprintln!(
+            "SKIPPED: the default pair is not in {} (run `specdec fetch`)",
+            specdec_runtime::fetch::models_dir().display()
+        );
+        return;
+    };
+    let run = |drafter: &str| -> Value {
+        let out = Command::new(env!("CARGO_BIN_EXE_specdec"))
+            .args([
+                "generate",
+                "--quiet",
+                "--json",
+                "--chat",
+                "--prompt",
+                "Write a function that reverses a string in Python.",
+                "--max-tokens",
+                "48",
+                "--drafter",
+                drafter,
+            ])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let plain = run("none");
+    let spec = run("model");
+    assert_eq!(spec["tokens"], plain["tokens"]);
+    assert!(
+        spec["text"].as_str().unwrap().contains("def "),
+        "{}",
+        spec["text"]
+    );
+    assert!(spec["stats"]["accepted"].as_u64().unwrap() > 0);
+}

@@ -210,20 +210,13 @@ pub mod batch {
         pub pos: &'a [usize],
     }
 
-    /// [`verify_rejection`] for every sequence; sequence `b` uses
-    /// `rng.with_lane(b)`.
-    pub fn verify(inputs: &Inputs<'_>, rng: &CounterRng) -> Vec<Verdict> {
+    /// [`verify_rejection`] for every sequence; sequence `b` uses `rng.with_lane(b)`. Slices of the
+    /// wrong length are a [`ShapeMismatch`](crate::Error::ShapeMismatch).
+    pub fn verify(inputs: &Inputs<'_>, rng: &CounterRng) -> crate::Result<Vec<Verdict>> {
+        inputs.check()?;
         let Shape { batch, k, vocab } = inputs.shape;
-        assert_eq!(inputs.draft.len(), batch * k, "draft is [batch, k]");
-        assert_eq!(inputs.q.len(), batch * k * vocab, "q is [batch, k, vocab]");
-        assert_eq!(
-            inputs.p.len(),
-            batch * (k + 1) * vocab,
-            "p is [batch, k + 1, vocab]"
-        );
-        assert_eq!(inputs.pos.len(), batch, "pos is [batch]");
         let mut residual = Vec::new();
-        (0..batch)
+        Ok((0..batch)
             .map(|b| {
                 let q: Vec<Probs> = (0..k)
                     .map(|i| Probs::Dense(row(inputs.q, b * k + i, vocab).to_vec()))
@@ -240,11 +233,47 @@ pub mod batch {
                     &mut residual,
                 )
             })
-            .collect()
+            .collect())
+    }
+
+    impl Inputs<'_> {
+        /// Checks every slice against the shape.
+        pub fn check(&self) -> crate::Result<()> {
+            let Shape { batch, k, vocab } = self.shape;
+            let checks: [(&'static str, usize, usize); 4] = [
+                ("draft [batch, k]", batch * k, self.draft.len()),
+                ("q [batch, k, vocab]", batch * k * vocab, self.q.len()),
+                (
+                    "p [batch, k + 1, vocab]",
+                    batch * (k + 1) * vocab,
+                    self.p.len(),
+                ),
+                ("pos [batch]", batch, self.pos.len()),
+            ];
+            for (what, expected, got) in checks {
+                if expected != got {
+                    return Err(crate::Error::ShapeMismatch {
+                        side: crate::Side::Target,
+                        what,
+                        expected,
+                        got,
+                    });
+                }
+            }
+            if let Some(&token) = self.draft.iter().find(|&&t| t as usize >= vocab) {
+                return Err(crate::Error::TokenOutOfRange {
+                    side: crate::Side::Draft,
+                    token,
+                    vocab,
+                });
+            }
+            Ok(())
+        }
     }
 
     /// Per-entry acceptance probabilities `min(1, p(x)/q(x))` at the drafted tokens: `[batch, k]`.
-    pub fn acceptance_probs(inputs: &Inputs<'_>) -> Vec<f64> {
+    pub fn acceptance_probs(inputs: &Inputs<'_>) -> crate::Result<Vec<f64>> {
+        inputs.check()?;
         let Shape { batch, k, vocab } = inputs.shape;
         let mut out = Vec::with_capacity(batch * k);
         for b in 0..batch {
@@ -255,11 +284,12 @@ pub mod batch {
                 out.push(if qx > 0.0 { (px / qx).min(1.0) } else { 0.0 });
             }
         }
-        out
+        Ok(out)
     }
 
     /// Residuals `max(0, p - q)`, unnormalised: `[batch, k, vocab]`.
-    pub fn residuals(inputs: &Inputs<'_>) -> Vec<f32> {
+    pub fn residuals(inputs: &Inputs<'_>) -> crate::Result<Vec<f32>> {
+        inputs.check()?;
         let Shape { batch, k, vocab } = inputs.shape;
         let mut out = Vec::with_capacity(batch * k * vocab);
         for b in 0..batch {
@@ -269,7 +299,7 @@ pub mod batch {
                 out.extend(p.iter().zip(q).map(|(&p, &q)| (p - q).max(0.0)));
             }
         }
-        out
+        Ok(out)
     }
 
     /// Expected tokens per round for each sequence from per-position acceptance rates `[batch, k]`.
@@ -406,7 +436,7 @@ mod tests {
             pos: &[5, 9],
         };
         let rng = CounterRng::new(3);
-        let verdicts = batch::verify(&inputs, &rng);
+        let verdicts = batch::verify(&inputs, &rng).unwrap();
         let mut r = Vec::new();
         let single = verify_rejection(
             &[2, 0],
@@ -417,12 +447,24 @@ mod tests {
             &mut r,
         );
         assert_eq!(verdicts[1], single);
-        let a = batch::acceptance_probs(&inputs);
+        let a = batch::acceptance_probs(&inputs).unwrap();
         let want = [0.6, 0.75, 1.0, 1.0 / 6.0];
         for (x, w) in a.iter().zip(want) {
             assert!((x - w).abs() < 1e-6, "{a:?}");
         }
-        let res = batch::residuals(&inputs);
+        let res = batch::residuals(&inputs).unwrap();
+        let bad = batch::Inputs {
+            pos: &[5],
+            ..inputs
+        };
+        assert!(matches!(
+            batch::verify(&bad, &rng),
+            Err(crate::Error::ShapeMismatch {
+                expected: 2,
+                got: 1,
+                ..
+            })
+        ));
         assert_eq!(res.len(), 12);
         assert!((res[0] - 0.1).abs() < 1e-6 && res[1] == 0.0);
         let e = batch::expected_tokens(&a, 2);

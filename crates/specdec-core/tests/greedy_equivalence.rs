@@ -9,8 +9,8 @@ use std::ops::ControlFlow;
 
 use specdec_core::mock::{MockLogits, MockModel};
 use specdec_core::{
-    generate, Draft, DraftLenPolicy, DraftRequest, FixedCost, GenerateConfig, HybridDrafter,
-    ModelDrafter, NGramDrafter, NoDraft, Output, Probs, Proposal, SamplingParams, SeqId, TokenId,
+    generate, Draft, DraftLenPolicy, FixedCost, GenerateConfig, HybridDrafter, ModelDrafter,
+    NGramDrafter, NoDraft, Output, SamplingParams, SeqId, TokenId,
 };
 
 const VOCAB: usize = 48;
@@ -20,37 +20,6 @@ fn target_logits() -> MockLogits {
         vocab: VOCAB,
         seed: 11,
         scale: 3.0,
-    }
-}
-
-/// A deterministic model-free drafter: proposes the tokens that followed the last occurrence of the
-/// final token earlier in the context (prompt lookup), one-hot.
-struct Lookup;
-
-impl Draft for Lookup {
-    type Error = std::convert::Infallible;
-    fn vocab_size(&self) -> Option<usize> {
-        None
-    }
-    fn propose(
-        &mut self,
-        batch: &[DraftRequest<'_>],
-        out: &mut [Proposal],
-    ) -> Result<(), Self::Error> {
-        for (req, out) in batch.iter().zip(out) {
-            out.clear();
-            let ctx = req.context;
-            let Some(&last) = ctx.last() else { continue };
-            if let Some(i) = ctx[..ctx.len() - 1].iter().rposition(|&t| t == last) {
-                for &t in ctx[i + 1..].iter().take(req.max_len) {
-                    out.push(t, Probs::OneHot(t));
-                }
-            }
-        }
-        Ok(())
-    }
-    fn commit(&mut self, _: SeqId, _: &[TokenId]) -> Result<(), Self::Error> {
-        Ok(())
     }
 }
 
@@ -165,8 +134,6 @@ fn greedy_speculative_equals_greedy_target_only() {
                             m.emitted + u64::from(!out.tokens.is_empty())
                         );
                     }
-                    let out = run(&mut Lookup, &prompt, &cfg);
-                    assert_eq!(out.tokens, reference.tokens, "lookup, k {k}, prompt {p}");
                     let out = run(&mut NGramDrafter::default(), &prompt, &cfg);
                     assert_eq!(out.tokens, reference.tokens, "ngram, k {k}, prompt {p}");
                     let mut hybrid = HybridDrafter {
@@ -249,4 +216,39 @@ fn the_target_scores_each_round_in_one_call_and_rolls_back() {
     // The draft never drafts more than asked.
     assert!(m.per_position.len() <= 5);
     assert!(drafter.model().stats().calls > 0);
+}
+
+#[test]
+fn early_stop_on_low_draft_confidence_drafts_less_and_stays_lossless() {
+    let prompt = common::prompt(3, 6, VOCAB);
+    let draft = || {
+        ModelDrafter::new(MockModel::new(MockLogits::Perturbed {
+            base: Box::new(target_logits()),
+            seed: 5,
+            noise: 1.0,
+        }))
+    };
+    for params in [SamplingParams::greedy(), SamplingParams::default()] {
+        let config = |min_confidence| GenerateConfig {
+            max_new_tokens: 60,
+            sampling: params.clone(),
+            seed: 3,
+            verify_mode: specdec_core::VerifyMode::OneHot,
+            draft_len: DraftLenPolicy::Fixed { draft_len: 6 },
+            min_confidence,
+            ..GenerateConfig::default()
+        };
+        let all = run(&mut draft(), &prompt, &config(0.0));
+        let confident = run(&mut draft(), &prompt, &config(0.3));
+        assert_eq!(
+            confident.tokens, all.tokens,
+            "early stop must not change the output"
+        );
+        assert!(
+            confident.metrics.drafted < all.metrics.drafted,
+            "{} vs {} drafted",
+            confident.metrics.drafted,
+            all.metrics.drafted
+        );
+    }
 }

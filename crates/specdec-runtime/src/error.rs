@@ -114,6 +114,14 @@ pub enum Error {
         /// The cached length.
         cached: usize,
     },
+    /// Logits were asked for more positions than the block has.
+    #[error("logits for {rows} positions asked from a block of {tokens} tokens")]
+    RowsOutOfRange {
+        /// Rows asked for.
+        rows: usize,
+        /// Tokens in the block.
+        tokens: usize,
+    },
     /// A session was asked to score more than one sequence at once.
     #[error("a session holds one sequence; got a batch of {0}")]
     BatchUnsupported(usize),

@@ -161,7 +161,12 @@ impl Model {
         let m = tokens.len();
         let pos = cache.len();
         cache.reserve(pos, m)?;
-        assert!(logits_rows <= m, "logits for at most the block's rows");
+        if logits_rows > m {
+            return Err(Error::RowsOutOfRange {
+                rows: logits_rows,
+                tokens: m,
+            });
+        }
         let d = c.n_embd;
         // [m, d]
         let mut x = vec![0.0f32; m * d];

@@ -67,12 +67,19 @@ impl Session {
                 capacity: self.cache.capacity(),
             });
         }
+        if rows > tokens.len() {
+            return Err(Error::RowsOutOfRange {
+                rows,
+                tokens: tokens.len(),
+            });
+        }
         let split = tokens.len() - rows;
         let (head, tail) = tokens.split_at(split);
         for chunk in head.chunks(PREFILL_CHUNK) {
             self.step(chunk, 0)?;
         }
-        // The rows with logits go in one pass; prefix them with the rest of the last chunk.
+        // The positions whose logits are wanted go in one pass of their own.
+        self.logits.clear();
         self.step(tail, rows)?;
         Ok(&self.logits)
     }
@@ -81,15 +88,9 @@ impl Session {
         if tokens.is_empty() {
             return Ok(());
         }
-        let before = self.cache.len();
-        if let Err(e) = self
-            .model
-            .forward(&mut self.cache, tokens, rows, &mut self.logits)
-        {
-            // A failed pass leaves the cache as it was.
-            self.cache.truncate(before.min(self.cache.len()))?;
-            return Err(e);
-        }
+        // A failed pass leaves the cache as it was: `forward` marks positions valid only at the end.
+        self.model
+            .forward(&mut self.cache, tokens, rows, &mut self.logits)?;
         self.tokens.extend_from_slice(tokens);
         Ok(())
     }

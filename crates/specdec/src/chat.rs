@@ -8,7 +8,7 @@ use specdec_runtime::Message;
 
 use crate::cli::ChatArgs;
 use crate::engine::{Loaded, Ui};
-use crate::generate::{run, stats_line};
+use crate::generate::{run_to_stdout, stats_line};
 
 /// `specdec chat`.
 pub fn command(args: &ChatArgs, ui: Ui) -> Result<()> {
@@ -49,17 +49,13 @@ pub fn command(args: &ChatArgs, ui: Ui) -> Result<()> {
         history.push(Message::new("user", line));
         let text = loaded.tokenizer.apply_chat_template(&history)?;
         let prompt = loaded.tokenizer.encode(&text, true)?;
-        let mut out = std::io::stdout().lock();
-        let g = run(
+        let g = run_to_stdout(
             &mut target,
             &mut drafter,
             &loaded.tokenizer,
             &prompt,
             &config,
-            Some(&mut out),
         )?;
-        writeln!(out)?;
-        drop(out);
         ui.note(stats_line(&g));
         if let Some(e) = &g.error {
             eprintln!("error: {e}");

@@ -115,6 +115,10 @@ pub struct DecodeArgs {
     /// Verification of sampled drafts.
     #[arg(long, value_enum, default_value_t = VerifyModeArg::Rejection)]
     pub verify_mode: VerifyModeArg,
+    /// End a round's drafting early before a token the draft model gives less than this probability
+    /// (0 = never).
+    #[arg(long, default_value_t = 0.0)]
+    pub min_confidence: f32,
     /// Keep generating past end-of-turn and end-of-text tokens (fixed-length runs).
     #[arg(long)]
     pub ignore_eos: bool,

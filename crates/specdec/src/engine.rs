@@ -312,7 +312,7 @@ pub fn generate_config(args: &DecodeArgs, tokenizer: &Tokenizer) -> Result<Gener
             VerifyModeArg::Onehot => VerifyMode::OneHot,
         },
         draft_len: draft_len_policy(&args.draft_len)?,
-        min_confidence: 0.0,
+        min_confidence: args.min_confidence,
     };
     config.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
     Ok(config)

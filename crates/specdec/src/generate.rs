@@ -75,6 +75,20 @@ pub fn run(
     })
 }
 
+/// [`run`] streaming to stdout, ending the text with a newline.
+pub fn run_to_stdout(
+    target: &mut Session,
+    drafter: &mut Drafter,
+    tokenizer: &Tokenizer,
+    prompt: &[TokenId],
+    config: &GenerateConfig,
+) -> Result<Generation> {
+    let mut out = std::io::stdout().lock();
+    let g = run(target, drafter, tokenizer, prompt, config, Some(&mut out))?;
+    writeln!(out)?;
+    Ok(g)
+}
+
 /// `stop_reason` as the JSON output spells it.
 pub fn stop_reason_name(g: &Generation) -> &'static str {
     match (g.error.as_ref(), g.output.stop_reason) {
@@ -169,17 +183,13 @@ pub fn command(args: &GenerateArgs, ui: Ui) -> Result<()> {
             None,
         )?
     } else {
-        let mut out = std::io::stdout().lock();
-        let g = run(
+        run_to_stdout(
             &mut target,
             &mut drafter,
             &loaded.tokenizer,
             &prompt,
             &config,
-            Some(&mut out),
-        )?;
-        writeln!(out)?;
-        g
+        )?
     };
     if args.json {
         let obj = json!({

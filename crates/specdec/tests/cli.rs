@@ -428,13 +428,13 @@ fn chat_keeps_history_through_the_template() {
     let mut child = Command::new(env!("CARGO_BIN_EXE_specdec"))
         .args([
             "chat",
-            "--quiet",
             "--target",
             s(&f.target),
             "--draft",
             s(&f.draft),
             "--max-tokens",
             "8",
+            "--ignore-eos",
         ])
         .env("SPECDEC_HOME", &f.home)
         .stdin(Stdio::piped())
@@ -448,15 +448,25 @@ fn chat_keeps_history_through_the_template() {
         stdin.write_all(b"hello\nand again\n/exit\n").unwrap();
     }
     let out = child.wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert_eq!(
-        String::from_utf8_lossy(&out.stdout).lines().count() >= 2,
-        true
-    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    // "... (N prompt tokens)" per turn: the second prompt holds the first exchange.
+    let prompts: Vec<usize> = stderr
+        .lines()
+        .filter_map(|l| {
+            l.split(" prompt tokens)")
+                .next()?
+                .rsplit('(')
+                .next()?
+                .parse()
+                .ok()
+        })
+        .collect();
+    assert_eq!(prompts.len(), 2, "{stderr}");
+    // Turn 1: "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n" = 1 + 10 + 1 + 1 + 1 + 10 = 24
+    // tokens on the byte-level tokenizer; turn 2 adds the 8-token reply and the second message.
+    assert_eq!(prompts[0], 24, "{stderr}");
+    assert!(prompts[1] >= prompts[0] + 8 + "and again".len(), "{stderr}");
 }
 
 #[test]

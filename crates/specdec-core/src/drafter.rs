@@ -158,7 +158,7 @@ impl<M: Target> Draft for ModelDrafter<M> {
 fn top_prob(logits: &[f32], scratch: &mut Vec<f32>) -> f32 {
     scratch.clear();
     scratch.extend_from_slice(logits);
-    let (max, _) = kernels::max_checked(scratch);
+    let (max, _, _) = kernels::max_checked(scratch);
     let total = kernels::exp_shift_sum(scratch, max, 1.0);
     (1.0 / total) as f32
 }

@@ -42,17 +42,39 @@ fn combine(acc: [f32; LANES]) -> f64 {
     acc.iter().map(|&v| f64::from(v)).sum()
 }
 
-/// Max and the index of the first non-finite value, if any. A NaN or an infinity makes the sum
-/// non-finite; only then (or if finite values overflow the sum, which the scan tells apart) is the
-/// slice scanned value by value. Two separate passes vectorise; one fused pass did not.
+/// Max, its first index, and the index of the first non-finite value, if any. A NaN or an infinity
+/// makes the sum non-finite; only then (or if finite values overflow the sum, which the scan tells
+/// apart) is the slice scanned value by value. Separate passes vectorise; one fused pass did not.
 #[inline(always)]
-fn max_and_check_generic(x: &[f32]) -> (f32, Option<usize>) {
+fn max_and_check_generic(x: &[f32]) -> (f32, usize, Option<usize>) {
     if !sum_generic(x).is_finite() {
         if let Some(i) = x.iter().position(|v| !v.is_finite()) {
-            return (f32::NAN, Some(i));
+            return (f32::NAN, 0, Some(i));
         }
     }
-    (max_generic(x), None)
+    let (m, i) = max_argmax_generic(x);
+    (m, i, None)
+}
+
+/// Block length of [`max_argmax_generic`].
+const ARGMAX_BLOCK: usize = 256;
+
+/// The maximum and its first index: vector maxima per block, then a search inside the first block
+/// holding the overall maximum.
+#[inline(always)]
+fn max_argmax_generic(x: &[f32]) -> (f32, usize) {
+    let mut best = f32::NEG_INFINITY;
+    let mut best_block = 0;
+    for (b, block) in x.chunks(ARGMAX_BLOCK).enumerate() {
+        let m = max_generic(block);
+        if m > best {
+            best = m;
+            best_block = b;
+        }
+    }
+    let start = best_block * ARGMAX_BLOCK;
+    let end = (start + ARGMAX_BLOCK).min(x.len());
+    (best, start + position_generic(&x[start..end], best))
 }
 
 #[inline(always)]
@@ -98,6 +120,33 @@ fn exp_shift_sum_generic(x: &mut [f32], max: f32, inv_t: f32) -> f64 {
     combine(acc)
 }
 
+/// `dst[i] = exp((src[i] - max) * inv_t)`, returning the sum; the same arithmetic as
+/// [`exp_shift_sum_generic`] without a copy first.
+#[inline(always)]
+fn exp_shift_sum_into_generic(src: &[f32], dst: &mut [f32], max: f32, inv_t: f32) -> f64 {
+    let mut acc = [0.0f32; LANES];
+    let mut out = dst.chunks_exact_mut(LANES);
+    let mut inp = src.chunks_exact(LANES);
+    for (o, c) in (&mut out).zip(&mut inp) {
+        for l in 0..LANES {
+            let e = exp_neg((c[l] - max) * inv_t);
+            o[l] = e;
+            acc[l] += e;
+        }
+    }
+    for (l, (o, &v)) in out
+        .into_remainder()
+        .iter_mut()
+        .zip(inp.remainder())
+        .enumerate()
+    {
+        let e = exp_neg((v - max) * inv_t);
+        *o = e;
+        acc[l] += e;
+    }
+    combine(acc)
+}
+
 #[inline(always)]
 fn scale_generic(x: &mut [f32], s: f32) {
     for v in x {
@@ -124,8 +173,13 @@ fn sum_generic(x: &[f32]) -> f64 {
 /// Index of the maximum; the lowest index wins ties.
 #[inline(always)]
 fn argmax_generic(x: &[f32]) -> usize {
-    let m = max_generic(x);
-    // The first chunk holding the maximum, found with one vector compare per chunk.
+    max_argmax_generic(x).1
+}
+
+/// Index of the first element equal to `m` (0 if none).
+#[inline(always)]
+fn position_generic(x: &[f32], m: f32) -> usize {
+    // The first chunk holding `m`, found with one vector compare per chunk.
     let mut chunks = x.chunks_exact(LANES);
     for (ci, c) in chunks.by_ref().enumerate() {
         let mut hit = 0u32;
@@ -169,8 +223,8 @@ macro_rules! dispatch {
 }
 
 dispatch! {
-    /// The maximum of `x`, or the index of the first NaN or infinity.
-    pub fn max_checked(x: &[f32]) -> (f32, Option<usize>) => max_and_check_generic
+    /// The maximum of `x` and its first index, or the index of the first NaN or infinity.
+    pub fn max_checked(x: &[f32]) -> (f32, usize, Option<usize>) => max_and_check_generic
 }
 dispatch! {
     /// The maximum of `x`, which must be free of NaN.
@@ -179,6 +233,15 @@ dispatch! {
 dispatch! {
     /// Replaces `x[i]` by `exp((x[i] - max) * inv_t)` and returns the sum of the results.
     pub fn exp_shift_sum(x: &mut [f32], max: f32, inv_t: f32) -> f64 => exp_shift_sum_generic
+}
+dispatch! {
+    /// Writes `exp((src[i] - max) * inv_t)` into `dst` and returns the sum: bit-identical to copying
+    /// `src` into `dst` and calling [`exp_shift_sum`].
+    pub fn exp_shift_sum_into(src: &[f32], dst: &mut [f32], max: f32, inv_t: f32) -> f64 => exp_shift_sum_into_generic
+}
+dispatch! {
+    /// The index of the first element equal to `value` (0 if none).
+    pub fn position(x: &[f32], value: f32) -> usize => position_generic
 }
 dispatch! {
     /// Multiplies every element by `s`.
@@ -217,9 +280,11 @@ mod tests {
         let v: Vec<f32> = (0..1003)
             .map(|i| ((i * 7919) % 1000) as f32 * 0.037 - 20.0)
             .collect();
-        let (m, bad) = max_checked(&v);
+        let (m, i, bad) = max_checked(&v);
         assert_eq!(bad, None);
-        assert_eq!((m, None), max_and_check_generic(&v));
+        assert_eq!((m, i, None), max_and_check_generic(&v));
+        assert_eq!(v[i], m);
+        assert!(v[..i].iter().all(|&x| x < m));
         let mut a = v.clone();
         let mut b = v.clone();
         let sa = exp_shift_sum(&mut a, m, 0.7);
@@ -227,6 +292,11 @@ mod tests {
         assert_eq!(sa.to_bits(), sb.to_bits());
         assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()));
         assert_eq!(argmax(&v), argmax_generic(&v));
+        let mut c = vec![0.0f32; v.len()];
+        let sc = exp_shift_sum_into(&v, &mut c, m, 0.7);
+        assert_eq!(sc.to_bits(), sa.to_bits());
+        assert!(a.iter().zip(&c).all(|(x, y)| x.to_bits() == y.to_bits()));
+        assert_eq!(position(&v, m), argmax(&v));
         assert_eq!(sum(&v).to_bits(), sum_generic(&v).to_bits());
     }
 
@@ -244,9 +314,9 @@ mod tests {
     fn non_finite_values_are_found() {
         let mut v = vec![0.0f32; 40];
         v[33] = f32::NAN;
-        assert_eq!(max_checked(&v).1, Some(33));
+        assert_eq!(max_checked(&v).2, Some(33));
         v[33] = 0.0;
         v[2] = f32::INFINITY;
-        assert_eq!(max_checked(&v).1, Some(2));
+        assert_eq!(max_checked(&v).2, Some(2));
     }
 }

@@ -213,7 +213,7 @@ impl Sampler {
     /// The distribution of the next token given `logits` and the committed `history` (for penalties).
     /// Reuses `out`'s buffer when it is already dense.
     pub fn probs(&mut self, logits: &[f32], history: &[TokenId], out: &mut Probs) -> Result<()> {
-        let (max, bad) = kernels::max_checked(logits);
+        let (max, argmax, bad) = kernels::max_checked(logits);
         if let Some(index) = bad {
             return Err(Error::NonFiniteLogits {
                 index,
@@ -222,26 +222,33 @@ impl Sampler {
         }
         let penalties = self.params.has_penalties();
         if self.params.is_greedy() && !penalties {
-            *out = Probs::OneHot(kernels::argmax(logits) as TokenId);
+            *out = Probs::OneHot(argmax as TokenId);
             return Ok(());
         }
         let mut buf = match std::mem::replace(out, Probs::OneHot(0)) {
             Probs::Dense(v) => v,
             Probs::OneHot(_) => Vec::new(),
         };
-        buf.clear();
-        buf.extend_from_slice(logits);
-        let max = if penalties {
-            self.apply_penalties(&mut buf, history);
-            kernels::max(&buf)
+        let inv_t = if self.params.is_greedy() {
+            1.0
         } else {
-            max
+            1.0 / self.params.temperature
         };
-        if self.params.is_greedy() {
-            *out = Probs::OneHot(kernels::argmax(&buf) as TokenId);
-            return Ok(());
-        }
-        let total = kernels::exp_shift_sum(&mut buf, max, 1.0 / self.params.temperature);
+        let total = if penalties {
+            buf.clear();
+            buf.extend_from_slice(logits);
+            self.apply_penalties(&mut buf, history);
+            let max = kernels::max(&buf);
+            if self.params.is_greedy() {
+                *out = Probs::OneHot(kernels::position(&buf, max) as TokenId);
+                return Ok(());
+            }
+            kernels::exp_shift_sum(&mut buf, max, inv_t)
+        } else {
+            // A reused buffer already has the length: no copy and no clearing pass.
+            buf.resize(logits.len(), 0.0);
+            kernels::exp_shift_sum_into(logits, &mut buf, max, inv_t)
+        };
         kernels::scale(&mut buf, (1.0 / total) as f32);
         self.truncate(&mut buf);
         *out = Probs::Dense(buf);
@@ -352,19 +359,25 @@ impl Sampler {
         self.keep.clear();
         let blocks: Vec<f32> = probs.chunks(TOP_BLOCK).map(kernels::max).collect();
         let floor = if n < blocks.len() {
-            let mut b = blocks;
+            let mut b = blocks.clone();
             let (_, nth, _) = b.select_nth_unstable_by(n - 1, |x, y| y.total_cmp(x));
             *nth
         } else {
             f32::NEG_INFINITY
         };
-        self.keep.extend(
-            probs
-                .iter()
-                .enumerate()
-                .filter(|(_, &v)| v >= floor)
-                .map(|(i, &v)| make_key(i, v)),
-        );
+        // Only blocks whose maximum reaches the floor can hold a candidate.
+        for (bi, (block, &bmax)) in probs.chunks(TOP_BLOCK).zip(&blocks).enumerate() {
+            if bmax >= floor {
+                let base = bi * TOP_BLOCK;
+                self.keep.extend(
+                    block
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, &v)| v >= floor)
+                        .map(|(i, &v)| make_key(base + i, v)),
+                );
+            }
+        }
         self.keep.sort_unstable_by(|a, b| b.cmp(a));
         self.keep.truncate(n);
     }

@@ -122,6 +122,9 @@ pub enum Error {
         /// Tokens in the block.
         tokens: usize,
     },
+    /// A score request had no context token to condition on.
+    #[error("a score request needs at least one context token")]
+    EmptyContext,
     /// A session was asked to score more than one sequence at once.
     #[error("a session holds one sequence; got a batch of {0}")]
     BatchUnsupported(usize),

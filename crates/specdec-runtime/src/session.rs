@@ -121,7 +121,7 @@ impl Target for Session {
         };
         let ctx = req.context;
         if ctx.is_empty() {
-            return Err(Error::Rollback { len: 0, cached: 0 });
+            return Err(Error::EmptyContext);
         }
         let total = ctx.len() + req.draft.len();
         if total > self.cache.capacity() {

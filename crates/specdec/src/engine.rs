@@ -144,10 +144,14 @@ impl Loaded {
             }
             None => None,
         };
-        let ctx = args.ctx.min(target.config().ctx_train);
+        // Both sessions must hold the whole sequence, so the shorter trained context bounds it.
+        let trained = draft.as_ref().map_or(target.config().ctx_train, |d| {
+            d.config().ctx_train.min(target.config().ctx_train)
+        });
+        let ctx = args.ctx.min(trained);
         if ctx < args.ctx {
             ui.note(format!(
-                "note: --ctx {} exceeds the target's trained context; using {ctx}",
+                "note: --ctx {} exceeds the models' trained context; using {ctx}",
                 args.ctx
             ));
         }

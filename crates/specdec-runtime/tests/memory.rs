@@ -20,10 +20,7 @@ fn vm_hwm_bytes() -> Option<u64> {
 
 #[test]
 fn default_pair_peak_rss_is_at_most_one_and_a_half_times_the_files() {
-    let (Some(tp), Some(dp)) = (
-        common::real_model("qwen2.5-coder-1.5b-instruct"),
-        common::real_model("qwen2.5-coder-0.5b-instruct"),
-    ) else {
+    let Some((tp, dp)) = common::default_pair() else {
         return;
     };
     let Some(before) = vm_hwm_bytes() else {

@@ -28,10 +28,7 @@ const PROMPTS: [&str; 10] = [
 
 #[test]
 fn default_pair_greedy_speculative_equals_greedy_plain() {
-    let (Some(tp), Some(dp)) = (
-        common::real_model("qwen2.5-coder-1.5b-instruct"),
-        common::real_model("qwen2.5-coder-0.5b-instruct"),
-    ) else {
+    let Some((tp, dp)) = common::default_pair() else {
         return;
     };
     let tg = Gguf::open(&tp).unwrap();

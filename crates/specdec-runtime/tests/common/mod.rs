@@ -55,3 +55,10 @@ pub fn real_model(alias: &str) -> Option<PathBuf> {
         None
     }
 }
+
+/// The default pair's files (target, draft), or `None` after printing why the test is skipped.
+pub fn default_pair() -> Option<(PathBuf, PathBuf)> {
+    let target = real_model("qwen2.5-coder-1.5b-instruct");
+    let draft = real_model("qwen2.5-coder-0.5b-instruct");
+    target.zip(draft)
+}

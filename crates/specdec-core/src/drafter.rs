@@ -16,6 +16,8 @@ pub struct ModelDrafter<M> {
     contexts: Vec<Vec<TokenId>>,
     logits: Vec<Logits>,
     scratch: Vec<f32>,
+    /// Dense buffers of the previous round's draft distributions, reused for the next round's.
+    spare: Vec<Vec<f32>>,
 }
 
 impl<M: Target> ModelDrafter<M> {
@@ -27,6 +29,7 @@ impl<M: Target> ModelDrafter<M> {
             contexts: Vec::new(),
             logits: Vec::new(),
             scratch: Vec::new(),
+            spare: Vec::new(),
         }
     }
 
@@ -58,7 +61,13 @@ impl<M: Target> Draft for ModelDrafter<M> {
         batch: &[DraftRequest<'_>],
         out: &mut [Proposal],
     ) -> Result<(), Self::Error> {
-        out.iter_mut().for_each(Proposal::clear);
+        for p in out.iter_mut() {
+            p.tokens.clear();
+            self.spare.extend(p.probs.drain(..).filter_map(|q| match q {
+                Probs::Dense(v) => Some(v),
+                Probs::OneHot(_) => None,
+            }));
+        }
         let Some(first) = batch.first() else {
             return Ok(());
         };
@@ -78,6 +87,7 @@ impl<M: Target> Draft for ModelDrafter<M> {
             contexts,
             logits,
             scratch,
+            spare,
         } = self;
         let sampler = sampler.as_mut().ok_or(DraftError::NoSampler)?;
         let vocab = model.vocab_size();
@@ -105,7 +115,7 @@ impl<M: Target> Draft for ModelDrafter<M> {
             for (slot, &b) in live.iter().enumerate() {
                 let req = &batch[b];
                 let row = logits[slot].row(0);
-                let mut q = Probs::OneHot(0);
+                let mut q = spare.pop().map_or(Probs::OneHot(0), Probs::Dense);
                 sampler
                     .probs(row, &contexts[b], &mut q)
                     .map_err(DraftError::Sampling)?;

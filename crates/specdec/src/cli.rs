@@ -67,7 +67,7 @@ pub struct ModelArgs {
     /// Draft model: a GGUF path or a known alias (used by --drafter model and hybrid).
     #[arg(long, default_value = DEFAULT_DRAFT)]
     pub draft: String,
-    /// Context size in tokens (prompt + generated), at most the target's trained context.
+    /// Context size in tokens (prompt + generated), at most the trained context of the models loaded.
     #[arg(long, default_value_t = 4096)]
     pub ctx: usize,
     /// CPU threads for the matrix kernels [default: all cores].

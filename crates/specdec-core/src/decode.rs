@@ -31,7 +31,9 @@ pub struct GenerateConfig {
     pub verify_mode: VerifyMode,
     /// How many tokens to draft each round.
     pub draft_len: DraftLenPolicy,
-    /// The drafter stops a round early before a token it is less sure of than this; 0 never stops.
+    /// The drafter ends a round early at a position where its largest probability is below this
+    /// (decided from the draft distribution alone, before drawing, so drafts still follow it); 0
+    /// never stops.
     pub min_confidence: f32,
 }
 

@@ -119,18 +119,24 @@ impl<M: Target> Draft for ModelDrafter<M> {
                 sampler
                     .probs(row, &contexts[b], &mut q)
                     .map_err(DraftError::Sampling)?;
-                let pos = contexts[b].len();
-                let token = q.sample(req.rng.uniform(pos, Stream::Draft));
                 if req.min_confidence > 0.0 {
-                    let confidence = match q {
+                    // Decided from q alone, before sampling. The verifier assumes each drafted token
+                    // is drawn from the q reported with it; a stop that looked at the drawn token
+                    // would keep only the likely draws, and rejection sampling would then be biased.
+                    let confidence = match &q {
                         Probs::OneHot(_) => top_prob(row, scratch),
-                        Probs::Dense(_) => q.prob(token),
+                        Probs::Dense(v) => kernels::max(v),
                     };
                     if confidence < req.min_confidence {
                         active[b] = false;
+                        if let Probs::Dense(v) = q {
+                            spare.push(v);
+                        }
                         continue;
                     }
                 }
+                let pos = contexts[b].len();
+                let token = q.sample(req.rng.uniform(pos, Stream::Draft));
                 out[b].push(token, q);
                 contexts[b].push(token);
                 if out[b].tokens.len() >= req.max_len {

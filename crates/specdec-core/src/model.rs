@@ -117,7 +117,9 @@ pub struct DraftRequest<'a> {
     /// Numbers for drafting come from `rng.uniform(pos, Stream::Draft)`, `pos` being the drafted
     /// token's absolute position.
     pub rng: CounterRng,
-    /// Stop drafting before a token whose draft confidence is below this (0 = never stop early).
+    /// Stop drafting at a position where the draft distribution's largest probability (at
+    /// temperature 1 when decoding greedily) is below this, decided before the token is drawn
+    /// (0 = never stop early).
     pub min_confidence: f32,
 }
 

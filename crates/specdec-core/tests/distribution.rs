@@ -16,8 +16,8 @@ use common::{chi_square, target_probs};
 use specdec_core::mock::{MockLogits, MockModel};
 use specdec_core::verify::{verify_onehot, verify_rejection, Verdict};
 use specdec_core::{
-    generate, CounterRng, DraftLenPolicy, GenerateConfig, ModelDrafter, Probs, SamplingParams,
-    Stream, TokenId, VerifyMode,
+    generate, CounterRng, Draft, DraftLenPolicy, GenerateConfig, HybridDrafter, ModelDrafter,
+    NGramDrafter, Probs, SamplingParams, Stream, TokenId, VerifyMode,
 };
 
 /// The false-failure rate of every test here.
@@ -79,15 +79,18 @@ fn configs() -> Vec<(&'static str, SamplingParams, usize)> {
 /// Exact joint distribution of the first three generated tokens: the first comes from prefill, the
 /// second and third from the first speculative round(s).
 fn exact_joint(params: &SamplingParams) -> Vec<f64> {
-    let logits = target_logits();
+    exact_joint_of(&target_logits(), params)
+}
+
+fn exact_joint_of(logits: &MockLogits, params: &SamplingParams) -> Vec<f64> {
     let mut out = vec![0.0; VOCAB.pow(3)];
-    let p1 = target_probs(&logits, params, &PROMPT);
+    let p1 = target_probs(logits, params, &PROMPT);
     for a in 0..VOCAB {
         let ctx_a: Vec<TokenId> = PROMPT.iter().copied().chain([a as TokenId]).collect();
-        let p2 = target_probs(&logits, params, &ctx_a);
+        let p2 = target_probs(logits, params, &ctx_a);
         for b in 0..VOCAB {
             let ctx_ab: Vec<TokenId> = ctx_a.iter().copied().chain([b as TokenId]).collect();
-            let p3 = target_probs(&logits, params, &ctx_ab);
+            let p3 = target_probs(logits, params, &ctx_ab);
             for c in 0..VOCAB {
                 out[(a * VOCAB + b) * VOCAB + c] = p1[a] * p2[b] * p3[c];
             }
@@ -97,20 +100,34 @@ fn exact_joint(params: &SamplingParams) -> Vec<f64> {
 }
 
 fn sample_joint(mode: VerifyMode, params: &SamplingParams, k: usize, n: u64) -> Vec<u64> {
-    let mut counts = vec![0u64; VOCAB.pow(3)];
-    let mut target = MockModel::new(target_logits());
     let mut drafter = ModelDrafter::new(MockModel::new(draft_logits()));
+    let config = GenerateConfig {
+        sampling: params.clone(),
+        verify_mode: mode,
+        draft_len: DraftLenPolicy::Fixed { draft_len: k },
+        ..GenerateConfig::default()
+    };
+    sample_joint_with(&target_logits(), &mut drafter, &config, n)
+}
+
+/// Counts of the first three generated tokens over `n` seeds, with `drafter` and `base` (its seed
+/// replaced by each run's).
+fn sample_joint_with<D: Draft>(
+    target_logits: &MockLogits,
+    drafter: &mut D,
+    base: &GenerateConfig,
+    n: u64,
+) -> Vec<u64> {
+    let mut counts = vec![0u64; VOCAB.pow(3)];
+    let mut target = MockModel::new(target_logits.clone());
     for seed in 0..n {
         let config = GenerateConfig {
             max_new_tokens: 16,
-            sampling: params.clone(),
             seed,
-            verify_mode: mode,
-            draft_len: DraftLenPolicy::Fixed { draft_len: k },
-            ..GenerateConfig::default()
+            ..base.clone()
         };
         let mut got = Vec::with_capacity(3);
-        let out = generate(&mut target, &mut drafter, &PROMPT, &config, &mut |t| {
+        let out = generate(&mut target, drafter, &PROMPT, &config, &mut |t| {
             got.push(t);
             if got.len() == 3 {
                 ControlFlow::Break(())
@@ -153,6 +170,99 @@ fn speculative_joint_distribution_matches_the_target() {
                 "{mode:?} {name} (2nd token): chi2 {stat:.1} on {df} df, p = {p:.3e}"
             );
         }
+    }
+}
+
+/// Rejection mode must be exact for every drafter option the binary offers: the draft model (with and
+/// without the early stop on low confidence), prompt lookup, and the hybrid of both. One-hot mode is
+/// lossless for any draft, so only rejection mode can catch a drafter whose tokens do not follow the
+/// `q` it reports.
+#[test]
+fn rejection_mode_is_exact_for_every_drafter_option() {
+    let sampled = SamplingParams {
+        temperature: 0.9,
+        ..SamplingParams::default()
+    };
+    for (name, params, k) in [
+        ("t0.9", sampled.clone(), 4),
+        ("t1_topk3", configs()[1].1.clone(), 3),
+    ] {
+        let expected = exact_joint(&params);
+        let config = |min_confidence| GenerateConfig {
+            sampling: params.clone(),
+            verify_mode: VerifyMode::Rejection,
+            draft_len: DraftLenPolicy::Fixed { draft_len: k },
+            min_confidence,
+            ..GenerateConfig::default()
+        };
+        let n = 30_000;
+        let cases: Vec<(&str, Vec<u64>)> = vec![
+            (
+                "model, min_confidence 0.45",
+                sample_joint_with(
+                    &target_logits(),
+                    &mut ModelDrafter::new(MockModel::new(draft_logits())),
+                    &config(0.45),
+                    n,
+                ),
+            ),
+            (
+                "ngram",
+                sample_joint_with(
+                    &target_logits(),
+                    &mut NGramDrafter { min_n: 1, max_n: 2 },
+                    &config(0.0),
+                    n,
+                ),
+            ),
+            (
+                "hybrid, min_confidence 0.45",
+                sample_joint_with(
+                    &target_logits(),
+                    &mut HybridDrafter {
+                        ngram: NGramDrafter { min_n: 1, max_n: 2 },
+                        model: ModelDrafter::new(MockModel::new(draft_logits())),
+                    },
+                    &config(0.45),
+                    n,
+                ),
+            ),
+        ];
+        for (drafter, observed) in cases {
+            let (stat, df, p) = chi_square(&observed, &expected);
+            eprintln!("rejection, {drafter}, {name}: chi2 {stat:.1} on {df} df, p = {p:.3}");
+            assert!(
+                p >= ALPHA,
+                "rejection, {drafter}, {name}: chi2 {stat:.1} on {df} df, p = {p:.3e}"
+            );
+        }
+    }
+}
+
+/// The case of the review that found the bias: q = (0.9, 0.1), p = (0.5, 0.5), threshold 0.5. Deciding
+/// to stop from the token just drafted gave (0.55, 0.45); deciding from q alone keeps (0.5, 0.5).
+#[test]
+fn early_stop_on_low_confidence_keeps_the_target_distribution() {
+    let target = MockLogits::Fixed(vec![0.0, 0.0, -100.0, -100.0, -100.0]);
+    let draft = MockLogits::Fixed(vec![0.9f32.ln(), 0.1f32.ln(), -100.0, -100.0, -100.0]);
+    let params = SamplingParams::default();
+    let expected = exact_joint_of(&target, &params);
+    for k in [1, 3] {
+        let config = GenerateConfig {
+            sampling: params.clone(),
+            verify_mode: VerifyMode::Rejection,
+            draft_len: DraftLenPolicy::Fixed { draft_len: k },
+            min_confidence: 0.5,
+            ..GenerateConfig::default()
+        };
+        let mut drafter = ModelDrafter::new(MockModel::new(draft.clone()));
+        let observed = sample_joint_with(&target, &mut drafter, &config, 20_000);
+        let (stat, df, p) = chi_square(&observed, &expected);
+        eprintln!("early stop, k {k}: chi2 {stat:.1} on {df} df, p = {p:.3}");
+        assert!(
+            p >= ALPHA,
+            "early stop, k {k}: chi2 {stat:.1} on {df} df, p = {p:.3e}"
+        );
     }
 }
 

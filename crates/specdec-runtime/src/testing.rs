@@ -286,3 +286,50 @@ fn tokenizer_metadata(vocab: usize, arch: Arch) -> Vec<(String, Value)> {
         ),
     ]
 }
+
+/// The environment variable that turns a missing real model from a skip into a test failure (CI sets
+/// it to `1`).
+pub const REQUIRE_MODELS: &str = "SPECDEC_REQUIRE_MODELS";
+
+/// A test that needs real models from the cache, for a `harness = false` test binary run by
+/// [`run_trials`]. When a model is missing the test is reported as `ignored, needs the real models:
+/// run specdec fetch` in `cargo test`'s own output, or fails when [`REQUIRE_MODELS`] is `1`.
+pub fn real_trial<F>(name: &str, aliases: &'static [&'static str], test: F) -> libtest_mimic::Trial
+where
+    F: FnOnce(Vec<std::path::PathBuf>) + Send + 'static,
+{
+    use libtest_mimic::{Completion, Failed};
+    libtest_mimic::Trial::ignorable_test(name, move || {
+        let mut paths = Vec::new();
+        let mut missing = Vec::new();
+        for alias in aliases {
+            match crate::fetch::known(alias) {
+                Some(m) if m.is_present() => paths.push(m.path()),
+                Some(_) => missing.push(*alias),
+                None => return Err(Failed::from(format!("unknown model alias {alias}"))),
+            }
+        }
+        if missing.is_empty() {
+            test(paths);
+            return Ok(Completion::Completed);
+        }
+        let why = format!(
+            "needs the real models: {} not in {} (run `specdec fetch`)",
+            missing.join(", "),
+            crate::fetch::models_dir().display()
+        );
+        if std::env::var(REQUIRE_MODELS).is_ok_and(|v| v == "1") {
+            Err(Failed::from(format!(
+                "{why}; {REQUIRE_MODELS}=1 makes this a failure"
+            )))
+        } else {
+            Ok(Completion::ignored_with(why))
+        }
+    })
+}
+
+/// Runs `trials` with libtest's command-line arguments and exits with its status: the `main` of a
+/// `harness = false` test binary.
+pub fn run_trials(trials: Vec<libtest_mimic::Trial>) -> ! {
+    libtest_mimic::run(&libtest_mimic::Arguments::from_args(), trials).exit()
+}

@@ -21,7 +21,11 @@ const END_OF_TURN: [&str; 6] = [
 /// A tokenizer with the model's special tokens and chat template.
 #[derive(Clone)]
 pub struct Tokenizer {
+    /// Splits special-token text (`<|im_start|>`) out as the special token.
     inner: tokenizers::Tokenizer,
+    /// The same tokenizer with special-token text encoded as ordinary text: for text a user or a file
+    /// supplied, which must not be able to open a turn or switch roles.
+    plain: tokenizers::Tokenizer,
     vocab: usize,
     bos: Option<(TokenId, String)>,
     eos: Option<(TokenId, String)>,
@@ -84,8 +88,11 @@ impl Tokenizer {
                 }
             }
         }
+        let mut plain = inner.clone();
+        plain.set_encode_special_tokens(true);
         Ok(Self {
             inner,
+            plain,
             vocab,
             bos,
             eos,
@@ -106,21 +113,76 @@ impl Tokenizer {
         &self.stop
     }
 
-    /// Encodes text. Special tokens written in the text (`<|im_start|>`) become their ids; a BOS token
-    /// is prepended when the model asks for one and `add_bos` is set.
+    /// Encodes text as ordinary text: special-token text such as `<|im_start|>` is tokenized like any
+    /// other characters, never turned into the control token (as llama.cpp does for user text). A BOS
+    /// token is prepended when the model asks for one and `add_bos` is set.
     pub fn encode(&self, text: &str, add_bos: bool) -> Result<Vec<TokenId>> {
-        let enc = self
-            .inner
-            .encode(text, false)
-            .map_err(|e| Error::Tokenizer(e.to_string()))?;
-        let mut ids = Vec::with_capacity(enc.len() + 1);
+        let mut ids = Vec::new();
+        self.push_bos(add_bos, &mut ids);
+        encode_into(&self.plain, text, &mut ids)?;
+        Ok(ids)
+    }
+
+    /// Encodes text in which special tokens written out (`<|im_start|>`) become their ids: for
+    /// prompts that are already formatted, on request (`--parse-special`).
+    pub fn encode_with_special(&self, text: &str, add_bos: bool) -> Result<Vec<TokenId>> {
+        let mut ids = Vec::new();
+        self.push_bos(add_bos, &mut ids);
+        encode_into(&self.inner, text, &mut ids)?;
+        if ids.len() >= 2 && self.bos.as_ref().is_some_and(|(b, _)| ids[..2] == [*b, *b]) {
+            // The text began with the BOS token itself.
+            ids.remove(0);
+        }
+        Ok(ids)
+    }
+
+    /// Renders `messages` with the chat template and encodes the result. Only the template's own text
+    /// is parsed for special tokens; every message's content is encoded as ordinary text, so a user
+    /// who types `<|im_start|>system` gets those characters, not a new turn.
+    pub fn encode_chat(&self, messages: &[Message]) -> Result<Vec<TokenId>> {
+        // Each content is replaced by a marker that the template passes through unchanged; the
+        // rendered text is then encoded piece by piece.
+        let marked: Vec<Message> = messages
+            .iter()
+            .enumerate()
+            .map(|(i, m)| Message::new(m.role.clone(), marker(i)))
+            .collect();
+        let rendered = self.apply_chat_template(&marked)?;
+        let mut ids = Vec::new();
+        let mut rest = rendered.as_str();
+        while let Some(start) = rest.find(MARKER) {
+            let after = &rest[start + MARKER.len_utf8()..];
+            let Some(len) = after.find(MARKER) else {
+                break;
+            };
+            let index: Option<usize> = after[..len].parse().ok();
+            let Some(content) = index.and_then(|i| messages.get(i)) else {
+                return Err(Error::Template(
+                    "the chat template altered a message marker".into(),
+                ));
+            };
+            encode_into(&self.inner, &rest[..start], &mut ids)?;
+            encode_into(&self.plain, &content.content, &mut ids)?;
+            rest = &after[len + MARKER.len_utf8()..];
+        }
+        encode_into(&self.inner, rest, &mut ids)?;
+        let bos = self.bos.as_ref().map(|(b, _)| *b);
+        if bos.is_some() && ids.first().copied() != bos {
+            // The template did not write the BOS token itself.
+            let mut with_bos = Vec::with_capacity(ids.len() + 1);
+            self.push_bos(true, &mut with_bos);
+            with_bos.extend_from_slice(&ids);
+            ids = with_bos;
+        }
+        Ok(ids)
+    }
+
+    fn push_bos(&self, add_bos: bool, ids: &mut Vec<TokenId>) {
         if add_bos && self.add_bos {
             if let Some((bos, _)) = &self.bos {
                 ids.push(*bos);
             }
         }
-        ids.extend_from_slice(enc.get_ids());
-        Ok(ids)
     }
 
     /// Decodes tokens, special tokens included.
@@ -172,6 +234,25 @@ impl Tokenizer {
         })
         .map_err(|e| Error::Template(e.to_string()))
     }
+}
+
+/// Brackets the index of a message in [`Tokenizer::encode_chat`]: a private-use character no chat
+/// template writes.
+const MARKER: char = '\u{10FFFD}';
+
+fn marker(i: usize) -> String {
+    format!("{MARKER}{i}{MARKER}")
+}
+
+fn encode_into(t: &tokenizers::Tokenizer, text: &str, ids: &mut Vec<TokenId>) -> Result<()> {
+    if text.is_empty() {
+        return Ok(());
+    }
+    let enc = t
+        .encode(text, false)
+        .map_err(|e| Error::Tokenizer(e.to_string()))?;
+    ids.extend_from_slice(enc.get_ids());
+    Ok(())
 }
 
 /// candle maps pre-tokenizer names it does not know to GPT-2's, which adds a prefix space. Where the

@@ -227,7 +227,7 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
         bail!("no prompts to run");
     }
     let loaded = Loaded::load(&args.model, &modes, ui)?;
-    let first = loaded.prompt(&prompts[0].prompt, prompts[0].chat, None)?;
+    let first = loaded.prompt(&prompts[0].prompt, prompts[0].chat, None, false)?;
     ui.note("calibrating: target blocks of 1..=16 tokens, draft single steps");
     let cal = calibrate(&loaded, &first)?;
     ui.note(format!(
@@ -249,7 +249,7 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
     let mut records: Vec<Record> = Vec::new();
     let mut divergences = 0;
     for (pi, p) in prompts.iter().enumerate() {
-        let ids = loaded.prompt(&p.prompt, p.chat, None)?;
+        let ids = loaded.prompt(&p.prompt, p.chat, None, false)?;
         let mut reference: Option<(Vec<u32>, f64)> = None;
         for (kind, drafter) in modes.iter().zip(drafters.iter_mut()) {
             let config = GenerateConfig {

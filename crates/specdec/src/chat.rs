@@ -47,8 +47,7 @@ pub fn command(args: &ChatArgs, ui: Ui) -> Result<()> {
         // Ctrl-C stops the reply being generated; the chat goes on.
         crate::engine::INTERRUPTED.store(false, std::sync::atomic::Ordering::SeqCst);
         history.push(Message::new("user", line));
-        let text = loaded.tokenizer.apply_chat_template(&history)?;
-        let prompt = loaded.tokenizer.encode(&text, true)?;
+        let prompt = loaded.tokenizer.encode_chat(&history)?;
         let g = run_to_stdout(
             &mut target,
             &mut drafter,

@@ -149,6 +149,11 @@ pub struct GenerateArgs {
     /// System message for --chat [default: the template's own].
     #[arg(long, requires = "chat")]
     pub system: Option<String>,
+    /// Turn special-token text written in the prompt (`<|im_start|>`) into the special tokens, for a
+    /// prompt that is already formatted. Without it, such text is ordinary text; with --chat only the
+    /// template inserts special tokens.
+    #[arg(long, conflicts_with = "chat")]
+    pub parse_special: bool,
     /// Print one JSON object (text, tokens, stop reason, statistics) instead of streaming.
     #[arg(long)]
     pub json: bool,

@@ -188,19 +188,28 @@ impl Loaded {
         })
     }
 
-    /// Encodes a prompt, through the chat template when asked.
-    pub fn prompt(&self, text: &str, chat: bool, system: Option<&str>) -> Result<Vec<TokenId>> {
-        let text = if chat {
+    /// Encodes a prompt: as a user message through the chat template, or as text. Special-token text
+    /// in the prompt or the system message becomes special tokens only with `parse_special` (raw
+    /// prompts); the chat template alone inserts them otherwise.
+    pub fn prompt(
+        &self,
+        text: &str,
+        chat: bool,
+        system: Option<&str>,
+        parse_special: bool,
+    ) -> Result<Vec<TokenId>> {
+        let ids = if chat {
             let mut messages = Vec::new();
             if let Some(s) = system {
                 messages.push(specdec_runtime::Message::new("system", s));
             }
             messages.push(specdec_runtime::Message::new("user", text));
-            self.tokenizer.apply_chat_template(&messages)?
+            self.tokenizer.encode_chat(&messages)?
+        } else if parse_special {
+            self.tokenizer.encode_with_special(text, true)?
         } else {
-            text.to_string()
+            self.tokenizer.encode(text, true)?
         };
-        let ids = self.tokenizer.encode(&text, true)?;
         if ids.is_empty() {
             bail!("the prompt is empty");
         }

@@ -169,7 +169,12 @@ pub fn command(args: &GenerateArgs, ui: Ui) -> Result<()> {
     crate::engine::install_ctrl_c();
     let loaded = Loaded::load(&args.model, &[args.decode.drafter], ui)?;
     let config = crate::engine::generate_config(&args.decode, &loaded.tokenizer)?;
-    let prompt = loaded.prompt(&prompt_text, args.chat, args.system.as_deref())?;
+    let prompt = loaded.prompt(
+        &prompt_text,
+        args.chat,
+        args.system.as_deref(),
+        args.parse_special,
+    )?;
     let mut target = loaded.target_session();
     let mut drafter = loaded.drafter(args.decode.drafter)?;
     let drafter_name = format!("{:?}", args.decode.drafter).to_lowercase();

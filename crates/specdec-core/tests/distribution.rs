@@ -266,6 +266,61 @@ fn early_stop_on_low_confidence_keeps_the_target_distribution() {
     }
 }
 
+/// The bias that `early_stop_on_low_confidence_keeps_the_target_distribution` guards against: a drafter
+/// that draws from q = (0.9, 0.1) but drops a draw q gives less than 0.5, so its drafts do not follow
+/// the q it reports. The same chi-square test must reject it.
+#[derive(Debug)]
+struct StopsOnUnlikelyDraws;
+
+impl Draft for StopsOnUnlikelyDraws {
+    type Error = std::convert::Infallible;
+
+    fn vocab_size(&self) -> Option<usize> {
+        Some(VOCAB)
+    }
+
+    fn propose(
+        &mut self,
+        batch: &[specdec_core::DraftRequest<'_>],
+        out: &mut [specdec_core::Proposal],
+    ) -> Result<(), Self::Error> {
+        let q = dense([0.9, 0.1, 0.0, 0.0, 0.0]);
+        for (req, out) in batch.iter().zip(out) {
+            out.clear();
+            for i in 0..req.max_len {
+                let pos = req.context.len() + i;
+                let token = q.sample(req.rng.uniform(pos, Stream::Draft));
+                if q.prob(token) < 0.5 {
+                    break;
+                }
+                out.push(token, q.clone());
+            }
+        }
+        Ok(())
+    }
+
+    fn commit(&mut self, _seq: specdec_core::SeqId, _c: &[TokenId]) -> Result<(), Self::Error> {
+        Ok(())
+    }
+}
+
+#[test]
+fn a_drafter_biased_by_its_own_draws_is_caught() {
+    let target = MockLogits::Fixed(vec![0.0, 0.0, -100.0, -100.0, -100.0]);
+    let params = SamplingParams::default();
+    let expected = exact_joint_of(&target, &params);
+    let config = GenerateConfig {
+        sampling: params,
+        verify_mode: VerifyMode::Rejection,
+        draft_len: DraftLenPolicy::Fixed { draft_len: 1 },
+        ..GenerateConfig::default()
+    };
+    let observed = sample_joint_with(&target, &mut StopsOnUnlikelyDraws, &config, 20_000);
+    let (stat, df, p) = chi_square(&observed, &expected);
+    eprintln!("biased drafter: chi2 {stat:.1} on {df} df, p = {p:.3e}");
+    assert!(p < ALPHA, "the biased drafter passed with p = {p:.3e}");
+}
+
 // --- One round at the level of the verify functions, with a pluggable verifier. ---
 
 type Verifier = fn(&[TokenId], &[Probs], &[Probs], &CounterRng, usize) -> Verdict;

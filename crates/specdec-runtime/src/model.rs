@@ -143,6 +143,22 @@ impl Model {
         l + self.embd.size_in_bytes() + self.output.as_ref().map_or(0, QWeight::size_in_bytes)
     }
 
+    /// The distinct types of the matrices as loaded (after any re-quantisation), embedding and
+    /// output included: the kernels a forward pass runs.
+    pub fn matrix_types(&self) -> Vec<GgmlDType> {
+        let mut types: Vec<GgmlDType> = Vec::new();
+        let layers = self
+            .layers
+            .iter()
+            .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]);
+        for w in layers.chain([&self.embd]).chain(self.output.as_ref()) {
+            if !types.contains(&w.dtype()) {
+                types.push(w.dtype());
+            }
+        }
+        types
+    }
+
     /// A KV cache sized for this model.
     pub fn cache(&self, capacity: usize) -> KvCache {
         KvCache::new(self.config.n_layer, self.config.kv_dim(), capacity)

@@ -23,33 +23,66 @@ fn tokens(n: usize, vocab: usize, seed: u32) -> Vec<u32> {
         .collect()
 }
 
+/// Block sizes that cross the tile boundaries of multi-row kernels (1, 2, 4, 8, 16 rows and one past).
+const BLOCK_SIZES: [usize; 9] = [1, 2, 3, 4, 5, 8, 9, 16, 17];
+
+/// Scores `toks[3..]` as one block after a 3-token prefix, for every size in [`BLOCK_SIZES`], and
+/// checks every row against the same positions fed one token at a time.
+fn check_block_equals_single(model: &Arc<Model>, what: &str) {
+    let vocab = model.config().vocab;
+    let toks = tokens(3 + 17, vocab, 1);
+    let mut single = Session::new(model.clone(), 64);
+    let mut one_by_one = Vec::new();
+    for &t in &toks {
+        one_by_one.extend_from_slice(single.feed(&[t], 1).unwrap());
+    }
+    for m in BLOCK_SIZES {
+        let mut block = Session::new(model.clone(), 64);
+        block.feed(&toks[..3], 1).unwrap();
+        let got = block.feed(&toks[3..3 + m], m).unwrap();
+        let want = &one_by_one[3 * vocab..(3 + m) * vocab];
+        assert_eq!(got.len(), want.len(), "{what}, m {m}");
+        let differ = got
+            .iter()
+            .zip(want)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        assert_eq!(
+            differ, 0,
+            "{what}: {differ} logits of a block of {m} differ from single-token scoring"
+        );
+        assert!(got.iter().all(|v| v.is_finite()), "{what}, m {m}");
+    }
+}
+
+/// The kernels really exercised, per file type: what the model runs after loading. Q5_0 and Q5_1
+/// files are re-quantised to Q8_0 by default, so they are also checked as loaded as they are.
 #[test]
 fn block_logits_equal_single_token_logits_bit_for_bit() {
+    use GgmlDType::*;
     for spec in all_specs() {
-        let model = tiny_model(&spec);
-        let vocab = model.config().vocab;
-        let toks = tokens(12, vocab, 1);
-        // One token at a time.
-        let mut single = Session::new(model.clone(), 64);
-        let mut one_by_one = Vec::new();
-        for &t in &toks {
-            one_by_one.extend_from_slice(single.feed(&[t], 1).unwrap());
+        let (_dir, path) = tiny(&spec);
+        for requantize_q5 in [true, false] {
+            if !requantize_q5 && !matches!(spec.dtype, Q5_0 | Q5_1) {
+                continue;
+            }
+            let model = Arc::new(Model::load(&path, &LoadOptions { requantize_q5 }).unwrap());
+            let expected = match spec.dtype {
+                Q5_0 | Q5_1 if requantize_q5 => vec![Q8_0, spec.dtype],
+                other => vec![other],
+            };
+            let mut loaded = model.matrix_types();
+            loaded.sort_by_key(|t| format!("{t:?}"));
+            let mut expected_sorted = expected.clone();
+            expected_sorted.sort_by_key(|t| format!("{t:?}"));
+            // The embedding table keeps the file's type; the other matrices are as listed.
+            assert_eq!(loaded, expected_sorted, "{:?} {:?}", spec.arch, spec.dtype);
+            let what = format!(
+                "{:?} {:?} file, {:?} kernels",
+                spec.arch, spec.dtype, expected[0]
+            );
+            check_block_equals_single(&model, &what);
         }
-        // A 4-token prefix, then a block of 8 with logits for every row.
-        let mut block = Session::new(model.clone(), 64);
-        let mut got = block.feed(&toks[..4], 4).unwrap().to_vec();
-        got.extend_from_slice(block.feed(&toks[4..], 8).unwrap());
-        assert_eq!(got.len(), 12 * vocab, "{:?} {:?}", spec.arch, spec.dtype);
-        let same = got
-            .iter()
-            .zip(&one_by_one)
-            .all(|(a, b)| a.to_bits() == b.to_bits());
-        assert!(
-            same,
-            "{:?} {:?}: block and single-token logits differ",
-            spec.arch, spec.dtype
-        );
-        assert!(got.iter().all(|v| v.is_finite()));
     }
 }
 

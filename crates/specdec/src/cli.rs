@@ -115,8 +115,8 @@ pub struct DecodeArgs {
     /// Verification of sampled drafts.
     #[arg(long, value_enum, default_value_t = VerifyModeArg::Rejection)]
     pub verify_mode: VerifyModeArg,
-    /// End a round's drafting early before a token the draft model gives less than this probability
-    /// (0 = never).
+    /// End a round's drafting early at a position where the draft model's most likely token has less
+    /// than this probability (decided before drawing, so sampled drafts stay exact; 0 = never).
     #[arg(long, default_value_t = 0.0)]
     pub min_confidence: f32,
     /// Keep generating past end-of-turn and end-of-text tokens (fixed-length runs).

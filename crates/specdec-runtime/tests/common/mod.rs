@@ -32,6 +32,7 @@ pub fn all_specs() -> Vec<TinySpec> {
             GgmlDType::Q4_0,
             GgmlDType::Q4_1,
             GgmlDType::Q5_0,
+            GgmlDType::Q5_1,
             GgmlDType::Q4K,
             GgmlDType::Q5K,
             GgmlDType::Q6K,

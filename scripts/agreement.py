@@ -6,7 +6,17 @@ by the `gguf` Python package (llama.cpp's own reader and dequantisers), written 
 not from specdec's code. Both sides score the same tokens; the script reports top-1 agreement and the
 mean absolute difference of log-probabilities, and exits non-zero below the thresholds.
 
-    python3 scripts/agreement.py MODEL.gguf [--min-top1 0.99] [--text FILE]
+    python3 scripts/agreement.py MODEL.gguf [--min-top1 0.99] [--max-dlogp 1e-4] [--text FILE]
+
+Rope follows llama.cpp's `rope_ext`: the angle of position p, pair i is
+p * freq_scale * base^(-2i/rope_dim) / rope_freqs[i], where freq_scale = 1 / `rope.scaling.factor` (or the
+older `rope.scale_linear`) for linear scaling (the default type; `none` ignores the factor) and
+`rope_freqs.weight` (Llama 3.1+) holds per-pair factors. Head sizes come from `attention.key_length`.
+Any other scaling type is refused, as specdec refuses it.
+
+`--max-dlogp` bounds the mean |dlogp| over the vocabulary: with an F32 model (no quantised activations
+on either side) the two should agree to float rounding, so a small bound checks rope, scaling and head
+sizes tightly, not just the argmax.
 
 Needs `pip install numpy gguf` and a release build of the `dump_logits` example
 (`cargo build --release -p specdec-runtime --example dump_logits`).
@@ -90,10 +100,19 @@ def tensor(reader, name):
     return None
 
 
-def rope(x, pos, theta, dim, neox):
-    # x: [T, H, D]
-    half = dim // 2
-    inv = theta ** (-np.arange(0, half, dtype=np.float64) * 2.0 / dim)
+def rope_inv_freq(theta, dim, freq_scale, factors):
+    """Frequency of each dimension pair: freq_scale * theta^(-2i/dim) / factors[i] (llama.cpp)."""
+    inv = freq_scale * theta ** (-np.arange(0, dim // 2, dtype=np.float64) * 2.0 / dim)
+    if factors is not None:
+        assert factors.shape == (dim // 2,), f"rope_freqs.weight has shape {factors.shape}, expected {(dim // 2,)}"
+        inv = inv / factors.astype(np.float64)
+    return inv
+
+
+def rope(x, pos, inv, neox):
+    # x: [T, H, D]; rotates the first 2 * len(inv) dimensions of each head.
+    half = len(inv)
+    dim = 2 * half
     ang = np.outer(pos.astype(np.float64), inv)  # [T, half]
     cos = np.cos(ang)[:, None, :].astype(np.float32)
     sin = np.sin(ang)[:, None, :].astype(np.float32)
@@ -124,7 +143,19 @@ def reference_logits(path, ids):
     eps, theta = float(get("attention.layer_norm_rms_epsilon")), float(get("rope.freq_base", 10000.0))
     emb = tensor(r, "token_embd.weight")
     d = emb.shape[1]
-    hd = d // n_head
+    hd = int(get("attention.key_length", d // n_head))
+    if int(get("attention.value_length", hd)) != hd:
+        sys.exit("attention.value_length != attention.key_length is not implemented here either")
+    rope_dim = int(get("rope.dimension_count", hd))
+    # llama.cpp: the factor from rope.scaling.factor, else rope.scale_linear; type linear by default.
+    factor = float(get("rope.scaling.factor", get("rope.scale_linear", 0.0)))
+    kind = get("rope.scaling.type", "linear")
+    if kind not in ("linear", "none"):
+        sys.exit(f"rope scaling type {kind!r} is not implemented here either")
+    freq_scale = 1.0 / factor if kind == "linear" and factor != 0.0 else 1.0
+    inv = rope_inv_freq(theta, rope_dim, freq_scale, tensor(r, "rope_freqs.weight"))
+    print(f"  head size {hd}, rope dims {rope_dim}, scaling {kind} freq_scale {freq_scale}, "
+          f"rope_freqs {'yes' if tensor(r, 'rope_freqs.weight') is not None else 'no'}", file=sys.stderr)
     neox = arch == "qwen2"
     x = emb[np.array(ids)]
     T = len(ids)
@@ -136,8 +167,8 @@ def reference_logits(path, ids):
         q, k, v = h @ p("attn_q.weight").T, h @ p("attn_k.weight").T, h @ p("attn_v.weight").T
         if arch == "qwen2":
             q, k, v = q + p("attn_q.bias"), k + p("attn_k.bias"), v + p("attn_v.bias")
-        q = rope(q.reshape(T, n_head, hd), pos, theta, hd, neox)
-        k = rope(k.reshape(T, n_kv, hd), pos, theta, hd, neox)
+        q = rope(q.reshape(T, n_head, hd), pos, inv, neox)
+        k = rope(k.reshape(T, n_kv, hd), pos, inv, neox)
         v = v.reshape(T, n_kv, hd)
         rep = n_head // n_kv
         k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
@@ -167,6 +198,8 @@ def main():
     ap.add_argument("model")
     ap.add_argument("--text")
     ap.add_argument("--min-top1", type=float, default=0.99)
+    ap.add_argument("--max-dlogp", type=float, default=None,
+                    help="fail if the mean |dlogp| over the vocabulary exceeds this")
     ap.add_argument("--bin", default="target/release/examples/dump_logits")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -187,12 +220,14 @@ def main():
     nll_o = -lo[np.arange(len(ids) - 1), ids[1:]].mean()
     nll_r = -lr[np.arange(len(ids) - 1), ids[1:]].mean()
     print(f"positions {len(ids)}  top-1 agreement {top1:.4f}  "
-          f"mean |dlogp| at the reference's top token {at_ref_top:.4f}  over the vocabulary {full:.4f}  "
+          f"mean |dlogp| at the reference's top token {at_ref_top:.4g}  over the vocabulary {full:.4g}  "
           f"text NLL ours {nll_o:.4f} reference {nll_r:.4f}")
     if len(ids) < 200:
         sys.exit(f"only {len(ids)} positions; need at least 200")
     if top1 < args.min_top1:
         sys.exit(f"top-1 agreement {top1:.4f} is below {args.min_top1}")
+    if args.max_dlogp is not None and not full <= args.max_dlogp:
+        sys.exit(f"mean |dlogp| over the vocabulary {full:.3g} is above {args.max_dlogp}")
 
 
 if __name__ == "__main__":

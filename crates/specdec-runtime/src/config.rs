@@ -1,9 +1,39 @@
 //! The model configuration: every GGUF metadata key the runtime reads, in one place.
 
+use candle_core::quantized::gguf_file::Value;
 use serde::Serialize;
 
 use crate::error::{Error, Result};
 use crate::gguf::Gguf;
+
+/// `{arch}.` keys the configuration reads and implements.
+const READ_KEYS: &[&str] = &[
+    "block_count",
+    "embedding_length",
+    "feed_forward_length",
+    "attention.head_count",
+    "attention.head_count_kv",
+    "attention.key_length",
+    // Accepted only when equal to `attention.key_length`.
+    "attention.value_length",
+    "attention.layer_norm_rms_epsilon",
+    "rope.freq_base",
+    "rope.dimension_count",
+    "rope.scaling.type",
+    "rope.scaling.factor",
+    "rope.scale_linear",
+    "context_length",
+];
+
+/// `{arch}.` keys known not to change the forward pass: informational, or used by llama.cpp only to pick
+/// defaults (the trained context before scaling, whether the model was fine-tuned with scaling).
+const INERT_KEYS: &[&str] = &[
+    "vocab_size",
+    "rope.scaling.original_context_length",
+    "rope.scaling.finetuned",
+    // Old converters' note that q and k were permuted for llama.cpp's rope, which is what we expect.
+    "tensor_data_layout",
+];
 
 /// A supported architecture.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -25,6 +55,31 @@ pub enum RopeStyle {
     Neox,
 }
 
+/// How rope angles are stretched to run past the trained context (besides the per-dimension factors of
+/// a `rope_freqs.weight` tensor, which the model reads with its weights).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RopeScaling {
+    /// The angle of position `p`, pair `i` is `p * base^(-2i/rope_dim)`.
+    None,
+    /// Linear (position-interpolation) scaling: every angle is divided by `factor`, as llama.cpp's
+    /// `freq_scale = 1 / factor`.
+    Linear {
+        /// `{arch}.rope.scaling.factor` (or the older `{arch}.rope.scale_linear`).
+        factor: f32,
+    },
+}
+
+impl RopeScaling {
+    /// The multiplier of every rope angle: `1 / factor`.
+    pub fn freq_scale(&self) -> f64 {
+        match self {
+            RopeScaling::None => 1.0,
+            RopeScaling::Linear { factor } => 1.0 / f64::from(*factor),
+        }
+    }
+}
+
 /// Hyper-parameters of a decoder-only transformer.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct ModelConfig {
@@ -40,7 +95,8 @@ pub struct ModelConfig {
     pub n_head: usize,
     /// `{arch}.attention.head_count_kv` (defaults to `n_head`).
     pub n_head_kv: usize,
-    /// `{arch}.attention.key_length` (defaults to `n_embd / n_head`).
+    /// `{arch}.attention.key_length` (defaults to `n_embd / n_head`), the size of every query, key and
+    /// value head; `{arch}.attention.value_length` must equal it.
     pub head_dim: usize,
     /// `{arch}.feed_forward_length`.
     pub n_ff: usize,
@@ -50,6 +106,8 @@ pub struct ModelConfig {
     pub rope_dim: usize,
     /// How rope pairs dimensions (by architecture).
     pub rope_style: RopeStyle,
+    /// `{arch}.rope.scaling.type` and `{arch}.rope.scaling.factor`.
+    pub rope_scaling: RopeScaling,
     /// `{arch}.attention.layer_norm_rms_epsilon`.
     pub rms_eps: f32,
     /// `{arch}.context_length`: the trained context.
@@ -62,6 +120,10 @@ pub struct ModelConfig {
 
 impl ModelConfig {
     /// Reads the configuration from GGUF metadata; the vocabulary comes from the embedding table.
+    ///
+    /// Every `{arch}.` key must be one the runtime implements or one known not to change the forward
+    /// pass; any other key (sliding windows, mixtures of experts, YaRN, logit soft-capping, ...) is
+    /// [`Error::UnsupportedKey`], never silently ignored.
     pub fn from_gguf(g: &Gguf) -> Result<Self> {
         let arch_name = g.str("general.architecture")?.to_string();
         let arch = match arch_name.as_str() {
@@ -74,6 +136,7 @@ impl ModelConfig {
                 })
             }
         };
+        check_keys(g, &arch_name)?;
         let key = |k: &str| format!("{arch_name}.{k}");
         let n_embd = g.usize(&key("embedding_length"))?;
         let n_head = g.usize(&key("attention.head_count"))?;
@@ -90,6 +153,11 @@ impl ModelConfig {
         let head_dim = g
             .usize_opt(&key("attention.key_length"))?
             .unwrap_or(n_embd / n_head);
+        if let Some(v) = g.usize_opt(&key("attention.value_length"))? {
+            if v != head_dim {
+                return Err(unsupported(g, &key("attention.value_length")));
+            }
+        }
         let rope_dim = g
             .usize_opt(&key("rope.dimension_count"))?
             .unwrap_or(head_dim);
@@ -104,6 +172,7 @@ impl ModelConfig {
             Arch::Llama => (crate::arch::llama::ROPE, false),
             Arch::Qwen2 => (crate::arch::qwen2::ROPE, true),
         };
+        let rope_scaling = rope_scaling(g, &key)?;
         let vocab = g
             .tensor_info("token_embd.weight")?
             .shape
@@ -123,6 +192,7 @@ impl ModelConfig {
             rope_theta: g.f32_opt(&key("rope.freq_base"))?.unwrap_or(10_000.0),
             rope_dim,
             rope_style,
+            rope_scaling,
             rms_eps: g.f32(&key("attention.layer_norm_rms_epsilon"))?,
             ctx_train: g.usize(&key("context_length"))?,
             vocab,
@@ -138,5 +208,99 @@ impl ModelConfig {
     /// Width of the query projection.
     pub fn q_dim(&self) -> usize {
         self.n_head * self.head_dim
+    }
+}
+
+/// Rejects every `{arch}.` key that is neither read nor known to leave the forward pass unchanged.
+/// Keys are visited in sorted order so the error is the same on every run.
+fn check_keys(g: &Gguf, arch: &str) -> Result<()> {
+    let prefix = format!("{arch}.");
+    let mut keys: Vec<(&str, &Value)> = g
+        .content()
+        .metadata
+        .iter()
+        .filter(|(k, _)| k.starts_with(&prefix))
+        .map(|(k, v)| (k.as_str(), v))
+        .collect();
+    keys.sort_by(|a, b| a.0.cmp(b.0));
+    for (k, v) in keys {
+        let rest = &k[prefix.len()..];
+        if READ_KEYS.contains(&rest) || INERT_KEYS.contains(&rest) {
+            continue;
+        }
+        // Keys whose default value leaves a dense llama-style model as it is.
+        let neutral = match rest {
+            "expert_count" | "expert_used_count" => g.usize(k).is_ok_and(|n| n == 0),
+            "rope.scaling.attn_factor" => g.f32(k).is_ok_and(|f| f == 1.0),
+            "attention.causal" => matches!(v, Value::Bool(true)),
+            _ => false,
+        };
+        if !neutral {
+            return Err(unsupported(g, k));
+        }
+    }
+    Ok(())
+}
+
+/// Linear scaling as llama.cpp reads it: the factor from `rope.scaling.factor`, else the older
+/// `rope.scale_linear`; the type defaults to linear, and `none` ignores the factor.
+fn rope_scaling(g: &Gguf, key: &dyn Fn(&str) -> String) -> Result<RopeScaling> {
+    let mut factor = None;
+    for k in [key("rope.scaling.factor"), key("rope.scale_linear")] {
+        if let Some(f) = g.f32_opt(&k)? {
+            if !(f.is_finite() && f > 0.0) {
+                return Err(Error::BadKey {
+                    path: g.path().to_path_buf(),
+                    key: k,
+                    expected: "a positive, finite rope scaling factor",
+                });
+            }
+            factor = Some(f);
+            break;
+        }
+    }
+    let type_key = key("rope.scaling.type");
+    let kind = if g.has(&type_key) {
+        g.str(&type_key)?
+    } else {
+        "linear"
+    };
+    match (kind, factor) {
+        ("none", _) | ("linear", None) => Ok(RopeScaling::None),
+        ("linear", Some(factor)) => Ok(RopeScaling::Linear { factor }),
+        _ => Err(unsupported(g, &type_key)),
+    }
+}
+
+/// [`Error::UnsupportedKey`] for `key`, with its value as the file has it.
+fn unsupported(g: &Gguf, key: &str) -> Error {
+    let value = g
+        .content()
+        .metadata
+        .get(key)
+        .map_or_else(|| "(absent)".to_string(), show);
+    Error::UnsupportedKey {
+        path: g.path().to_path_buf(),
+        key: key.to_string(),
+        value,
+    }
+}
+
+/// A metadata value for an error message: strings quoted, arrays by length.
+fn show(v: &Value) -> String {
+    match v {
+        Value::U8(x) => x.to_string(),
+        Value::I8(x) => x.to_string(),
+        Value::U16(x) => x.to_string(),
+        Value::I16(x) => x.to_string(),
+        Value::U32(x) => x.to_string(),
+        Value::I32(x) => x.to_string(),
+        Value::U64(x) => x.to_string(),
+        Value::I64(x) => x.to_string(),
+        Value::F32(x) => x.to_string(),
+        Value::F64(x) => x.to_string(),
+        Value::Bool(x) => x.to_string(),
+        Value::String(s) => format!("{s:?}"),
+        Value::Array(a) => format!("an array of {} values", a.len()),
     }
 }

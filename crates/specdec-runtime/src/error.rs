@@ -40,6 +40,37 @@ pub enum Error {
         /// What was expected.
         expected: &'static str,
     },
+    /// A metadata key changes the forward pass in a way this runtime does not implement (a sliding
+    /// window, experts, YaRN, soft-capping, value heads of another size, ...): running the model anyway
+    /// would give wrong logits without a sign.
+    #[error("{}: GGUF key `{key}` = {value} changes the model in a way specdec does not implement", path.display())]
+    UnsupportedKey {
+        /// The file.
+        path: PathBuf,
+        /// The key.
+        key: String,
+        /// Its value, as the file has it.
+        value: String,
+    },
+    /// A tensor the forward pass would not read (a q/k norm, an extra bias, ...): the model needs
+    /// something this runtime does not implement.
+    #[error("{}: tensor `{name}` is not used by specdec's forward pass; the model needs something specdec does not implement", path.display())]
+    UnsupportedTensor {
+        /// The file.
+        path: PathBuf,
+        /// The tensor.
+        name: String,
+    },
+    /// A tensor holds values outside their valid range.
+    #[error("{}: tensor `{name}` is invalid: expected {expected}", path.display())]
+    BadTensor {
+        /// The file.
+        path: PathBuf,
+        /// The tensor.
+        name: String,
+        /// What was expected.
+        expected: &'static str,
+    },
     /// The architecture is not one this runtime implements.
     #[error("{}: unsupported architecture `{arch}` (supported: llama, qwen2)", path.display())]
     UnsupportedArch {

@@ -8,6 +8,7 @@
 //! drafted tokens equals k single-token steps bit for bit, which is what makes greedy speculative
 //! output identical to greedy plain output on real models.
 
+use std::collections::HashSet;
 use std::path::Path;
 
 use candle_core::quantized::GgmlDType;
@@ -57,6 +58,7 @@ pub struct Model {
     norm: Vec<f32>,
     /// `None` when the output projection is tied to the embedding.
     output: Option<QWeight>,
+    /// The rope frequency of each dimension pair, scaling included (see [`inv_freq`]).
     inv_freq: Vec<f64>,
 }
 
@@ -70,6 +72,7 @@ impl Model {
     /// Loads the weights of an open GGUF file.
     pub fn from_gguf(g: &Gguf, options: &LoadOptions) -> Result<Self> {
         let c = ModelConfig::from_gguf(g)?;
+        check_tensors(g, &c)?;
         let prep = |w: QWeight| -> Result<QWeight> {
             if options.requantize_q5 && matches!(w.dtype(), GgmlDType::Q5_0 | GgmlDType::Q5_1) {
                 w.requantize(GgmlDType::Q8_0)
@@ -109,10 +112,20 @@ impl Model {
         } else {
             None
         };
-        let half = c.rope_dim / 2;
-        let inv_freq = (0..half)
-            .map(|i| f64::from(c.rope_theta).powf(-(2.0 * i as f64) / c.rope_dim as f64))
-            .collect();
+        let rope_freqs = if g.has_tensor(ROPE_FREQS) {
+            let f = g.vector(ROPE_FREQS, c.rope_dim / 2)?;
+            if !f.iter().all(|x| x.is_finite() && *x > 0.0) {
+                return Err(Error::BadTensor {
+                    path: g.path().to_path_buf(),
+                    name: ROPE_FREQS.to_string(),
+                    expected: "positive, finite rope frequency factors",
+                });
+            }
+            Some(f)
+        } else {
+            None
+        };
+        let inv_freq = inv_freq(&c, rope_freqs.as_deref());
         Ok(Self {
             norm: g.vector("output_norm.weight", c.n_embd)?,
             config: c,
@@ -280,6 +293,74 @@ impl Model {
     }
 }
 
+/// Per-dimension-pair divisors of the rope frequencies (Llama 3.1 and later), `[rope_dim / 2]`.
+const ROPE_FREQS: &str = "rope_freqs.weight";
+
+/// The rope frequency of pair `i`, as llama.cpp's `rope_ext`:
+/// `freq_scale * base^(-2i / rope_dim) / factor_i`, with `freq_scale = 1 / linear factor` and
+/// `factor_i` from `rope_freqs.weight` (1 without it). The angle of position `p` is `p * inv_freq[i]`.
+fn inv_freq(c: &ModelConfig, factors: Option<&[f32]>) -> Vec<f64> {
+    let scale = c.rope_scaling.freq_scale();
+    (0..c.rope_dim / 2)
+        .map(|i| {
+            let f = scale * f64::from(c.rope_theta).powf(-(2.0 * i as f64) / c.rope_dim as f64);
+            factors.map_or(f, |ff| f / f64::from(ff[i]))
+        })
+        .collect()
+}
+
+/// Rejects tensors the forward pass would not read: a model that carries them (q/k norms, output
+/// biases, a second set of experts, ...) needs something this runtime does not implement.
+fn check_tensors(g: &Gguf, c: &ModelConfig) -> Result<()> {
+    let mut known: HashSet<String> = [
+        "token_embd.weight",
+        "output_norm.weight",
+        "output.weight",
+        ROPE_FREQS,
+    ]
+    .into_iter()
+    .map(String::from)
+    .collect();
+    let per_layer: &[&str] = &[
+        "attn_norm.weight",
+        "attn_q.weight",
+        "attn_k.weight",
+        "attn_v.weight",
+        "attn_output.weight",
+        "ffn_norm.weight",
+        "ffn_gate.weight",
+        "ffn_up.weight",
+        "ffn_down.weight",
+    ];
+    let biases: &[&str] = if c.qkv_bias {
+        &["attn_q.bias", "attn_k.bias", "attn_v.bias"]
+    } else {
+        &[]
+    };
+    for i in 0..c.n_layer {
+        known.extend(
+            per_layer
+                .iter()
+                .chain(biases)
+                .map(|s| format!("blk.{i}.{s}")),
+        );
+    }
+    let mut unknown: Vec<&String> = g
+        .content()
+        .tensor_infos
+        .keys()
+        .filter(|n| !known.contains(*n))
+        .collect();
+    unknown.sort();
+    match unknown.first() {
+        Some(name) => Err(Error::UnsupportedTensor {
+            path: g.path().to_path_buf(),
+            name: name.to_string(),
+        }),
+        None => Ok(()),
+    }
+}
+
 /// Causal attention for rows at positions `pos..pos + m`: row `i` attends to keys `0..=pos + i`
 /// exactly, in order, with no mask, so its result is independent of the other rows.
 fn attention(
@@ -372,5 +453,50 @@ fn add(x: &mut [f32], y: &[f32]) {
 fn add_rows(x: &mut [f32], bias: &[f32]) {
     for row in x.chunks_exact_mut(bias.len()) {
         add(row, bias);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{Arch, RopeScaling};
+
+    fn config(rope_scaling: RopeScaling) -> ModelConfig {
+        ModelConfig {
+            arch: Arch::Llama,
+            name: String::new(),
+            n_layer: 1,
+            n_embd: 8,
+            n_head: 1,
+            n_head_kv: 1,
+            head_dim: 8,
+            n_ff: 8,
+            rope_theta: 10_000.0,
+            rope_dim: 8,
+            rope_style: RopeStyle::Interleaved,
+            rope_scaling,
+            rms_eps: 1e-6,
+            ctx_train: 16,
+            vocab: 8,
+            qkv_bias: false,
+        }
+    }
+
+    #[test]
+    fn inv_freq_follows_llama_cpp() {
+        let plain = inv_freq(&config(RopeScaling::None), None);
+        for (i, f) in plain.iter().enumerate() {
+            assert!((f - 10f64.powi(-(i as i32))).abs() < 1e-15, "{i}: {f}");
+        }
+        let ones = inv_freq(&config(RopeScaling::None), Some(&[1.0; 4]));
+        assert_eq!(ones, plain, "factors of 1 change nothing, bit for bit");
+        let linear1 = inv_freq(&config(RopeScaling::Linear { factor: 1.0 }), None);
+        assert_eq!(linear1, plain);
+        let linear = inv_freq(&config(RopeScaling::Linear { factor: 4.0 }), None);
+        let factors = inv_freq(&config(RopeScaling::None), Some(&[1.0, 2.0, 4.0, 8.0]));
+        for i in 0..4 {
+            assert_eq!(linear[i], plain[i] / 4.0);
+            assert_eq!(factors[i], plain[i] / f64::from(1u32 << i));
+        }
     }
 }

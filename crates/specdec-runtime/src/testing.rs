@@ -18,7 +18,9 @@ pub const SPECIALS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
 pub const CHATML: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
 
 /// The shape and type of a tiny model.
-#[derive(Clone, Debug, PartialEq)]
+///
+/// Not `PartialEq`: candle's metadata [`Value`] (in `extra_keys`) does not implement it.
+#[derive(Clone, Debug)]
 pub struct TinySpec {
     /// The architecture.
     pub arch: Arch,
@@ -42,6 +44,47 @@ pub struct TinySpec {
     pub seed: u64,
     /// Omit `output.weight` (tied to the embedding).
     pub tied: bool,
+    /// `attention.key_length` = `attention.value_length`: a head size other than `n_embd / n_head`
+    /// (`None`: the default, and the keys are not written).
+    pub head_dim: Option<usize>,
+    /// A `rope_freqs.weight` tensor (Llama 3.1 per-pair frequency divisors), `[head_dim / 2]`; see
+    /// [`llama3_rope_freqs`].
+    pub rope_freqs: Option<Vec<f32>>,
+    /// `rope.scaling.type` and `rope.scaling.factor`, e.g. `("linear", 2.0)`.
+    pub rope_scaling: Option<(String, f32)>,
+    /// More metadata, written after the standard keys (a repeated key overrides on reading); names
+    /// are complete (`llama.attention.sliding_window`).
+    pub extra_keys: Vec<(String, Value)>,
+    /// More 1-D f32 tensors, written after the model's own.
+    pub extra_tensors: Vec<(String, Vec<f32>)>,
+}
+
+/// Llama 3.1's rope frequency factors (what `convert_hf_to_gguf.py` writes into `rope_freqs.weight`):
+/// 1 for wavelengths below `original_ctx / high_freq_factor`, `factor` above
+/// `original_ctx / low_freq_factor`, a smooth blend between.
+pub fn llama3_rope_freqs(
+    theta: f32,
+    rope_dim: usize,
+    factor: f32,
+    (low_freq_factor, high_freq_factor): (f32, f32),
+    original_ctx: usize,
+) -> Vec<f32> {
+    let ctx = original_ctx as f64;
+    let (low, high) = (f64::from(low_freq_factor), f64::from(high_freq_factor));
+    (0..rope_dim / 2)
+        .map(|i| {
+            let freq = f64::from(theta).powf(-(2.0 * i as f64) / rope_dim as f64);
+            let wavelen = 2.0 * std::f64::consts::PI / freq;
+            if wavelen < ctx / high {
+                1.0
+            } else if wavelen > ctx / low {
+                factor
+            } else {
+                let smooth = (ctx / wavelen - low) / (high - low);
+                (1.0 / ((1.0 - smooth) / f64::from(factor) + smooth)) as f32
+            }
+        })
+        .collect()
 }
 
 impl TinySpec {
@@ -60,6 +103,11 @@ impl TinySpec {
             ctx: 512,
             seed: 1,
             tied: arch == Arch::Llama,
+            head_dim: None,
+            rope_freqs: None,
+            rope_scaling: None,
+            extra_keys: Vec::new(),
+            extra_tensors: Vec::new(),
         }
     }
 
@@ -70,7 +118,8 @@ impl TinySpec {
             Arch::Llama => "llama",
             Arch::Qwen2 => "qwen2",
         };
-        let head_dim = self.n_embd / self.n_head;
+        let head_dim = self.head_dim.unwrap_or(self.n_embd / self.n_head);
+        let q_dim = self.n_head * head_dim;
         let kv = self.n_head_kv * head_dim;
         let mut meta: Vec<(String, Value)> = vec![
             ("general.architecture".into(), Value::String(name.into())),
@@ -105,7 +154,20 @@ impl TinySpec {
                 Value::U32(self.ctx as u32),
             ),
         ];
+        if let Some(hd) = self.head_dim {
+            for k in ["key_length", "value_length"] {
+                meta.push((format!("{name}.attention.{k}"), Value::U32(hd as u32)));
+            }
+        }
+        if let Some((kind, factor)) = &self.rope_scaling {
+            meta.push((
+                format!("{name}.rope.scaling.type"),
+                Value::String(kind.clone()),
+            ));
+            meta.push((format!("{name}.rope.scaling.factor"), Value::F32(*factor)));
+        }
         meta.extend(tokenizer_metadata(self.vocab, self.arch));
+        meta.extend(self.extra_keys.iter().cloned());
         let mut rng_pos = 0usize;
         let rng = CounterRng::new(self.seed);
         let mut values = |n: usize, scale: f32, center: f32| -> Vec<f32> {
@@ -141,8 +203,8 @@ impl TinySpec {
             )?;
             push(
                 n("attn_q.weight"),
-                values(self.n_embd * self.n_embd, w, 0.0),
-                &[self.n_embd, self.n_embd],
+                values(q_dim * self.n_embd, w, 0.0),
+                &[q_dim, self.n_embd],
                 self.dtype,
             )?;
             push(
@@ -160,8 +222,8 @@ impl TinySpec {
             if self.arch == Arch::Qwen2 {
                 push(
                     n("attn_q.bias"),
-                    values(self.n_embd, 0.1, 0.0),
-                    &[self.n_embd],
+                    values(q_dim, 0.1, 0.0),
+                    &[q_dim],
                     GgmlDType::F32,
                 )?;
                 push(
@@ -179,8 +241,8 @@ impl TinySpec {
             }
             push(
                 n("attn_output.weight"),
-                values(self.n_embd * self.n_embd, w, 0.0),
-                &[self.n_embd, self.n_embd],
+                values(self.n_embd * q_dim, w, 0.0),
+                &[self.n_embd, q_dim],
                 self.dtype,
             )?;
             push(
@@ -222,6 +284,17 @@ impl TinySpec {
                 &[self.vocab, self.n_embd],
                 self.dtype,
             )?;
+        }
+        if let Some(f) = &self.rope_freqs {
+            push(
+                "rope_freqs.weight".into(),
+                f.clone(),
+                &[f.len()],
+                GgmlDType::F32,
+            )?;
+        }
+        for (name, data) in &self.extra_tensors {
+            push(name.clone(), data.clone(), &[data.len()], GgmlDType::F32)?;
         }
         let meta_refs: Vec<(&str, &Value)> = meta.iter().map(|(k, v)| (k.as_str(), v)).collect();
         let tensor_refs: Vec<(&str, &QTensor)> =

@@ -422,20 +422,13 @@ fn ctrl_c_stops_generation_and_keeps_the_text() {
     );
 }
 
-#[test]
-fn chat_keeps_history_through_the_template() {
-    let f = fixture();
+/// Runs `specdec chat` on the tiny pair with `extra` flags, types `input`, and returns the exit
+/// status's success and stderr.
+fn chat_session(f: &Fixture, extra: &[&str], input: &str) -> (bool, String) {
+    let mut args = vec!["chat", "--target", s(&f.target), "--draft", s(&f.draft)];
+    args.extend_from_slice(extra);
     let mut child = Command::new(env!("CARGO_BIN_EXE_specdec"))
-        .args([
-            "chat",
-            "--target",
-            s(&f.target),
-            "--draft",
-            s(&f.draft),
-            "--max-tokens",
-            "8",
-            "--ignore-eos",
-        ])
+        .args(&args)
         .env("SPECDEC_HOME", &f.home)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -445,11 +438,24 @@ fn chat_keeps_history_through_the_template() {
     {
         use std::io::Write;
         let stdin = child.stdin.as_mut().unwrap();
-        stdin.write_all(b"hello\nand again\n/exit\n").unwrap();
+        stdin.write_all(input.as_bytes()).unwrap();
     }
     let out = child.wait_with_output().unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stderr}");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn chat_keeps_history_through_the_template() {
+    let f = fixture();
+    let (ok, stderr) = chat_session(
+        &f,
+        &["--max-tokens", "8", "--ignore-eos"],
+        "hello\nand again\n/exit\n",
+    );
+    assert!(ok, "{stderr}");
     // "... (N prompt tokens)" per turn: the second prompt holds the first exchange.
     let prompts: Vec<usize> = stderr
         .lines()
@@ -496,13 +502,22 @@ fn turn_stats(stderr: &str) -> Vec<(usize, usize)> {
 #[test]
 fn chat_drops_the_oldest_turns_when_the_context_fills() {
     let f = fixture();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_specdec"))
-        .args([
-            "chat",
-            "--target",
-            s(&f.target),
-            "--draft",
-            s(&f.draft),
+    // On the byte-level tokenizer every turn adds ~60 + 32 tokens and more; 256 holds about two.
+    let turns: Vec<String> = (1..=6)
+        .map(|i| format!("message {i}: {}", "tell me more about this. ".repeat(2)))
+        .collect();
+    let mut input = String::new();
+    for (i, t) in turns.iter().enumerate() {
+        input.push_str(&format!("{t}\n"));
+        if i == 3 {
+            // Too long even alone: refused, and the chat goes on.
+            input.push_str(&format!("{}\n", "x".repeat(300)));
+        }
+    }
+    input.push_str("/exit\n");
+    let (ok, stderr) = chat_session(
+        &f,
+        &[
             "--system",
             "be brief",
             "--ctx",
@@ -510,32 +525,10 @@ fn chat_drops_the_oldest_turns_when_the_context_fills() {
             "--max-tokens",
             "32",
             "--ignore-eos",
-        ])
-        .env("SPECDEC_HOME", &f.home)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    // On the byte-level tokenizer every turn adds ~60 + 32 tokens and more; 256 holds about two.
-    let turns: Vec<String> = (1..=6)
-        .map(|i| format!("message {i}: {}", "tell me more about this. ".repeat(2)))
-        .collect();
-    {
-        use std::io::Write;
-        let stdin = child.stdin.as_mut().unwrap();
-        for (i, t) in turns.iter().enumerate() {
-            writeln!(stdin, "{t}").unwrap();
-            if i == 3 {
-                // Too long even alone: refused, and the chat goes on.
-                writeln!(stdin, "{}", "x".repeat(300)).unwrap();
-            }
-        }
-        writeln!(stdin, "/exit").unwrap();
-    }
-    let out = child.wait_with_output().unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stderr}");
+        ],
+        &input,
+    );
+    assert!(ok, "{stderr}");
     let stats = turn_stats(&stderr);
     assert_eq!(stats.len(), turns.len(), "{stderr}");
     for (prompt, generated) in &stats {

@@ -165,8 +165,8 @@ pub struct CostProfile {
 
 impl CostProfile {
     /// The slope assumed when only one block length was measured: r(m) = 1 + 0.15 (m - 1), r(8) = 2.05.
-    /// An optimistic prior (llama.cpp's r(8) on two cores is about 3.8, and specdec's row-by-row kernels
-    /// measure about 4.4), so that speculation is tried until two block lengths are measured.
+    /// An optimistic prior, so that speculation is tried until two block lengths are measured: on this
+    /// project's two-core machines `specdec bench` calibrates about 4.4 with the row-by-row kernels.
     pub const PRIOR_SLOPE: f64 = 0.15;
 
     /// Fits `t(m) = t1 (1 + slope (m - 1))` by least squares to the measured per-call times (weighted by

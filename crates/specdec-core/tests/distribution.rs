@@ -118,6 +118,17 @@ fn sample_joint_with<D: Draft>(
     base: &GenerateConfig,
     n: u64,
 ) -> Vec<u64> {
+    sample_joint_counted(target_logits, drafter, base, n).0
+}
+
+/// [`sample_joint_with`], plus the tokens drafted and the rounds run over all `n` generations.
+fn sample_joint_counted<D: Draft>(
+    target_logits: &MockLogits,
+    drafter: &mut D,
+    base: &GenerateConfig,
+    n: u64,
+) -> (Vec<u64>, u64, u64) {
+    let (mut drafted, mut rounds) = (0, 0);
     let mut counts = vec![0u64; VOCAB.pow(3)];
     let mut target = MockModel::new(target_logits.clone());
     for seed in 0..n {
@@ -137,12 +148,14 @@ fn sample_joint_with<D: Draft>(
         })
         .unwrap();
         assert_eq!(out.tokens, got);
+        drafted += out.metrics.drafted;
+        rounds += out.metrics.rounds;
         let [a, b, c] = got[..] else {
             panic!("expected 3 tokens, got {got:?}")
         };
         counts[(a as usize * VOCAB + b as usize) * VOCAB + c as usize] += 1;
     }
-    counts
+    (counts, drafted, rounds)
 }
 
 #[test]
@@ -197,15 +210,20 @@ fn rejection_mode_is_exact_for_every_drafter_option() {
         };
         let n = 30_000;
         let cases: Vec<(&str, Vec<u64>)> = vec![
-            (
-                "model, min_confidence 0.45",
-                sample_joint_with(
+            ("model, min_confidence 0.45", {
+                let (counts, drafted, rounds) = sample_joint_counted(
                     &target_logits(),
                     &mut ModelDrafter::new(MockModel::new(draft_logits())),
                     &config(0.45),
                     n,
-                ),
-            ),
+                );
+                // The early stop really happens: rounds draft fewer than k tokens, yet some draft.
+                assert!(
+                    drafted > 0 && drafted < rounds * k as u64,
+                    "{name}: {drafted} drafted in {rounds} rounds of k = {k}"
+                );
+                counts
+            }),
             (
                 "ngram",
                 sample_joint_with(
@@ -240,29 +258,57 @@ fn rejection_mode_is_exact_for_every_drafter_option() {
 }
 
 /// The case of the review that found the bias: q = (0.9, 0.1), p = (0.5, 0.5), threshold 0.5. Deciding
-/// to stop from the token just drafted gave (0.55, 0.45); deciding from q alone keeps (0.5, 0.5).
+/// to stop from the token just drafted gave (0.55, 0.45); deciding from q alone keeps (0.5, 0.5). Then a
+/// draft whose largest probability falls below the threshold at some positions, so that rounds do end
+/// early, and the output still follows the target.
 #[test]
 fn early_stop_on_low_confidence_keeps_the_target_distribution() {
-    let target = MockLogits::Fixed(vec![0.0, 0.0, -100.0, -100.0, -100.0]);
-    let draft = MockLogits::Fixed(vec![0.9f32.ln(), 0.1f32.ln(), -100.0, -100.0, -100.0]);
+    let pad = [-100.0; 3];
+    let two = |a: f32, b: f32| -> Vec<f32> { [a.ln(), b.ln()].into_iter().chain(pad).collect() };
+    let cases = [
+        (
+            "review case",
+            MockLogits::Fixed(two(0.5, 0.5)),
+            MockLogits::Fixed(two(0.9, 0.1)),
+            0.5,
+        ),
+        (
+            "position-dependent",
+            MockLogits::Scripted(vec![two(0.5, 0.5), two(0.2, 0.8), two(0.7, 0.3)]),
+            MockLogits::Scripted(vec![two(0.9, 0.1), two(0.6, 0.4), two(0.3, 0.7)]),
+            0.65,
+        ),
+    ];
     let params = SamplingParams::default();
-    let expected = exact_joint_of(&target, &params);
-    for k in [1, 3] {
-        let config = GenerateConfig {
-            sampling: params.clone(),
-            verify_mode: VerifyMode::Rejection,
-            draft_len: DraftLenPolicy::Fixed { draft_len: k },
-            min_confidence: 0.5,
-            ..GenerateConfig::default()
-        };
-        let mut drafter = ModelDrafter::new(MockModel::new(draft.clone()));
-        let observed = sample_joint_with(&target, &mut drafter, &config, 20_000);
-        let (stat, df, p) = chi_square(&observed, &expected);
-        eprintln!("early stop, k {k}: chi2 {stat:.1} on {df} df, p = {p:.3}");
-        assert!(
-            p >= ALPHA,
-            "early stop, k {k}: chi2 {stat:.1} on {df} df, p = {p:.3e}"
-        );
+    for (name, target, draft, threshold) in cases {
+        let expected = exact_joint_of(&target, &params);
+        for k in [1, 3] {
+            let config = GenerateConfig {
+                sampling: params.clone(),
+                verify_mode: VerifyMode::Rejection,
+                draft_len: DraftLenPolicy::Fixed { draft_len: k },
+                min_confidence: threshold,
+                ..GenerateConfig::default()
+            };
+            let mut drafter = ModelDrafter::new(MockModel::new(draft.clone()));
+            let (observed, drafted, rounds) =
+                sample_joint_counted(&target, &mut drafter, &config, 20_000);
+            let (stat, df, p) = chi_square(&observed, &expected);
+            eprintln!(
+                "early stop, {name}, k {k}: chi2 {stat:.1} on {df} df, p = {p:.3}; \
+                 {drafted} drafted in {rounds} rounds"
+            );
+            assert!(
+                p >= ALPHA,
+                "early stop, {name}, k {k}: chi2 {stat:.1} on {df} df, p = {p:.3e}"
+            );
+            if name == "position-dependent" {
+                assert!(
+                    drafted > 0 && drafted < rounds * k as u64,
+                    "{name}, k {k}: rounds must end early: {drafted} drafted in {rounds} rounds"
+                );
+            }
+        }
     }
 }
 

@@ -233,6 +233,8 @@ fn check_keys(g: &Gguf, arch: &str) -> Result<()> {
             "expert_count" | "expert_used_count" => g.usize(k).is_ok_and(|n| n == 0),
             "rope.scaling.attn_factor" => g.f32(k).is_ok_and(|f| f == 1.0),
             "attention.causal" => matches!(v, Value::Bool(true)),
+            // Some converters write 0 for "no sliding window".
+            "attention.sliding_window" => g.usize(k).is_ok_and(|n| n == 0),
             _ => false,
         };
         if !neutral {
@@ -248,6 +250,10 @@ fn rope_scaling(g: &Gguf, key: &dyn Fn(&str) -> String) -> Result<RopeScaling> {
     let mut factor = None;
     for k in [key("rope.scaling.factor"), key("rope.scale_linear")] {
         if let Some(f) = g.f32_opt(&k)? {
+            if f == 0.0 {
+                // llama.cpp reads a factor of 0 as "not set".
+                continue;
+            }
             if !(f.is_finite() && f > 0.0) {
                 return Err(Error::BadKey {
                     path: g.path().to_path_buf(),

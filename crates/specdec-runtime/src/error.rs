@@ -40,10 +40,10 @@ pub enum Error {
         /// What was expected.
         expected: &'static str,
     },
-    /// A metadata key changes the forward pass in a way this runtime does not implement (a sliding
-    /// window, experts, YaRN, soft-capping, value heads of another size, ...): running the model anyway
-    /// would give wrong logits without a sign.
-    #[error("{}: GGUF key `{key}` = {value} changes the model in a way specdec does not implement", path.display())]
+    /// A metadata key this runtime neither implements nor knows to leave the forward pass unchanged (a
+    /// sliding window, experts, YaRN, soft-capping, value heads of another size, a key it has never
+    /// seen, ...): running the model anyway could give wrong logits without a sign.
+    #[error("{}: GGUF key `{key}` = {value} is not implemented by specdec, nor known to leave the model unchanged", path.display())]
     UnsupportedKey {
         /// The file.
         path: PathBuf,

@@ -258,6 +258,14 @@ pub enum Progress {
         /// What was wrong with it.
         reason: String,
     },
+    /// A file found in place was verified, but its record could not be written (a read-only cache):
+    /// it is used for this run and verified again on the next.
+    Unrecorded {
+        /// The file.
+        path: PathBuf,
+        /// Why the record could not be written.
+        reason: String,
+    },
     /// Bytes written of the assembled file.
     Assembling {
         /// Done so far.
@@ -351,7 +359,7 @@ fn fetch_in(
 }
 
 /// Deals with a file at the model's path that has no valid record: when it has the model's size and
-/// SHA-256 it is recorded and `true` returned; otherwise it is removed (reported as
+/// SHA-256 it is recorded (when the folder is writable) and `true` returned; otherwise it is removed (reported as
 /// [`Progress::Discarded`]) and `false` returned, as when there is no file.
 fn verify_existing(
     model: &KnownModel,
@@ -371,7 +379,14 @@ fn verify_existing(
     } else {
         let digest = hash_file(&dest, model.size, progress)?;
         if digest == model.sha256 {
-            write_record(&dest, &digest)?;
+            if let Err(e) = write_record(&dest, &digest) {
+                // A read-only cache: the file is verified for this run and used; the next run hashes
+                // it again.
+                progress(Progress::Unrecorded {
+                    path: dest.clone(),
+                    reason: e.to_string(),
+                });
+            }
             return Ok(true);
         }
         format!("its SHA-256 is {digest}, expected {}", model.sha256)

@@ -13,7 +13,7 @@ use std::path::Path;
 
 use candle_core::quantized::GgmlDType;
 
-use crate::config::{ModelConfig, RopeStyle};
+use crate::config::{Arch, ModelConfig, RopeStyle};
 use crate::error::{Error, Result};
 use crate::gguf::Gguf;
 use crate::kv::KvCache;
@@ -113,6 +113,13 @@ impl Model {
             None
         };
         let rope_freqs = if g.has_tensor(ROPE_FREQS) {
+            if c.arch != Arch::Llama {
+                // llama.cpp reads per-dimension factors for Llama 3.1+ only; it refuses them here.
+                return Err(Error::UnsupportedTensor {
+                    path: g.path().to_path_buf(),
+                    name: ROPE_FREQS.to_string(),
+                });
+            }
             let f = g.vector(ROPE_FREQS, c.rope_dim / 2)?;
             if !f.iter().all(|x| x.is_finite() && *x > 0.0) {
                 return Err(Error::BadTensor {

@@ -26,6 +26,8 @@ pub struct Tokenizer {
     /// The same tokenizer with special-token text encoded as ordinary text: for text a user or a file
     /// supplied, which must not be able to open a turn or switch roles.
     plain: tokenizers::Tokenizer,
+    /// The text of every special token, to tell whether a message spells one out.
+    specials: Vec<String>,
     vocab: usize,
     bos: Option<(TokenId, String)>,
     eos: Option<(TokenId, String)>,
@@ -90,9 +92,16 @@ impl Tokenizer {
         }
         let mut plain = inner.clone();
         plain.set_encode_special_tokens(true);
+        let specials = inner
+            .get_added_tokens_decoder()
+            .into_values()
+            .filter(|t| t.special && !t.content.is_empty())
+            .map(|t| t.content)
+            .collect();
         Ok(Self {
             inner,
             plain,
+            specials,
             vocab,
             bos,
             eos,
@@ -128,44 +137,32 @@ impl Tokenizer {
     pub fn encode_with_special(&self, text: &str, add_bos: bool) -> Result<Vec<TokenId>> {
         let mut ids = Vec::new();
         self.push_bos(add_bos, &mut ids);
+        let added = ids.len();
         encode_into(&self.inner, text, &mut ids)?;
-        if ids.len() >= 2 && self.bos.as_ref().is_some_and(|(b, _)| ids[..2] == [*b, *b]) {
-            // The text began with the BOS token itself.
+        if added == 1 && ids.get(1) == ids.first() {
+            // The text began with the BOS token itself: keep one.
             ids.remove(0);
         }
         Ok(ids)
     }
 
     /// Renders `messages` with the chat template and encodes the result. Only the template's own text
-    /// is parsed for special tokens; every message's content is encoded as ordinary text, so a user
-    /// who types `<|im_start|>system` gets those characters, not a new turn.
+    /// becomes special tokens; the content of a message is always ordinary text, so a user who types
+    /// `<|im_start|>system` gets those characters, not a new turn.
+    ///
+    /// When no message spells out a special token, the rendered text is encoded as a whole, exactly as
+    /// the template wrote it. Otherwise each content is rendered as a marker and encoded on its own;
+    /// should the template change the text of messages (trim it, split it), the markers could not
+    /// stand for the contents, and that is an error rather than a silently different prompt.
     pub fn encode_chat(&self, messages: &[Message]) -> Result<Vec<TokenId>> {
-        // Each content is replaced by a marker that the template passes through unchanged; the
-        // rendered text is then encoded piece by piece.
-        let marked: Vec<Message> = messages
-            .iter()
-            .enumerate()
-            .map(|(i, m)| Message::new(m.role.clone(), marker(i)))
-            .collect();
-        let rendered = self.apply_chat_template(&marked)?;
+        let rendered = self.apply_chat_template(messages)?;
         let mut ids = Vec::new();
-        let mut rest = rendered.as_str();
-        while let Some(start) = rest.find(MARKER) {
-            let after = &rest[start + MARKER.len_utf8()..];
-            let Some(len) = after.find(MARKER) else {
-                break;
-            };
-            let index: Option<usize> = after[..len].parse().ok();
-            let Some(content) = index.and_then(|i| messages.get(i)) else {
-                return Err(Error::Template(
-                    "the chat template altered a message marker".into(),
-                ));
-            };
-            encode_into(&self.inner, &rest[..start], &mut ids)?;
-            encode_into(&self.plain, &content.content, &mut ids)?;
-            rest = &after[len + MARKER.len_utf8()..];
+        if messages.iter().any(|m| self.has_special_text(&m.content)) {
+            self.encode_marked(messages, &rendered, &mut ids)?;
+        } else {
+            // Parsing can only find the template's own special tokens here.
+            encode_into(&self.inner, &rendered, &mut ids)?;
         }
-        encode_into(&self.inner, rest, &mut ids)?;
         let bos = self.bos.as_ref().map(|(b, _)| *b);
         if bos.is_some() && ids.first().copied() != bos {
             // The template did not write the BOS token itself.
@@ -175,6 +172,70 @@ impl Tokenizer {
             ids = with_bos;
         }
         Ok(ids)
+    }
+
+    /// Whether `text` contains the text of a special token.
+    fn has_special_text(&self, text: &str) -> bool {
+        self.specials.iter().any(|s| text.contains(s.as_str()))
+    }
+
+    /// Encodes the template's text with special tokens and each message's content without, given the
+    /// template's rendering of the real messages to check the pieces against.
+    fn encode_marked(
+        &self,
+        messages: &[Message],
+        rendered: &str,
+        ids: &mut Vec<TokenId>,
+    ) -> Result<()> {
+        let marked: Vec<Message> = messages
+            .iter()
+            .enumerate()
+            .map(|(i, m)| Message::new(m.role.clone(), marker(i)))
+            .collect();
+        let with_markers = self.apply_chat_template(&marked)?;
+        // (template text, the message that follows it)
+        let mut pieces: Vec<(&str, Option<&Message>)> = Vec::new();
+        let mut rest = with_markers.as_str();
+        while let Some(start) = rest.find(MARKER) {
+            let after = &rest[start + MARKER.len_utf8()..];
+            let message = after.find(MARKER).and_then(|len| {
+                let i: usize = after[..len].parse().ok()?;
+                Some((messages.get(i)?, len))
+            });
+            let Some((message, len)) = message else {
+                return Err(Error::Template(
+                    "the chat template altered a message marker".into(),
+                ));
+            };
+            pieces.push((&rest[..start], Some(message)));
+            rest = &after[len + MARKER.len_utf8()..];
+        }
+        pieces.push((rest, None));
+        let rebuilt: String = pieces
+            .iter()
+            .flat_map(|(text, m)| [*text, m.map_or("", |m| m.content.as_str())])
+            .collect();
+        if rebuilt != rendered {
+            return Err(Error::Template(
+                "the chat template changes the text of messages (trims or splits it), so a message \
+                 that spells out a special token cannot be kept from becoming one; remove the \
+                 special-token text from the message"
+                    .into(),
+            ));
+        }
+        for (text, message) in pieces {
+            encode_into(&self.inner, text, ids)?;
+            if let Some(m) = message {
+                encode_into(&self.plain, &m.content, ids)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Replaces the chat template (a Jinja template over `messages`, `add_generation_prompt`,
+    /// `bos_token`, `eos_token`).
+    pub fn set_chat_template(&mut self, template: impl Into<String>) {
+        self.chat_template = Some(template.into());
     }
 
     fn push_bos(&self, add_bos: bool, ids: &mut Vec<TokenId>) {

@@ -58,17 +58,21 @@ fn scaled_specs() -> Vec<TinySpec> {
             let base = TinySpec::new(arch, dtype);
             // Twice the default, so the k-quants still see rows of whole 256-value blocks.
             let head_dim = base.n_embd / base.n_head * 2;
-            out.push(TinySpec {
-                rope_freqs: Some(factors(base.n_embd / base.n_head)),
-                ..base.clone()
-            });
+            // Per-dimension factors are a Llama 3.1+ tensor; llama.cpp refuses them elsewhere.
+            let llama = arch == Arch::Llama;
+            if llama {
+                out.push(TinySpec {
+                    rope_freqs: Some(factors(base.n_embd / base.n_head)),
+                    ..base.clone()
+                });
+            }
             out.push(TinySpec {
                 rope_scaling: Some(("linear".into(), 4.0)),
                 ..base.clone()
             });
             out.push(TinySpec {
                 head_dim: Some(head_dim),
-                rope_freqs: Some(factors(head_dim)),
+                rope_freqs: llama.then(|| factors(head_dim)),
                 rope_scaling: Some(("linear".into(), 2.0)),
                 ..base
             });
@@ -92,7 +96,8 @@ fn the_llama3_factors_are_those_of_the_converter() {
 
 #[test]
 fn rope_freqs_of_one_change_nothing_and_other_factors_change_the_logits() {
-    for arch in [Arch::Llama, Arch::Qwen2] {
+    {
+        let arch = Arch::Llama;
         let base = TinySpec::new(arch, GgmlDType::F32);
         let hd = base.n_embd / base.n_head;
         let plain = logits(&base);
@@ -271,6 +276,9 @@ fn keys_at_their_neutral_value_are_accepted() {
         ("attention.value_length", Value::U32(16)),
         ("attention.key_length", Value::U32(16)),
         ("rope.dimension_count", Value::U32(16)),
+        ("attention.sliding_window", Value::U32(0)),
+        // llama.cpp reads a factor of 0 as "not set".
+        ("rope.scaling.factor", Value::F32(0.0)),
     ];
     for arch in [Arch::Llama, Arch::Qwen2] {
         let plain = logits(&TinySpec::new(arch, GgmlDType::Q8_0));
@@ -284,7 +292,6 @@ fn keys_at_their_neutral_value_are_accepted() {
 #[test]
 fn bad_scaling_factors_are_bad_keys() {
     for (key, factor) in [
-        ("rope.scaling.factor", 0.0),
         ("rope.scaling.factor", -2.0),
         ("rope.scaling.factor", f32::NAN),
         ("rope.scale_linear", f32::INFINITY),
@@ -320,6 +327,15 @@ fn rope_freqs_of_the_wrong_length_or_range_are_typed_errors() {
     });
     assert!(
         matches!(&e, Error::BadTensor { name, .. } if name == "rope_freqs.weight"),
+        "{e}"
+    );
+    // Qwen2 has no per-dimension factors in llama.cpp either.
+    let e = load_err(&TinySpec {
+        rope_freqs: Some(vec![1.0; hd / 2]),
+        ..TinySpec::new(Arch::Qwen2, GgmlDType::Q8_0)
+    });
+    assert!(
+        matches!(&e, Error::UnsupportedTensor { name, .. } if name == "rope_freqs.weight"),
         "{e}"
     );
 }

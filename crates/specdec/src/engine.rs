@@ -84,6 +84,13 @@ impl Ui {
                     path.display()
                 ))
             }),
+            Progress::Unrecorded { path, reason } => bar.suspend(|| {
+                ui.note(format!(
+                    "note: {} is verified but its record could not be written ({reason}); it \
+                     will be verified again next time",
+                    path.display()
+                ))
+            }),
             Progress::Assembling { done, total } => {
                 bar.set_length(total);
                 bar.set_message("assembling");

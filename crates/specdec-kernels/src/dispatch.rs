@@ -41,7 +41,10 @@ impl CpuLevel {
 
     /// The levels this CPU supports, lowest first (what tests compare against each other).
     pub fn supported() -> Vec<CpuLevel> {
-        CpuLevel::ALL.into_iter().filter(|l| l.is_supported()).collect()
+        CpuLevel::ALL
+            .into_iter()
+            .filter(|l| l.is_supported())
+            .collect()
     }
 
     /// The level's name, as accepted by [`CpuLevel::parse`] and [`LEVEL_ENV`].
@@ -58,7 +61,9 @@ impl CpuLevel {
             "scalar" => Ok(CpuLevel::Scalar),
             "avx2" => Ok(CpuLevel::Avx2),
             "auto" | "" => Ok(CpuLevel::detect()),
-            _ => Err(KernelError::UnknownLevel { name: name.to_owned() }),
+            _ => Err(KernelError::UnknownLevel {
+                name: name.to_owned(),
+            }),
         }
     }
 }
@@ -75,7 +80,11 @@ impl Kernels {
     /// override was refused.
     pub fn get() -> Kernels {
         static KERNELS: OnceLock<Kernels> = OnceLock::new();
-        *KERNELS.get_or_init(|| Kernels::from_env().unwrap_or(Kernels { level: CpuLevel::detect() }))
+        *KERNELS.get_or_init(|| {
+            Kernels::from_env().unwrap_or(Kernels {
+                level: CpuLevel::detect(),
+            })
+        })
     }
 
     /// Reads [`LEVEL_ENV`] now (not cached): the named level, or the detected one when the variable is
@@ -87,7 +96,9 @@ impl Kernels {
     pub fn from_env() -> Result<Kernels, KernelError> {
         match std::env::var(LEVEL_ENV) {
             Ok(name) => Kernels::with_level(CpuLevel::parse(&name)?),
-            Err(_) => Ok(Kernels { level: CpuLevel::detect() }),
+            Err(_) => Ok(Kernels {
+                level: CpuLevel::detect(),
+            }),
         }
     }
 
@@ -99,7 +110,9 @@ impl Kernels {
         if level.is_supported() {
             Ok(Kernels { level })
         } else {
-            Err(KernelError::UnsupportedLevel { level: level.name() })
+            Err(KernelError::UnsupportedLevel {
+                level: level.name(),
+            })
         }
     }
 

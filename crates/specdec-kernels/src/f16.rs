@@ -63,7 +63,12 @@ pub fn f32_to_f16(x: f32) -> u16 {
     let exp_bits = (bits >> 13) & 0x0000_7c00;
     let mantissa_bits = bits & 0x0000_0fff;
     let nonsign = exp_bits + mantissa_bits;
-    let out = (sign >> 16) | if shl1_w > 0xff00_0000 { 0x7e00 } else { nonsign };
+    let out = (sign >> 16)
+        | if shl1_w > 0xff00_0000 {
+            0x7e00
+        } else {
+            nonsign
+        };
     // Every branch above yields at most 16 significant bits (sign >> 16 ≤ 0x8000, nonsign ≤ 0x7c00 + 0xfff).
     out as u16
 }
@@ -93,7 +98,11 @@ mod tests {
             if want.is_nan() {
                 // The payload is kept in the top mantissa bits (narrowing canonicalises NaNs, as ggml).
                 let payload = u32::from(h & 0x3ff) << 13;
-                assert_eq!(got.to_bits(), (u32::from(h & 0x8000) << 16) | 0x7f80_0000 | payload, "{h:#06x}");
+                assert_eq!(
+                    got.to_bits(),
+                    (u32::from(h & 0x8000) << 16) | 0x7f80_0000 | payload,
+                    "{h:#06x}"
+                );
             } else {
                 assert_eq!(f64::from(got), want, "{h:#06x}");
                 // -0.0 == 0.0 numerically; the sign bit must still be right.
@@ -123,7 +132,11 @@ mod tests {
             assert_eq!(f64::from(mid32), mid);
             let even = if h % 2 == 0 { h } else { h + 1 };
             assert_eq!(f32_to_f16(mid32), even, "midpoint after {h:#06x}");
-            assert_eq!(f32_to_f16(-mid32), even | 0x8000, "negative midpoint after {h:#06x}");
+            assert_eq!(
+                f32_to_f16(-mid32),
+                even | 0x8000,
+                "negative midpoint after {h:#06x}"
+            );
             assert_eq!(f32_to_f16(f32::from_bits(mid32.to_bits() - 1)), h);
             assert_eq!(f32_to_f16(f32::from_bits(mid32.to_bits() + 1)), h + 1);
         }

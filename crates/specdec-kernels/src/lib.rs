@@ -10,7 +10,7 @@
 //!   [`quantize_row_q8_0`], exactly ggml's `_ref` functions) and the scalar reference dot products.
 //! - [`Kernels`]: the matmul at a [`CpuLevel`] (portable scalar, AVX2), detected once per process and
 //!   overridable with `SPECDEC_KERNELS=scalar|avx2|auto`.
-//! - [`f16`]: exact f16 conversions.
+//! - [`mod@f16`]: exact f16 conversions.
 //!
 //! Invariant: a result depends only on its weight row and activation row: it is bit-identical whatever
 //! the number of rows in the call, whatever the other rows hold, and at every [`CpuLevel`] (all levels
@@ -47,8 +47,9 @@ mod simd;
 pub use dispatch::{CpuLevel, Kernels, LEVEL_ENV};
 pub use f16::F16;
 pub use formats::{
-    dequantize_row, dot_q4_0_q8_0, dot_q4_k_q8_k, dot_q6_k_q8_k, dot_q8_0_q8_0, quantize_row_q8_0, quantize_row_q8_k,
-    ActQ8_0, ActivationFormat, BlockFormat, BlockQ4K, BlockQ4_0, BlockQ6K, BlockQ8K, BlockQ8_0, WeightBlock,
+    dequantize_row, dot_q4_0_q8_0, dot_q4_k_q8_k, dot_q6_k_q8_k, dot_q8_0_q8_0, quantize_row_q8_0,
+    quantize_row_q8_k, ActQ8_0, ActivationFormat, BlockFormat, BlockQ4K, BlockQ4_0, BlockQ6K,
+    BlockQ8K, BlockQ8_0, WeightBlock,
 };
 pub use matrix::{matmul, QMatrix, QuantizedActivations, Weights};
 pub use simd::MAX_PASS_ROWS;

@@ -2,8 +2,8 @@
 
 use crate::dispatch::Kernels;
 use crate::formats::{
-    dequantize_row, quantize_row_q8_0, quantize_row_q8_k,
-    ActQ8_0, ActivationFormat, BlockFormat, BlockQ4K, BlockQ4_0, BlockQ6K, BlockQ8K, BlockQ8_0, WeightBlock,
+    dequantize_row, quantize_row_q8_0, quantize_row_q8_k, ActQ8_0, ActivationFormat, BlockFormat,
+    BlockQ4K, BlockQ4_0, BlockQ6K, BlockQ8K, BlockQ8_0, WeightBlock,
 };
 use crate::simd::{self, pass, MAX_PASS_ROWS};
 use crate::KernelError;
@@ -55,7 +55,11 @@ pub struct QMatrix {
 fn blocks_per_row(format: BlockFormat, cols: usize) -> Result<usize, KernelError> {
     let block_len = format.block_len();
     if cols % block_len != 0 {
-        return Err(KernelError::RaggedRow { format, cols, block_len });
+        return Err(KernelError::RaggedRow {
+            format,
+            cols,
+            block_len,
+        });
     }
     Ok(cols / block_len)
 }
@@ -73,9 +77,16 @@ impl QMatrix {
     pub fn from_blocks(rows: usize, cols: usize, weights: Weights) -> Result<QMatrix, KernelError> {
         let expected = rows * blocks_per_row(weights.format(), cols)?;
         if weights.len() != expected {
-            return Err(KernelError::BlockCount { expected, actual: weights.len() });
+            return Err(KernelError::BlockCount {
+                expected,
+                actual: weights.len(),
+            });
         }
-        Ok(QMatrix { rows, cols, weights })
+        Ok(QMatrix {
+            rows,
+            cols,
+            weights,
+        })
     }
 
     /// A matrix from a tensor's bytes as stored in a GGUF file (copied into typed blocks).
@@ -83,10 +94,18 @@ impl QMatrix {
     /// # Errors
     /// [`KernelError::RaggedRow`], or [`KernelError::ByteLength`] if `bytes` is not exactly the
     /// matrix's size.
-    pub fn from_bytes(format: BlockFormat, rows: usize, cols: usize, bytes: &[u8]) -> Result<QMatrix, KernelError> {
+    pub fn from_bytes(
+        format: BlockFormat,
+        rows: usize,
+        cols: usize,
+        bytes: &[u8],
+    ) -> Result<QMatrix, KernelError> {
         let expected = rows * blocks_per_row(format, cols)? * format.block_bytes();
         if bytes.len() != expected {
-            return Err(KernelError::ByteLength { expected, actual: bytes.len() });
+            return Err(KernelError::ByteLength {
+                expected,
+                actual: bytes.len(),
+            });
         }
         let weights = match format {
             BlockFormat::Q8_0 => Weights::Q8_0(read_blocks(bytes)),
@@ -143,7 +162,11 @@ impl QMatrix {
     ///
     /// # Errors
     /// As [`QuantizedActivations::quantize`].
-    pub fn quantize_activations(&self, rows: usize, x: &[f32]) -> Result<QuantizedActivations, KernelError> {
+    pub fn quantize_activations(
+        &self,
+        rows: usize,
+        x: &[f32],
+    ) -> Result<QuantizedActivations, KernelError> {
         QuantizedActivations::quantize(self.format().activation_format(), rows, self.cols, x)
     }
 }
@@ -168,23 +191,44 @@ impl QuantizedActivations {
     /// # Errors
     /// [`KernelError::RaggedActivations`] if `cols` is not a multiple of the block length,
     /// [`KernelError::InputLength`] if `x.len() != rows · cols`.
-    pub fn quantize(format: ActivationFormat, rows: usize, cols: usize, x: &[f32]) -> Result<Self, KernelError> {
+    pub fn quantize(
+        format: ActivationFormat,
+        rows: usize,
+        cols: usize,
+        x: &[f32],
+    ) -> Result<Self, KernelError> {
         let block_len = format.block_len();
         if cols % block_len != 0 {
             return Err(KernelError::RaggedActivations { cols, block_len });
         }
         if x.len() != rows * cols {
-            return Err(KernelError::InputLength { expected: rows * cols, actual: x.len() });
+            return Err(KernelError::InputLength {
+                expected: rows * cols,
+                actual: x.len(),
+            });
         }
         let n = x.len() / block_len;
         let blocks = match format {
             ActivationFormat::Q8_0 => {
-                let mut out = vec![ActQ8_0 { d: 0.0, qs: [0; 32] }; n];
+                let mut out = vec![
+                    ActQ8_0 {
+                        d: 0.0,
+                        qs: [0; 32]
+                    };
+                    n
+                ];
                 quantize_row_q8_0(x, &mut out);
                 ActBlocks::Q8_0(out)
             }
             ActivationFormat::Q8K => {
-                let mut out = vec![BlockQ8K { d: 0.0, qs: [0; 256], bsums: [0; 16] }; n];
+                let mut out = vec![
+                    BlockQ8K {
+                        d: 0.0,
+                        qs: [0; 256],
+                        bsums: [0; 16]
+                    };
+                    n
+                ];
                 quantize_row_q8_k(x, &mut out);
                 ActBlocks::Q8K(out)
             }
@@ -235,7 +279,12 @@ impl Kernels {
     ///
     /// # Errors
     /// As [`Kernels::matmul_columns`].
-    pub fn matmul(&self, w: &QMatrix, x: &QuantizedActivations, out: &mut [f32]) -> Result<(), KernelError> {
+    pub fn matmul(
+        &self,
+        w: &QMatrix,
+        x: &QuantizedActivations,
+        out: &mut [f32],
+    ) -> Result<(), KernelError> {
         self.matmul_columns(w, x, 0..w.rows(), out)
     }
 
@@ -244,7 +293,7 @@ impl Kernels {
     ///
     /// Activation rows go in passes of up to 16; within a pass each weight block is unpacked once and
     /// dotted against every row of the pass. Each result is bit-identical to the one-row call and to
-    /// every other [`CpuLevel`].
+    /// every other [`CpuLevel`](crate::CpuLevel).
     ///
     /// # Errors
     /// [`KernelError::ActivationFormat`] or [`KernelError::WidthMismatch`] if `x` does not fit `w`,
@@ -258,17 +307,30 @@ impl Kernels {
         out: &mut [f32],
     ) -> Result<(), KernelError> {
         if x.format() != w.format().activation_format() {
-            return Err(KernelError::ActivationFormat { weights: w.format(), activations: x.format() });
+            return Err(KernelError::ActivationFormat {
+                weights: w.format(),
+                activations: x.format(),
+            });
         }
         if x.cols() != w.cols() {
-            return Err(KernelError::WidthMismatch { weights: w.cols(), activations: x.cols() });
+            return Err(KernelError::WidthMismatch {
+                weights: w.cols(),
+                activations: x.cols(),
+            });
         }
         if columns.start > columns.end || columns.end > w.rows() {
-            return Err(KernelError::ColumnRange { start: columns.start, end: columns.end, rows: w.rows() });
+            return Err(KernelError::ColumnRange {
+                start: columns.start,
+                end: columns.end,
+                rows: w.rows(),
+            });
         }
         let expected = x.rows() * columns.len();
         if out.len() != expected {
-            return Err(KernelError::OutputLength { expected, actual: out.len() });
+            return Err(KernelError::OutputLength {
+                expected,
+                actual: out.len(),
+            });
         }
         let nb = w.cols() / w.format().block_len();
         if nb == 0 || columns.is_empty() {
@@ -281,20 +343,41 @@ impl Kernels {
             let rows = first..(first + MAX_PASS_ROWS).min(x.rows());
             let out = &mut out[rows.start * stride..rows.end * stride];
             match (&w.weights, &x.blocks) {
-                (Weights::Q8_0(b), ActBlocks::Q8_0(a)) => {
-                    pass::<simd::Q8_0>(self.level(), &b[blocks.clone()], nb, &row_slices(a, nb, rows), out)
-                }
-                (Weights::Q4_0(b), ActBlocks::Q8_0(a)) => {
-                    pass::<simd::Q4_0>(self.level(), &b[blocks.clone()], nb, &row_slices(a, nb, rows), out)
-                }
-                (Weights::Q4K(b), ActBlocks::Q8K(a)) => {
-                    pass::<simd::Q4K>(self.level(), &b[blocks.clone()], nb, &row_slices(a, nb, rows), out)
-                }
-                (Weights::Q6K(b), ActBlocks::Q8K(a)) => {
-                    pass::<simd::Q6K>(self.level(), &b[blocks.clone()], nb, &row_slices(a, nb, rows), out)
-                }
+                (Weights::Q8_0(b), ActBlocks::Q8_0(a)) => pass::<simd::Q8_0>(
+                    self.level(),
+                    &b[blocks.clone()],
+                    nb,
+                    &row_slices(a, nb, rows),
+                    out,
+                ),
+                (Weights::Q4_0(b), ActBlocks::Q8_0(a)) => pass::<simd::Q4_0>(
+                    self.level(),
+                    &b[blocks.clone()],
+                    nb,
+                    &row_slices(a, nb, rows),
+                    out,
+                ),
+                (Weights::Q4K(b), ActBlocks::Q8K(a)) => pass::<simd::Q4K>(
+                    self.level(),
+                    &b[blocks.clone()],
+                    nb,
+                    &row_slices(a, nb, rows),
+                    out,
+                ),
+                (Weights::Q6K(b), ActBlocks::Q8K(a)) => pass::<simd::Q6K>(
+                    self.level(),
+                    &b[blocks.clone()],
+                    nb,
+                    &row_slices(a, nb, rows),
+                    out,
+                ),
                 // The format check above rules these out.
-                _ => return Err(KernelError::ActivationFormat { weights: w.format(), activations: x.format() }),
+                _ => {
+                    return Err(KernelError::ActivationFormat {
+                        weights: w.format(),
+                        activations: x.format(),
+                    })
+                }
             }
         }
         Ok(())

@@ -7,8 +7,8 @@
 
 use crate::dispatch::CpuLevel;
 use crate::formats::{
-    dot_q4_0_q8_0, dot_q4_k_q8_k, dot_q6_k_q8_k, dot_q8_0_q8_0, ActQ8_0, BlockQ4K, BlockQ4_0, BlockQ6K, BlockQ8K,
-    BlockQ8_0,
+    dot_q4_0_q8_0, dot_q4_k_q8_k, dot_q6_k_q8_k, dot_q8_0_q8_0, ActQ8_0, BlockQ4K, BlockQ4_0,
+    BlockQ6K, BlockQ8K, BlockQ8_0,
 };
 
 /// Most activation rows dotted against one unpacked weight block.
@@ -38,16 +38,46 @@ macro_rules! format {
     };
 }
 
-format!(Q8_0, BlockQ8_0, ActQ8_0, dot_q8_0_q8_0, crate::formats::q8_0::avx2::Q8_0);
-format!(Q4_0, BlockQ4_0, ActQ8_0, dot_q4_0_q8_0, crate::formats::q4_0::avx2::Q4_0);
-format!(Q4K, BlockQ4K, BlockQ8K, dot_q4_k_q8_k, crate::formats::q4_k::avx2::Q4K);
-format!(Q6K, BlockQ6K, BlockQ8K, dot_q6_k_q8_k, crate::formats::q6_k::avx2::Q6K);
+format!(
+    Q8_0,
+    BlockQ8_0,
+    ActQ8_0,
+    dot_q8_0_q8_0,
+    crate::formats::q8_0::avx2::Q8_0
+);
+format!(
+    Q4_0,
+    BlockQ4_0,
+    ActQ8_0,
+    dot_q4_0_q8_0,
+    crate::formats::q4_0::avx2::Q4_0
+);
+format!(
+    Q4K,
+    BlockQ4K,
+    BlockQ8K,
+    dot_q4_k_q8_k,
+    crate::formats::q4_k::avx2::Q4K
+);
+format!(
+    Q6K,
+    BlockQ6K,
+    BlockQ8K,
+    dot_q6_k_q8_k,
+    crate::formats::q6_k::avx2::Q6K
+);
 
 /// One pass: 1 ..= [`MAX_PASS_ROWS`] activation rows `xs` against the weight rows in `w` (`nb` blocks
 /// each) at `level`; writes `out[r * columns + c]`.
 ///
 /// `level` must be supported by this CPU (a [`crate::Kernels`] guarantees it).
-pub(crate) fn pass<F: Format>(level: CpuLevel, w: &[F::Block], nb: usize, xs: &[&[F::Act]], out: &mut [f32]) {
+pub(crate) fn pass<F: Format>(
+    level: CpuLevel,
+    w: &[F::Block],
+    nb: usize,
+    xs: &[&[F::Act]],
+    out: &mut [f32],
+) {
     match level {
         CpuLevel::Scalar => scalar_rows(F::dot, w, nb, xs, out),
         // SAFETY: `level` is supported by this CPU (the caller's contract, upheld by `Kernels`).
@@ -59,7 +89,13 @@ pub(crate) fn pass<F: Format>(level: CpuLevel, w: &[F::Block], nb: usize, xs: &[
 }
 
 /// The scalar level: the reference dot product for every (row, column) pair.
-pub(crate) fn scalar_rows<B, A>(dot: fn(&[B], &[A]) -> f32, w: &[B], nb: usize, xs: &[&[A]], out: &mut [f32]) {
+pub(crate) fn scalar_rows<B, A>(
+    dot: fn(&[B], &[A]) -> f32,
+    w: &[B],
+    nb: usize,
+    xs: &[&[A]],
+    out: &mut [f32],
+) {
     let stride = w.len() / nb;
     for (c, wrow) in w.chunks_exact(nb).enumerate() {
         for (r, x) in xs.iter().enumerate() {
@@ -106,7 +142,12 @@ pub(crate) mod avx2 {
     /// # Safety
     /// The CPU must support AVX2.
     #[target_feature(enable = "avx2")]
-    unsafe fn rows<D: Dequantizer, const N: usize>(w: &[D::Block], nb: usize, xs: [&[D::Act]; N], out: &mut [f32]) {
+    unsafe fn rows<D: Dequantizer, const N: usize>(
+        w: &[D::Block],
+        nb: usize,
+        xs: [&[D::Act]; N],
+        out: &mut [f32],
+    ) {
         let columns = w.len() / nb;
         for (c, wrow) in w.chunks_exact(nb).enumerate() {
             let mut acc = [_mm256_setzero_ps(); N];
@@ -129,7 +170,12 @@ pub(crate) mod avx2 {
     ///
     /// # Safety
     /// The CPU must support AVX2.
-    pub(crate) unsafe fn pass<D: Dequantizer>(w: &[D::Block], nb: usize, xs: &[&[D::Act]], out: &mut [f32]) {
+    pub(crate) unsafe fn pass<D: Dequantizer>(
+        w: &[D::Block],
+        nb: usize,
+        xs: &[&[D::Act]],
+        out: &mut [f32],
+    ) {
         macro_rules! by_rows {
             ($($n:literal)*) => {
                 match xs.len() {

@@ -11,7 +11,10 @@ fn the_environment_forces_the_scalar_level() {
     assert_eq!(Kernels::get().level(), CpuLevel::Scalar);
     assert_eq!(Kernels::from_env().unwrap().level(), CpuLevel::Scalar);
     std::env::set_var(LEVEL_ENV, "bogus");
-    assert!(matches!(Kernels::from_env(), Err(KernelError::UnknownLevel { .. })));
+    assert!(matches!(
+        Kernels::from_env(),
+        Err(KernelError::UnknownLevel { .. })
+    ));
     // The process-wide choice was made once and stays.
     assert_eq!(Kernels::get().level(), CpuLevel::Scalar);
 }

@@ -5,8 +5,8 @@ mod common;
 
 use common::{random_activations, random_matrix, same_bits, Rng, FORMATS};
 use specdec_kernels::{
-    dot_q4_0_q8_0, dot_q4_k_q8_k, dot_q6_k_q8_k, dot_q8_0_q8_0, BlockFormat, CpuLevel, KernelError, Kernels,
-    QMatrix, QuantizedActivations, Weights,
+    dot_q4_0_q8_0, dot_q4_k_q8_k, dot_q6_k_q8_k, dot_q8_0_q8_0, BlockFormat, CpuLevel, KernelError,
+    Kernels, QMatrix, QuantizedActivations, Weights,
 };
 
 const MS: [usize; 10] = [1, 2, 3, 4, 5, 8, 9, 16, 17, 33];
@@ -29,26 +29,38 @@ fn reference(w: &QMatrix, x: &QuantizedActivations, n: usize, r: usize) -> f32 {
 }
 
 fn kernels() -> Vec<Kernels> {
-    CpuLevel::supported().into_iter().map(|l| Kernels::with_level(l).expect("supported level")).collect()
+    CpuLevel::supported()
+        .into_iter()
+        .map(|l| Kernels::with_level(l).expect("supported level"))
+        .collect()
 }
 
 #[test]
 fn every_level_matches_the_scalar_reference_for_every_m() {
     let levels = kernels();
-    eprintln!("levels under test: {:?}", levels.iter().map(|k| k.level()).collect::<Vec<_>>());
+    eprintln!(
+        "levels under test: {:?}",
+        levels.iter().map(|k| k.level()).collect::<Vec<_>>()
+    );
     let mut rng = Rng(1);
     for format in FORMATS {
         let (rows, cols) = (7, cols_for(format));
         for m in MS {
             let w = random_matrix(&mut rng, format, rows, cols);
-            let x = w.quantize_activations(m, &random_activations(&mut rng, m, cols)).unwrap();
+            let x = w
+                .quantize_activations(m, &random_activations(&mut rng, m, cols))
+                .unwrap();
             for k in &levels {
                 let mut out = vec![f32::NAN; m * rows];
                 k.matmul(&w, &x, &mut out).unwrap();
                 for r in 0..m {
                     for n in 0..rows {
                         let (got, want) = (out[r * rows + n], reference(&w, &x, n, r));
-                        assert!(same_bits(got, want), "{format:?} {:?} m={m} r={r} n={n}: {got} vs {want}", k.level());
+                        assert!(
+                            same_bits(got, want),
+                            "{format:?} {:?} m={m} r={r} n={n}: {got} vs {want}",
+                            k.level()
+                        );
                     }
                 }
             }
@@ -68,7 +80,9 @@ fn a_row_gives_the_same_bits_alone_and_in_any_batch() {
             let mut batch = vec![0.0; m * rows];
             k.matmul(&w, &xq, &mut batch).unwrap();
             for r in 0..m {
-                let alone = w.quantize_activations(1, &x[r * cols..(r + 1) * cols]).unwrap();
+                let alone = w
+                    .quantize_activations(1, &x[r * cols..(r + 1) * cols])
+                    .unwrap();
                 let mut single = vec![0.0; rows];
                 k.matmul(&w, &alone, &mut single).unwrap();
                 // The same row next to different neighbours, at a different position in the pass.
@@ -79,8 +93,16 @@ fn a_row_gives_the_same_bits_alone_and_in_any_batch() {
                 k.matmul(&w, &sq, &mut other).unwrap();
                 for n in 0..rows {
                     let b = batch[r * rows + n];
-                    assert!(same_bits(b, single[n]), "{format:?} {:?} r={r} n={n}", k.level());
-                    assert!(same_bits(b, other[4 * rows + n]), "{format:?} {:?} r={r} n={n}", k.level());
+                    assert!(
+                        same_bits(b, single[n]),
+                        "{format:?} {:?} r={r} n={n}",
+                        k.level()
+                    );
+                    assert!(
+                        same_bits(b, other[4 * rows + n]),
+                        "{format:?} {:?} r={r} n={n}",
+                        k.level()
+                    );
                 }
             }
         }
@@ -93,7 +115,9 @@ fn column_ranges_compose_into_the_full_matmul() {
     for format in FORMATS {
         let (rows, cols, m) = (9, cols_for(format), 4);
         let w = random_matrix(&mut rng, format, rows, cols);
-        let x = w.quantize_activations(m, &random_activations(&mut rng, m, cols)).unwrap();
+        let x = w
+            .quantize_activations(m, &random_activations(&mut rng, m, cols))
+            .unwrap();
         for k in kernels() {
             let mut full = vec![0.0; m * rows];
             k.matmul(&w, &x, &mut full).unwrap();
@@ -125,8 +149,16 @@ fn quantised_dot_matches_the_dequantised_f32_dot() {
             w.dequantize_row(n, &mut wrow);
             for r in 0..m {
                 let xd = dequantised_activations(&xq, r, cols);
-                let exact: f64 = wrow.iter().zip(&xd).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum();
-                let magnitude: f64 = wrow.iter().zip(&xd).map(|(&a, &b)| (f64::from(a) * f64::from(b)).abs()).sum();
+                let exact: f64 = wrow
+                    .iter()
+                    .zip(&xd)
+                    .map(|(&a, &b)| f64::from(a) * f64::from(b))
+                    .sum();
+                let magnitude: f64 = wrow
+                    .iter()
+                    .zip(&xd)
+                    .map(|(&a, &b)| (f64::from(a) * f64::from(b)).abs())
+                    .sum();
                 let got = f64::from(out[r * rows + n]);
                 // f32 rounding of the block scales' products and of the lane sums: a few ulps of the
                 // magnitude, far below any quantisation error.
@@ -146,7 +178,12 @@ fn dequantised_activations(x: &QuantizedActivations, r: usize, cols: usize) -> V
             b.dequantize(o);
         }
     } else {
-        for (b, o) in x.q8_0_row(r).expect("Q8_0 or Q8_K").iter().zip(out.chunks_exact_mut(32)) {
+        for (b, o) in x
+            .q8_0_row(r)
+            .expect("Q8_0 or Q8_K")
+            .iter()
+            .zip(out.chunks_exact_mut(32))
+        {
             for (v, &q) in o.iter_mut().zip(&b.qs) {
                 *v = b.d * f32::from(q);
             }
@@ -157,10 +194,16 @@ fn dequantised_activations(x: &QuantizedActivations, r: usize, cols: usize) -> V
 
 #[test]
 fn the_scalar_level_is_always_available_and_explicit() {
-    assert_eq!(Kernels::with_level(CpuLevel::Scalar).unwrap().level(), CpuLevel::Scalar);
+    assert_eq!(
+        Kernels::with_level(CpuLevel::Scalar).unwrap().level(),
+        CpuLevel::Scalar
+    );
     assert!(CpuLevel::supported().contains(&CpuLevel::Scalar));
     assert_eq!(CpuLevel::parse("AVX2").unwrap(), CpuLevel::Avx2);
-    assert!(matches!(CpuLevel::parse("avx9"), Err(KernelError::UnknownLevel { .. })));
+    assert!(matches!(
+        CpuLevel::parse("avx9"),
+        Err(KernelError::UnknownLevel { .. })
+    ));
 }
 
 #[test]
@@ -169,21 +212,50 @@ fn shape_errors_are_reported_not_panicked() {
     let w = random_matrix(&mut rng, BlockFormat::Q4K, 3, 512);
     let x = w.quantize_activations(2, &vec![1.0; 1024]).unwrap();
     let k = Kernels::get();
-    assert_eq!(k.matmul(&w, &x, &mut [0.0; 5]), Err(KernelError::OutputLength { expected: 6, actual: 5 }));
-    assert!(matches!(k.matmul_columns(&w, &x, 2..4, &mut [0.0; 4]), Err(KernelError::ColumnRange { .. })));
-    let narrow = QuantizedActivations::quantize(specdec_kernels::ActivationFormat::Q8K, 1, 256, &[0.0; 256]).unwrap();
-    assert!(matches!(k.matmul(&w, &narrow, &mut [0.0; 3]), Err(KernelError::WidthMismatch { .. })));
-    let q8 = QuantizedActivations::quantize(specdec_kernels::ActivationFormat::Q8_0, 1, 512, &[0.0; 512]).unwrap();
-    assert!(matches!(k.matmul(&w, &q8, &mut [0.0; 3]), Err(KernelError::ActivationFormat { .. })));
+    assert_eq!(
+        k.matmul(&w, &x, &mut [0.0; 5]),
+        Err(KernelError::OutputLength {
+            expected: 6,
+            actual: 5
+        })
+    );
+    assert!(matches!(
+        k.matmul_columns(&w, &x, 2..4, &mut [0.0; 4]),
+        Err(KernelError::ColumnRange { .. })
+    ));
+    let narrow =
+        QuantizedActivations::quantize(specdec_kernels::ActivationFormat::Q8K, 1, 256, &[0.0; 256])
+            .unwrap();
+    assert!(matches!(
+        k.matmul(&w, &narrow, &mut [0.0; 3]),
+        Err(KernelError::WidthMismatch { .. })
+    ));
+    let q8 = QuantizedActivations::quantize(
+        specdec_kernels::ActivationFormat::Q8_0,
+        1,
+        512,
+        &[0.0; 512],
+    )
+    .unwrap();
+    assert!(matches!(
+        k.matmul(&w, &q8, &mut [0.0; 3]),
+        Err(KernelError::ActivationFormat { .. })
+    ));
     assert!(matches!(
         QMatrix::from_bytes(BlockFormat::Q4K, 1, 300, &[0; 144]),
         Err(KernelError::RaggedRow { cols: 300, .. })
     ));
     assert_eq!(
         QMatrix::from_bytes(BlockFormat::Q6K, 2, 256, &[0; 210]),
-        Err(KernelError::ByteLength { expected: 420, actual: 210 })
+        Err(KernelError::ByteLength {
+            expected: 420,
+            actual: 210
+        })
     );
-    assert!(matches!(w.quantize_activations(2, &[0.0; 10]), Err(KernelError::InputLength { .. })));
+    assert!(matches!(
+        w.quantize_activations(2, &[0.0; 10]),
+        Err(KernelError::InputLength { .. })
+    ));
 }
 
 mod properties {

@@ -125,7 +125,11 @@ pub trait WeightBlock: Copy + Send + Sync + 'static {
 /// # Panics
 /// If `out.len() != blocks.len() * B::VALUES`.
 pub fn dequantize_row<B: WeightBlock>(blocks: &[B], out: &mut [f32]) {
-    assert_eq!(out.len(), blocks.len() * B::VALUES, "output length must match the blocks");
+    assert_eq!(
+        out.len(),
+        blocks.len() * B::VALUES,
+        "output length must match the blocks"
+    );
     for (block, out) in blocks.iter().zip(out.chunks_exact_mut(B::VALUES)) {
         block.dequantize(out);
     }

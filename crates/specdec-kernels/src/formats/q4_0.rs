@@ -18,7 +18,11 @@ impl BlockQ4_0 {
     /// The signed quants `q - 8` in value order.
     pub fn quants(&self) -> [i8; QK8_0] {
         std::array::from_fn(|p| {
-            let nibble = if p < 16 { self.qs[p] & 0x0f } else { self.qs[p - 16] >> 4 };
+            let nibble = if p < 16 {
+                self.qs[p] & 0x0f
+            } else {
+                self.qs[p - 16] >> 4
+            };
             nibble as i8 - 8
         })
     }
@@ -33,7 +37,10 @@ impl WeightBlock for BlockQ4_0 {
         if bytes.len() != Self::BYTES {
             return None;
         }
-        Some(BlockQ4_0 { d: F16(le_u16(bytes, 0)), qs: std::array::from_fn(|i| bytes[2 + i]) })
+        Some(BlockQ4_0 {
+            d: F16(le_u16(bytes, 0)),
+            qs: std::array::from_fn(|i| bytes[2 + i]),
+        })
     }
 
     fn write(&self, out: &mut [u8]) {
@@ -92,7 +99,11 @@ pub(crate) mod avx2 {
             let lo = _mm_and_si128(v, low);
             let hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
             let w = _mm256_sub_epi8(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(8));
-            SignedBlock { w, abs: _mm256_sign_epi8(w, w), d: block.d.to_f32() }
+            SignedBlock {
+                w,
+                abs: _mm256_sign_epi8(w, w),
+                d: block.d.to_f32(),
+            }
         }
 
         #[inline]

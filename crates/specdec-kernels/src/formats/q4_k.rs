@@ -100,17 +100,17 @@ pub fn dot_q4_k_q8_k(w: &[BlockQ4K], x: &[BlockQ8K]) -> f32 {
     for (wb, xb) in w.iter().zip(x) {
         let (sc, m) = wb.scales_mins();
         let mut lanes = [0i32; 8];
-        for s in 0..8 {
+        for (s, (&scale, y)) in sc.iter().zip(xb.qs.chunks_exact(32)).enumerate() {
             let q = wb.sub_block(s).map(i32::from);
-            let y = &xb.qs[32 * s..32 * s + 32];
             for (j, lane) in lanes.iter_mut().enumerate() {
-                *lane += i32::from(sc[s]) * lane4(&q, y, j);
+                *lane += i32::from(scale) * lane4(&q, y, j);
             }
         }
         let dd = wb.d.to_f32() * xb.d;
         let dm = wb.dmin.to_f32() * xb.d;
         for (j, a) in acc.iter_mut().enumerate() {
-            let mins = i32::from(m[j]) * (i32::from(xb.bsums[2 * j]) + i32::from(xb.bsums[2 * j + 1]));
+            let mins =
+                i32::from(m[j]) * (i32::from(xb.bsums[2 * j]) + i32::from(xb.bsums[2 * j + 1]));
             *a = (*a + dd * lanes[j] as f32) - dm * mins as f32;
         }
     }
@@ -163,7 +163,13 @@ pub(crate) mod avx2 {
             }
             // SAFETY: `m16` is 32 bytes, one unaligned 256-bit load.
             let mins = unsafe { _mm256_loadu_si256(m16.as_ptr().cast()) };
-            Unpacked { q, sc: scv, mins, d: block.d.to_f32(), dmin: block.dmin.to_f32() }
+            Unpacked {
+                q,
+                sc: scv,
+                mins,
+                d: block.d.to_f32(),
+                dmin: block.dmin.to_f32(),
+            }
         }
 
         /// Exact integer lanes: a nibble times a quant is ≤ 15 · 127, so `maddubs` pair sums fit `i16`,

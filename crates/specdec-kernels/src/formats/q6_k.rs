@@ -90,10 +90,13 @@ pub fn dot_q6_k_q8_k(w: &[BlockQ6K], x: &[BlockQ8K]) -> f32 {
         for (j, lane) in lanes.iter_mut().enumerate() {
             for g in 0..8 {
                 let p0 = 32 * g + 4 * j;
-                let s: i32 = (p0..p0 + 4).map(|p| i32::from(q[p]) * i32::from(xb.qs[p])).sum();
+                let s: i32 = (p0..p0 + 4)
+                    .map(|p| i32::from(q[p]) * i32::from(xb.qs[p]))
+                    .sum();
                 *lane += sc[2 * g + j / 4] * s;
             }
-            let offset = sc[2 * j] * i32::from(xb.bsums[2 * j]) + sc[2 * j + 1] * i32::from(xb.bsums[2 * j + 1]);
+            let offset = sc[2 * j] * i32::from(xb.bsums[2 * j])
+                + sc[2 * j + 1] * i32::from(xb.bsums[2 * j + 1]);
             *lane -= 32 * offset;
         }
         let dd = wb.d.to_f32() * xb.d;
@@ -143,20 +146,40 @@ pub(crate) mod avx2 {
                     )
                 };
                 // Bits 2g, 2g + 1 of `qh` move to bits 4, 5; bits shifted across a byte are masked off.
-                q[4 * h] = _mm256_or_si256(_mm256_and_si256(qla, low), _mm256_and_si256(_mm256_slli_epi16(qh, 4), high));
-                q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(qlb, low), _mm256_and_si256(_mm256_slli_epi16(qh, 2), high));
-                q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qla, 4), low), _mm256_and_si256(qh, high));
-                q[4 * h + 3] =
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qlb, 4), low), _mm256_and_si256(_mm256_srli_epi16(qh, 2), high));
+                q[4 * h] = _mm256_or_si256(
+                    _mm256_and_si256(qla, low),
+                    _mm256_and_si256(_mm256_slli_epi16(qh, 4), high),
+                );
+                q[4 * h + 1] = _mm256_or_si256(
+                    _mm256_and_si256(qlb, low),
+                    _mm256_and_si256(_mm256_slli_epi16(qh, 2), high),
+                );
+                q[4 * h + 2] = _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16(qla, 4), low),
+                    _mm256_and_si256(qh, high),
+                );
+                q[4 * h + 3] = _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16(qlb, 4), low),
+                    _mm256_and_si256(_mm256_srli_epi16(qh, 2), high),
+                );
             }
             let mut sc = [_mm256_setzero_si256(); 8];
             for (g, v) in sc.iter_mut().enumerate() {
-                let (lo, hi) = (i16::from(block.scales[2 * g]), i16::from(block.scales[2 * g + 1]));
+                let (lo, hi) = (
+                    i16::from(block.scales[2 * g]),
+                    i16::from(block.scales[2 * g + 1]),
+                );
                 *v = _mm256_set_m128i(_mm_set1_epi16(hi), _mm_set1_epi16(lo));
             }
             // SAFETY: `scales` is 16 bytes, one unaligned 128-bit load.
-            let scales = _mm256_cvtepi8_epi16(unsafe { _mm_loadu_si128(block.scales.as_ptr().cast()) });
-            Unpacked { q, sc, scales, d: block.d.to_f32() }
+            let scales =
+                _mm256_cvtepi8_epi16(unsafe { _mm_loadu_si128(block.scales.as_ptr().cast()) });
+            Unpacked {
+                q,
+                sc,
+                scales,
+                d: block.d.to_f32(),
+            }
         }
 
         /// Exact integer lanes: `maddubs` pair sums are ≤ 2 · 63 · 127 < 2^15, a lane's total is
@@ -175,7 +198,10 @@ pub(crate) mod avx2 {
             let bsums = unsafe { _mm256_loadu_si256(x.bsums.as_ptr().cast()) };
             let offset = _mm256_slli_epi32(_mm256_madd_epi16(w.scales, bsums), 5);
             let lanes = _mm256_sub_epi32(lanes, offset);
-            _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(w.d * x.d), _mm256_cvtepi32_ps(lanes)))
+            _mm256_add_ps(
+                acc,
+                _mm256_mul_ps(_mm256_set1_ps(w.d * x.d), _mm256_cvtepi32_ps(lanes)),
+            )
         }
     }
 }

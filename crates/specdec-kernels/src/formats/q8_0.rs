@@ -22,7 +22,10 @@ impl WeightBlock for BlockQ8_0 {
         if bytes.len() != Self::BYTES {
             return None;
         }
-        Some(BlockQ8_0 { d: F16(le_u16(bytes, 0)), qs: std::array::from_fn(|i| bytes[2 + i] as i8) })
+        Some(BlockQ8_0 {
+            d: F16(le_u16(bytes, 0)),
+            qs: std::array::from_fn(|i| bytes[2 + i] as i8),
+        })
     }
 
     fn write(&self, out: &mut [u8]) {
@@ -56,7 +59,10 @@ pub struct ActQ8_0 {
 impl ActQ8_0 {
     /// The equivalent ggml `block_q8_0` (exact: `d` is an f16 value).
     pub fn to_block(&self) -> BlockQ8_0 {
-        BlockQ8_0 { d: F16::from_f32(self.d), qs: self.qs }
+        BlockQ8_0 {
+            d: F16::from_f32(self.d),
+            qs: self.qs,
+        }
     }
 }
 
@@ -122,7 +128,10 @@ pub(crate) mod avx2 {
         let y = unsafe { _mm256_loadu_si256(x.qs.as_ptr().cast()) };
         let p16 = _mm256_maddubs_epi16(w.abs, _mm256_sign_epi8(y, w.w));
         let lanes = _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
-        _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(w.d * x.d), _mm256_cvtepi32_ps(lanes)))
+        _mm256_add_ps(
+            acc,
+            _mm256_mul_ps(_mm256_set1_ps(w.d * x.d), _mm256_cvtepi32_ps(lanes)),
+        )
     }
 
     pub(crate) struct Q8_0;
@@ -137,7 +146,11 @@ pub(crate) mod avx2 {
         unsafe fn unpack(block: &BlockQ8_0) -> SignedBlock {
             // SAFETY: `block.qs` is 32 bytes, one unaligned 256-bit load.
             let w = unsafe { _mm256_loadu_si256(block.qs.as_ptr().cast()) };
-            SignedBlock { w, abs: _mm256_sign_epi8(w, w), d: block.d.to_f32() }
+            SignedBlock {
+                w,
+                abs: _mm256_sign_epi8(w, w),
+                d: block.d.to_f32(),
+            }
         }
 
         #[inline]

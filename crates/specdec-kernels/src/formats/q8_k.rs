@@ -38,7 +38,11 @@ pub fn quantize_row_q8_k(x: &[f32], out: &mut [BlockQ8K]) {
             }
         }
         if amax == 0.0 {
-            *block = BlockQ8K { d: 0.0, qs: [0; QK_K], bsums: [0; QK_K / 16] };
+            *block = BlockQ8K {
+                d: 0.0,
+                qs: [0; QK_K],
+                bsums: [0; QK_K / 16],
+            };
             continue;
         }
         let iscale = -127.0 / max;
@@ -85,14 +89,24 @@ mod tests {
     #[test]
     fn q8_k_maps_the_extreme_value_to_minus_127_and_keeps_sums() {
         let x: Vec<f32> = (0..QK_K).map(|i| (i as f32 - 100.0) * 0.37).collect();
-        let mut out = [BlockQ8K { d: 0.0, qs: [0; QK_K], bsums: [0; 16] }];
+        let mut out = [BlockQ8K {
+            d: 0.0,
+            qs: [0; QK_K],
+            bsums: [0; 16],
+        }];
         quantize_row_q8_k(&x, &mut out);
         let b = &out[0];
         // The largest magnitude is the last value (positive), so its quant is -127 and d < 0.
         assert_eq!(b.qs[QK_K - 1], -127);
         assert!(b.d < 0.0);
         for (i, s) in b.bsums.iter().enumerate() {
-            assert_eq!(i32::from(*s), b.qs[16 * i..16 * i + 16].iter().map(|&q| i32::from(q)).sum::<i32>());
+            assert_eq!(
+                i32::from(*s),
+                b.qs[16 * i..16 * i + 16]
+                    .iter()
+                    .map(|&q| i32::from(q))
+                    .sum::<i32>()
+            );
         }
         for (i, &v) in x.iter().enumerate() {
             assert!((b.d * f32::from(b.qs[i]) - v).abs() <= b.d.abs() * 0.5 + 1e-5);
@@ -101,7 +115,11 @@ mod tests {
 
     #[test]
     fn q8_k_of_zeros_is_zero() {
-        let mut out = [BlockQ8K { d: 1.0, qs: [1; QK_K], bsums: [1; 16] }];
+        let mut out = [BlockQ8K {
+            d: 1.0,
+            qs: [1; QK_K],
+            bsums: [1; 16],
+        }];
         quantize_row_q8_k(&[0.0; QK_K], &mut out);
         assert_eq!(out[0].d, 0.0);
         assert!(out[0].qs.iter().all(|&q| q == 0) && out[0].bsums.iter().all(|&s| s == 0));

@@ -2,7 +2,9 @@
 
 #![allow(dead_code)]
 
-use specdec_kernels::{BlockFormat, BlockQ4K, BlockQ4_0, BlockQ6K, BlockQ8_0, QMatrix, Weights, F16};
+use specdec_kernels::{
+    BlockFormat, BlockQ4K, BlockQ4_0, BlockQ6K, BlockQ8_0, QMatrix, Weights, F16,
+};
 
 pub struct Rng(pub u64);
 
@@ -28,8 +30,8 @@ impl Rng {
     pub fn scale(&mut self) -> F16 {
         let x = match self.below(8) {
             0 => 0.0,
-            1 => 6e-8,       // f16 subnormal
-            2 => 3000.0,     // large
+            1 => 6e-8,   // f16 subnormal
+            2 => 3000.0, // large
             3 => -0.01 * self.unit().abs(),
             _ => 0.02 * self.unit(),
         };
@@ -49,12 +51,29 @@ pub fn random_matrix(rng: &mut Rng, format: BlockFormat, rows: usize, cols: usiz
     let n = rows * cols / format.block_len();
     let weights = match format {
         BlockFormat::Q8_0 => Weights::Q8_0(
-            (0..n).map(|_| BlockQ8_0 { d: rng.scale(), qs: rng.bytes::<32>().map(|b| b as i8) }).collect(),
+            (0..n)
+                .map(|_| BlockQ8_0 {
+                    d: rng.scale(),
+                    qs: rng.bytes::<32>().map(|b| b as i8),
+                })
+                .collect(),
         ),
-        BlockFormat::Q4_0 => Weights::Q4_0((0..n).map(|_| BlockQ4_0 { d: rng.scale(), qs: rng.bytes() }).collect()),
+        BlockFormat::Q4_0 => Weights::Q4_0(
+            (0..n)
+                .map(|_| BlockQ4_0 {
+                    d: rng.scale(),
+                    qs: rng.bytes(),
+                })
+                .collect(),
+        ),
         BlockFormat::Q4K => Weights::Q4K(
             (0..n)
-                .map(|_| BlockQ4K { d: rng.scale(), dmin: rng.scale(), scales: rng.bytes(), qs: rng.bytes() })
+                .map(|_| BlockQ4K {
+                    d: rng.scale(),
+                    dmin: rng.scale(),
+                    scales: rng.bytes(),
+                    qs: rng.bytes(),
+                })
                 .collect(),
         ),
         BlockFormat::Q6K => Weights::Q6K(
@@ -88,7 +107,12 @@ pub fn random_activations(rng: &mut Rng, m: usize, cols: usize) -> Vec<f32> {
     x
 }
 
-pub const FORMATS: [BlockFormat; 4] = [BlockFormat::Q8_0, BlockFormat::Q4_0, BlockFormat::Q4K, BlockFormat::Q6K];
+pub const FORMATS: [BlockFormat; 4] = [
+    BlockFormat::Q8_0,
+    BlockFormat::Q4_0,
+    BlockFormat::Q4K,
+    BlockFormat::Q6K,
+];
 
 pub fn same_bits(a: f32, b: f32) -> bool {
     a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan())

@@ -1,0 +1,123 @@
+//! CPU feature dispatch: which SIMD level the kernels use, chosen once per process.
+
+use crate::KernelError;
+use std::sync::OnceLock;
+
+/// The environment variable that overrides the detected level: `scalar`, `avx2` or `auto`.
+pub const LEVEL_ENV: &str = "SPECDEC_KERNELS";
+
+/// A kernel implementation level. Every level returns bit-identical results; they differ in speed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum CpuLevel {
+    /// Portable Rust, the reference.
+    Scalar,
+    /// x86-64 AVX2 (`maddubs`/`madd` integer dot products).
+    Avx2,
+}
+
+impl CpuLevel {
+    /// Every level, lowest first.
+    pub const ALL: [CpuLevel; 2] = [CpuLevel::Scalar, CpuLevel::Avx2];
+
+    /// The best level this CPU supports.
+    pub fn detect() -> CpuLevel {
+        if CpuLevel::Avx2.is_supported() {
+            CpuLevel::Avx2
+        } else {
+            CpuLevel::Scalar
+        }
+    }
+
+    /// Whether this CPU can run the level.
+    pub fn is_supported(self) -> bool {
+        match self {
+            CpuLevel::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            CpuLevel::Avx2 => std::arch::is_x86_feature_detected!("avx2"),
+            #[cfg(not(target_arch = "x86_64"))]
+            CpuLevel::Avx2 => false,
+        }
+    }
+
+    /// The levels this CPU supports, lowest first (what tests compare against each other).
+    pub fn supported() -> Vec<CpuLevel> {
+        CpuLevel::ALL
+            .into_iter()
+            .filter(|l| l.is_supported())
+            .collect()
+    }
+
+    /// The level's name, as accepted by [`CpuLevel::parse`] and [`LEVEL_ENV`].
+    pub fn name(self) -> &'static str {
+        match self {
+            CpuLevel::Scalar => "scalar",
+            CpuLevel::Avx2 => "avx2",
+        }
+    }
+
+    /// Parses a level name; `auto` means [`CpuLevel::detect`].
+    pub fn parse(name: &str) -> Result<CpuLevel, KernelError> {
+        match name.trim().to_ascii_lowercase().as_str() {
+            "scalar" => Ok(CpuLevel::Scalar),
+            "avx2" => Ok(CpuLevel::Avx2),
+            "auto" | "" => Ok(CpuLevel::detect()),
+            _ => Err(KernelError::UnknownLevel {
+                name: name.to_owned(),
+            }),
+        }
+    }
+}
+
+/// The kernels at one [`CpuLevel`]: the entry point for [`Kernels::matmul`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Kernels {
+    level: CpuLevel,
+}
+
+impl Kernels {
+    /// The process-wide kernels: [`LEVEL_ENV`] if it is set, valid and supported by this CPU, else the
+    /// detected level. Decided on the first call and cached; use [`Kernels::from_env`] to see why an
+    /// override was refused.
+    pub fn get() -> Kernels {
+        static KERNELS: OnceLock<Kernels> = OnceLock::new();
+        *KERNELS.get_or_init(|| {
+            Kernels::from_env().unwrap_or(Kernels {
+                level: CpuLevel::detect(),
+            })
+        })
+    }
+
+    /// Reads [`LEVEL_ENV`] now (not cached): the named level, or the detected one when the variable is
+    /// unset.
+    ///
+    /// # Errors
+    /// [`KernelError::UnknownLevel`] for an unknown name, [`KernelError::UnsupportedLevel`] when this CPU
+    /// cannot run the named level.
+    pub fn from_env() -> Result<Kernels, KernelError> {
+        match std::env::var(LEVEL_ENV) {
+            Ok(name) => Kernels::with_level(CpuLevel::parse(&name)?),
+            Err(_) => Ok(Kernels {
+                level: CpuLevel::detect(),
+            }),
+        }
+    }
+
+    /// The kernels at an explicit level.
+    ///
+    /// # Errors
+    /// [`KernelError::UnsupportedLevel`] when this CPU cannot run it.
+    pub fn with_level(level: CpuLevel) -> Result<Kernels, KernelError> {
+        if level.is_supported() {
+            Ok(Kernels { level })
+        } else {
+            Err(KernelError::UnsupportedLevel {
+                level: level.name(),
+            })
+        }
+    }
+
+    /// The level these kernels run at.
+    pub fn level(&self) -> CpuLevel {
+        self.level
+    }
+}

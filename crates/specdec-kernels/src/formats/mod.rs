@@ -1,0 +1,156 @@
+//! GGUF block formats: the byte layouts, dequantisation and the scalar reference dot products.
+//!
+//! One module per format. Each weight block type is `#[repr(C)]` with the exact size and field order of
+//! ggml's `block_*` struct, so a tensor's bytes from a GGUF file are an array of these blocks.
+//!
+//! # The reference arithmetic
+//!
+//! Every dot product here has the same shape, chosen so that a SIMD kernel can reproduce it bit for bit:
+//! within a block, products are summed *exactly* in `i32` into 8 lanes (lane `j` takes the products at
+//! positions `32g + 4j .. 32g + 4j + 4` of every 32-value group `g`, with that sub-block's integer scale
+//! applied), each lane is converted to `f32`, multiplied by the block's combined float scale and added
+//! to a per-lane `f32` accumulator (a multiply then an add, never fused), and after the last block the
+//! 8 accumulators are summed by [`hsum8`]'s fixed tree. The AVX2 kernels produce the same lanes with
+//! `maddubs`/`madd` and the same float operations, so every CPU level returns identical bits.
+//!
+//! This is llama.cpp's arithmetic up to the grouping of the float operations: ggml's own scalar and
+//! AVX2 dot products already differ from each other in that grouping (and in FMA use), so llama.cpp
+//! results agree with ours to rounding, not bit for bit. Quantisation of activations
+//! ([`quantize_row_q8_k`], [`quantize_row_q8_0`]) follows ggml's `_ref` functions exactly.
+
+pub(crate) mod q4_0;
+pub(crate) mod q4_k;
+pub(crate) mod q6_k;
+pub(crate) mod q8_0;
+pub(crate) mod q8_k;
+
+pub use q4_0::{dot_q4_0_q8_0, BlockQ4_0};
+pub use q4_k::{dot_q4_k_q8_k, BlockQ4K};
+pub use q6_k::{dot_q6_k_q8_k, BlockQ6K};
+pub use q8_0::{dot_q8_0_q8_0, quantize_row_q8_0, ActQ8_0, BlockQ8_0};
+pub use q8_k::{quantize_row_q8_k, BlockQ8K};
+
+/// Values per K-quant super-block (ggml's `QK_K`).
+pub const QK_K: usize = 256;
+/// Values per Q8_0 / Q4_0 block (ggml's `QK8_0`, `QK4_0`).
+pub const QK8_0: usize = 32;
+
+/// A supported weight format, named as in ggml (`GGML_TYPE_*`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BlockFormat {
+    /// 32 values, one f16 scale, `i8` quants (ggml type 8).
+    Q8_0,
+    /// 32 values, one f16 scale, 4-bit quants offset by 8 (ggml type 2).
+    Q4_0,
+    /// 256 values in 8 sub-blocks with 6-bit scales and mins, 4-bit quants (ggml type 12).
+    Q4K,
+    /// 256 values in 16 sub-blocks with `i8` scales, 6-bit quants offset by 32 (ggml type 14).
+    Q6K,
+}
+
+impl BlockFormat {
+    /// Values per block.
+    pub const fn block_len(self) -> usize {
+        match self {
+            BlockFormat::Q8_0 | BlockFormat::Q4_0 => QK8_0,
+            BlockFormat::Q4K | BlockFormat::Q6K => QK_K,
+        }
+    }
+
+    /// Bytes per block, as stored in a GGUF file.
+    pub const fn block_bytes(self) -> usize {
+        match self {
+            BlockFormat::Q8_0 => BlockQ8_0::BYTES,
+            BlockFormat::Q4_0 => BlockQ4_0::BYTES,
+            BlockFormat::Q4K => BlockQ4K::BYTES,
+            BlockFormat::Q6K => BlockQ6K::BYTES,
+        }
+    }
+
+    /// The activation format this weight format is dotted against.
+    pub const fn activation_format(self) -> ActivationFormat {
+        match self {
+            BlockFormat::Q8_0 | BlockFormat::Q4_0 => ActivationFormat::Q8_0,
+            BlockFormat::Q4K | BlockFormat::Q6K => ActivationFormat::Q8K,
+        }
+    }
+}
+
+/// How activations are quantised for a weight format's dot product.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ActivationFormat {
+    /// 32-value blocks, f16-rounded scale ([`ActQ8_0`]).
+    Q8_0,
+    /// 256-value blocks with an f32 scale and 16-value sums ([`BlockQ8K`]).
+    Q8K,
+}
+
+impl ActivationFormat {
+    /// Values per block.
+    pub const fn block_len(self) -> usize {
+        match self {
+            ActivationFormat::Q8_0 => QK8_0,
+            ActivationFormat::Q8K => QK_K,
+        }
+    }
+}
+
+/// A weight block of a GGUF format: its layout and its dequantisation.
+pub trait WeightBlock: Copy + Send + Sync + 'static {
+    /// The format this block belongs to.
+    const FORMAT: BlockFormat;
+    /// Values per block.
+    const VALUES: usize;
+    /// Bytes per block in a GGUF file (equal to `size_of::<Self>()`).
+    const BYTES: usize;
+
+    /// Reads a block from its little-endian file bytes; `None` unless `bytes.len() == Self::BYTES`.
+    fn read(bytes: &[u8]) -> Option<Self>;
+
+    /// Writes the block's little-endian file bytes into `out` (`Self::BYTES` long).
+    ///
+    /// # Panics
+    /// If `out.len() != Self::BYTES`.
+    fn write(&self, out: &mut [u8]);
+
+    /// Dequantises the block into `out` (`Self::VALUES` long), as ggml's `dequantize_row_*`.
+    ///
+    /// # Panics
+    /// If `out.len() != Self::VALUES`.
+    fn dequantize(&self, out: &mut [f32]);
+}
+
+/// Dequantises a row of blocks into `out`.
+///
+/// # Panics
+/// If `out.len() != blocks.len() * B::VALUES`.
+pub fn dequantize_row<B: WeightBlock>(blocks: &[B], out: &mut [f32]) {
+    assert_eq!(
+        out.len(),
+        blocks.len() * B::VALUES,
+        "output length must match the blocks"
+    );
+    for (block, out) in blocks.iter().zip(out.chunks_exact_mut(B::VALUES)) {
+        block.dequantize(out);
+    }
+}
+
+/// The fixed summation tree for the 8 lane accumulators:
+/// `((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))`, which is what the AVX2 horizontal sum
+/// (add the 128-bit halves, then `movehl`, then `movehdup`) computes.
+#[inline]
+pub fn hsum8(a: [f32; 8]) -> f32 {
+    let s = [a[0] + a[4], a[1] + a[5], a[2] + a[6], a[3] + a[7]];
+    (s[0] + s[2]) + (s[1] + s[3])
+}
+
+/// Sum of the four products `w[k] · y[k]`, `k` in `4j .. 4j + 4`, of a 32-value group: one lane of a
+/// `maddubs` + `madd` pair.
+#[inline]
+fn lane4(w: &[i32; 32], y: &[i8], j: usize) -> i32 {
+    (4 * j..4 * j + 4).map(|k| w[k] * i32::from(y[k])).sum()
+}
+
+pub(crate) fn le_u16(bytes: &[u8], at: usize) -> u16 {
+    u16::from_le_bytes([bytes[at], bytes[at + 1]])
+}

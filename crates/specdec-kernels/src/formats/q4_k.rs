@@ -1,0 +1,195 @@
+//! Q4_K: 256 values in 8 sub-blocks of 32; sub-block `s` has a 6-bit scale `sc[s]` and min `m[s]`, and
+//! `value = d · sc[s] · q - dmin · m[s]` with `q` a 4-bit quant.
+
+use super::{hsum8, lane4, le_u16, BlockFormat, BlockQ8K, WeightBlock, QK_K};
+use crate::f16::F16;
+
+/// A Q4_K block, byte-identical to ggml's `block_q4_K` (144 bytes).
+///
+/// `qs[32 c + l]` holds value `64 c + l` in its low nibble and value `64 c + 32 + l` in its high nibble.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C)]
+pub struct BlockQ4K {
+    /// Super-block scale of the sub-block scales.
+    pub d: F16,
+    /// Super-block scale of the sub-block mins.
+    pub dmin: F16,
+    /// Eight 6-bit scales and eight 6-bit mins, packed as ggml's `get_scale_min_k4` reads them.
+    pub scales: [u8; 12],
+    /// Nibbles.
+    pub qs: [u8; QK_K / 2],
+}
+
+impl BlockQ4K {
+    /// The 6-bit scales and mins of the 8 sub-blocks (ggml's `get_scale_min_k4` for `j` in 0..8).
+    #[inline]
+    pub fn scales_mins(&self) -> ([u8; 8], [u8; 8]) {
+        let q = &self.scales;
+        let mut sc = [0u8; 8];
+        let mut m = [0u8; 8];
+        for j in 0..4 {
+            sc[j] = q[j] & 63;
+            m[j] = q[j + 4] & 63;
+        }
+        for j in 4..8 {
+            sc[j] = (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4);
+            m[j] = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+        }
+        (sc, m)
+    }
+
+    /// The 4-bit quants of sub-block `s` (0..8), in value order.
+    #[inline]
+    pub fn sub_block(&self, s: usize) -> [u8; 32] {
+        let bytes = &self.qs[32 * (s / 2)..32 * (s / 2) + 32];
+        let shift = 4 * (s % 2);
+        std::array::from_fn(|l| (bytes[l] >> shift) & 0x0f)
+    }
+}
+
+impl WeightBlock for BlockQ4K {
+    const FORMAT: BlockFormat = BlockFormat::Q4K;
+    const VALUES: usize = QK_K;
+    const BYTES: usize = 144;
+
+    fn read(bytes: &[u8]) -> Option<Self> {
+        if bytes.len() != Self::BYTES {
+            return None;
+        }
+        Some(BlockQ4K {
+            d: F16(le_u16(bytes, 0)),
+            dmin: F16(le_u16(bytes, 2)),
+            scales: std::array::from_fn(|i| bytes[4 + i]),
+            qs: std::array::from_fn(|i| bytes[16 + i]),
+        })
+    }
+
+    fn write(&self, out: &mut [u8]) {
+        assert_eq!(out.len(), Self::BYTES, "a Q4_K block is 144 bytes");
+        out[..2].copy_from_slice(&self.d.0.to_le_bytes());
+        out[2..4].copy_from_slice(&self.dmin.0.to_le_bytes());
+        out[4..16].copy_from_slice(&self.scales);
+        out[16..].copy_from_slice(&self.qs);
+    }
+
+    /// As ggml's `dequantize_row_q4_K`: `(d · sc) · q - (dmin · m)`.
+    fn dequantize(&self, out: &mut [f32]) {
+        assert_eq!(out.len(), QK_K, "a Q4_K block holds 256 values");
+        let (d, min) = (self.d.to_f32(), self.dmin.to_f32());
+        let (sc, m) = self.scales_mins();
+        for (s, out) in out.chunks_exact_mut(32).enumerate() {
+            let (d1, m1) = (d * f32::from(sc[s]), min * f32::from(m[s]));
+            for (o, q) in out.iter_mut().zip(self.sub_block(s)) {
+                *o = d1 * f32::from(q) - m1;
+            }
+        }
+    }
+}
+
+/// Reference dot product of a Q4_K weight row with a Q8_K activation row.
+///
+/// Per block, exactly in `i32`: lane `j` sums `sc[s] · q · y` over the positions `32 s + 4 j .. + 4` of
+/// every sub-block `s`, and `mins[j] = m[j] · (bsums[2j] + bsums[2j+1])`; then
+/// `acc[j] = (acc[j] + (d · dy) · lane[j]) - (dmin · dy) · mins[j]`, and [`hsum8`] at the end.
+///
+/// # Panics
+/// If the rows differ in length.
+pub fn dot_q4_k_q8_k(w: &[BlockQ4K], x: &[BlockQ8K]) -> f32 {
+    assert_eq!(w.len(), x.len(), "rows must have the same number of blocks");
+    let mut acc = [0f32; 8];
+    for (wb, xb) in w.iter().zip(x) {
+        let (sc, m) = wb.scales_mins();
+        let mut lanes = [0i32; 8];
+        for (s, (&scale, y)) in sc.iter().zip(xb.qs.chunks_exact(32)).enumerate() {
+            let q = wb.sub_block(s).map(i32::from);
+            for (j, lane) in lanes.iter_mut().enumerate() {
+                *lane += i32::from(scale) * lane4(&q, y, j);
+            }
+        }
+        let dd = wb.d.to_f32() * xb.d;
+        let dm = wb.dmin.to_f32() * xb.d;
+        for (j, a) in acc.iter_mut().enumerate() {
+            let mins =
+                i32::from(m[j]) * (i32::from(xb.bsums[2 * j]) + i32::from(xb.bsums[2 * j + 1]));
+            *a = (*a + dd * lanes[j] as f32) - dm * mins as f32;
+        }
+    }
+    hsum8(acc)
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx2 {
+    use super::{BlockQ4K, BlockQ8K};
+    use crate::simd::avx2::Dequantizer;
+    use std::arch::x86_64::*;
+
+    pub(crate) struct Q4K;
+
+    pub(crate) struct Unpacked {
+        /// Sub-block `s` as 32 unsigned nibbles.
+        q: [__m256i; 8],
+        /// Sub-block `s`'s scale in every `i16` lane.
+        sc: [__m256i; 8],
+        /// `i16` lanes `2k`, `2k + 1` hold min `k`.
+        mins: __m256i,
+        d: f32,
+        dmin: f32,
+    }
+
+    impl Dequantizer for Q4K {
+        type Block = BlockQ4K;
+        type Act = BlockQ8K;
+        type Unpacked = Unpacked;
+
+        #[inline]
+        #[target_feature(enable = "avx2")]
+        unsafe fn unpack(block: &BlockQ4K) -> Unpacked {
+            let (sc, m) = block.scales_mins();
+            let low = _mm256_set1_epi8(0x0f);
+            let mut q = [_mm256_setzero_si256(); 8];
+            let mut scv = [_mm256_setzero_si256(); 8];
+            for c in 0..4 {
+                // SAFETY: `block.qs` is 128 bytes; bytes 32c .. 32c + 32 are in bounds for c < 4.
+                let v = unsafe { _mm256_loadu_si256(block.qs.as_ptr().add(32 * c).cast()) };
+                q[2 * c] = _mm256_and_si256(v, low);
+                q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            }
+            for (v, &s) in scv.iter_mut().zip(&sc) {
+                *v = _mm256_set1_epi16(i16::from(s));
+            }
+            let mut m16 = [0i16; 16];
+            for (k, v) in m16.iter_mut().enumerate() {
+                *v = i16::from(m[k / 2]);
+            }
+            // SAFETY: `m16` is 32 bytes, one unaligned 256-bit load.
+            let mins = unsafe { _mm256_loadu_si256(m16.as_ptr().cast()) };
+            Unpacked {
+                q,
+                sc: scv,
+                mins,
+                d: block.d.to_f32(),
+                dmin: block.dmin.to_f32(),
+            }
+        }
+
+        /// Exact integer lanes: a nibble times a quant is ≤ 15 · 127, so `maddubs` pair sums fit `i16`,
+        /// and a lane's total over the block is ≤ 8 · 63 · 4 · 15 · 127 < 2^24 (exact in f32 too).
+        #[inline]
+        #[target_feature(enable = "avx2")]
+        unsafe fn accumulate(w: &Unpacked, x: &BlockQ8K, acc: __m256) -> __m256 {
+            let mut lanes = _mm256_setzero_si256();
+            for s in 0..8 {
+                // SAFETY: `x.qs` is 256 bytes; bytes 32s .. 32s + 32 are in bounds for s < 8.
+                let y = unsafe { _mm256_loadu_si256(x.qs.as_ptr().add(32 * s).cast()) };
+                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(w.q[s], y), w.sc[s]);
+                lanes = _mm256_add_epi32(lanes, p);
+            }
+            // SAFETY: `x.bsums` is 16 `i16`, 32 bytes.
+            let bsums = unsafe { _mm256_loadu_si256(x.bsums.as_ptr().cast()) };
+            let mins = _mm256_madd_epi16(w.mins, bsums);
+            let scaled = _mm256_mul_ps(_mm256_set1_ps(w.d * x.d), _mm256_cvtepi32_ps(lanes));
+            let offset = _mm256_mul_ps(_mm256_set1_ps(w.dmin * x.d), _mm256_cvtepi32_ps(mins));
+            _mm256_sub_ps(_mm256_add_ps(acc, scaled), offset)
+        }
+    }
+}

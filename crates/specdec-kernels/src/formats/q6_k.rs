@@ -1,0 +1,207 @@
+//! Q6_K: 256 values in 16 sub-blocks of 16 with `i8` scales; `value = d · sc[p / 16] · (q - 32)` with `q`
+//! a 6-bit quant.
+
+use super::{hsum8, le_u16, BlockFormat, BlockQ8K, WeightBlock, QK_K};
+use crate::f16::F16;
+
+/// A Q6_K block, byte-identical to ggml's `block_q6_K` (210 bytes).
+///
+/// In each half `h` of 128 values, value `32 g + l` (g in 0..4, l in 0..32) has its low 4 bits in
+/// `ql[64 h + l + 32 (g % 2)]` (low nibble for g < 2, high nibble otherwise) and its high 2 bits at bit
+/// `2 g` of `qh[32 h + l]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C)]
+pub struct BlockQ6K {
+    /// Low 4 bits of the quants.
+    pub ql: [u8; QK_K / 2],
+    /// High 2 bits of the quants.
+    pub qh: [u8; QK_K / 4],
+    /// Scales of the 16 sub-blocks.
+    pub scales: [i8; QK_K / 16],
+    /// Super-block scale.
+    pub d: F16,
+}
+
+impl BlockQ6K {
+    /// The unsigned 6-bit quants (0..64, before the offset of 32), in value order.
+    pub fn quants(&self) -> [u8; QK_K] {
+        std::array::from_fn(|p| {
+            let (h, g, l) = (p / 128, (p % 128) / 32, p % 32);
+            let low = self.ql[64 * h + l + 32 * (g % 2)] >> (4 * (g / 2)) & 0x0f;
+            let high = (self.qh[32 * h + l] >> (2 * g)) & 3;
+            low | (high << 4)
+        })
+    }
+}
+
+impl WeightBlock for BlockQ6K {
+    const FORMAT: BlockFormat = BlockFormat::Q6K;
+    const VALUES: usize = QK_K;
+    const BYTES: usize = 210;
+
+    fn read(bytes: &[u8]) -> Option<Self> {
+        if bytes.len() != Self::BYTES {
+            return None;
+        }
+        Some(BlockQ6K {
+            ql: std::array::from_fn(|i| bytes[i]),
+            qh: std::array::from_fn(|i| bytes[128 + i]),
+            scales: std::array::from_fn(|i| bytes[192 + i] as i8),
+            d: F16(le_u16(bytes, 208)),
+        })
+    }
+
+    fn write(&self, out: &mut [u8]) {
+        assert_eq!(out.len(), Self::BYTES, "a Q6_K block is 210 bytes");
+        out[..128].copy_from_slice(&self.ql);
+        out[128..192].copy_from_slice(&self.qh);
+        for (o, s) in out[192..208].iter_mut().zip(self.scales) {
+            *o = s as u8;
+        }
+        out[208..].copy_from_slice(&self.d.0.to_le_bytes());
+    }
+
+    /// As ggml's `dequantize_row_q6_K`: `(d · sc) · (q - 32)`.
+    fn dequantize(&self, out: &mut [f32]) {
+        assert_eq!(out.len(), QK_K, "a Q6_K block holds 256 values");
+        let d = self.d.to_f32();
+        for (p, (o, q)) in out.iter_mut().zip(self.quants()).enumerate() {
+            *o = d * f32::from(self.scales[p / 16]) * f32::from(q as i8 - 32);
+        }
+    }
+}
+
+/// Reference dot product of a Q6_K weight row with a Q8_K activation row.
+///
+/// Per block, exactly in `i32`: lane `j` sums `sc[2g + j / 4] · q · y` (unsigned `q`) over positions
+/// `32 g + 4 j .. + 4` of every 32-value group `g`, minus `32 · (sc[2j] · bsums[2j] + sc[2j+1] ·
+/// bsums[2j+1])` (the offset of 32, via the activation sums); then `acc[j] += (d · dy) · lane[j]`, and
+/// [`hsum8`] at the end.
+///
+/// # Panics
+/// If the rows differ in length.
+pub fn dot_q6_k_q8_k(w: &[BlockQ6K], x: &[BlockQ8K]) -> f32 {
+    assert_eq!(w.len(), x.len(), "rows must have the same number of blocks");
+    let mut acc = [0f32; 8];
+    for (wb, xb) in w.iter().zip(x) {
+        let q = wb.quants();
+        let sc = wb.scales.map(i32::from);
+        let mut lanes = [0i32; 8];
+        for (j, lane) in lanes.iter_mut().enumerate() {
+            for g in 0..8 {
+                let p0 = 32 * g + 4 * j;
+                let s: i32 = (p0..p0 + 4)
+                    .map(|p| i32::from(q[p]) * i32::from(xb.qs[p]))
+                    .sum();
+                *lane += sc[2 * g + j / 4] * s;
+            }
+            let offset = sc[2 * j] * i32::from(xb.bsums[2 * j])
+                + sc[2 * j + 1] * i32::from(xb.bsums[2 * j + 1]);
+            *lane -= 32 * offset;
+        }
+        let dd = wb.d.to_f32() * xb.d;
+        for (a, lane) in acc.iter_mut().zip(lanes) {
+            *a += dd * lane as f32;
+        }
+    }
+    hsum8(acc)
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx2 {
+    use super::{BlockQ6K, BlockQ8K};
+    use crate::simd::avx2::Dequantizer;
+    use std::arch::x86_64::*;
+
+    pub(crate) struct Q6K;
+
+    pub(crate) struct Unpacked {
+        /// Values `32 g .. 32 g + 32` as unsigned 6-bit quants.
+        q: [__m256i; 8],
+        /// Scale `2g` in the low 8 `i16` lanes, scale `2g + 1` in the high 8.
+        sc: [__m256i; 8],
+        /// The 16 scales as `i16`.
+        scales: __m256i,
+        d: f32,
+    }
+
+    impl Dequantizer for Q6K {
+        type Block = BlockQ6K;
+        type Act = BlockQ8K;
+        type Unpacked = Unpacked;
+
+        #[inline]
+        #[target_feature(enable = "avx2")]
+        unsafe fn unpack(block: &BlockQ6K) -> Unpacked {
+            let low = _mm256_set1_epi8(0x0f);
+            let high = _mm256_set1_epi8(0x30);
+            let mut q = [_mm256_setzero_si256(); 8];
+            for h in 0..2 {
+                // SAFETY: `ql` is 128 bytes and `qh` 64; offsets 64h + 32 + 32 ≤ 128 and 32h + 32 ≤ 64.
+                let (qla, qlb, qh) = unsafe {
+                    (
+                        _mm256_loadu_si256(block.ql.as_ptr().add(64 * h).cast()),
+                        _mm256_loadu_si256(block.ql.as_ptr().add(64 * h + 32).cast()),
+                        _mm256_loadu_si256(block.qh.as_ptr().add(32 * h).cast()),
+                    )
+                };
+                // Bits 2g, 2g + 1 of `qh` move to bits 4, 5; bits shifted across a byte are masked off.
+                q[4 * h] = _mm256_or_si256(
+                    _mm256_and_si256(qla, low),
+                    _mm256_and_si256(_mm256_slli_epi16(qh, 4), high),
+                );
+                q[4 * h + 1] = _mm256_or_si256(
+                    _mm256_and_si256(qlb, low),
+                    _mm256_and_si256(_mm256_slli_epi16(qh, 2), high),
+                );
+                q[4 * h + 2] = _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16(qla, 4), low),
+                    _mm256_and_si256(qh, high),
+                );
+                q[4 * h + 3] = _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16(qlb, 4), low),
+                    _mm256_and_si256(_mm256_srli_epi16(qh, 2), high),
+                );
+            }
+            let mut sc = [_mm256_setzero_si256(); 8];
+            for (g, v) in sc.iter_mut().enumerate() {
+                let (lo, hi) = (
+                    i16::from(block.scales[2 * g]),
+                    i16::from(block.scales[2 * g + 1]),
+                );
+                *v = _mm256_set_m128i(_mm_set1_epi16(hi), _mm_set1_epi16(lo));
+            }
+            // SAFETY: `scales` is 16 bytes, one unaligned 128-bit load.
+            let scales =
+                _mm256_cvtepi8_epi16(unsafe { _mm_loadu_si128(block.scales.as_ptr().cast()) });
+            Unpacked {
+                q,
+                sc,
+                scales,
+                d: block.d.to_f32(),
+            }
+        }
+
+        /// Exact integer lanes: `maddubs` pair sums are ≤ 2 · 63 · 127 < 2^15, a lane's total is
+        /// ≤ 8 · 128 · 4 · 63 · 127 < 2^31, and the offset term ≤ 32 · 2 · 128 · 2032.
+        #[inline]
+        #[target_feature(enable = "avx2")]
+        unsafe fn accumulate(w: &Unpacked, x: &BlockQ8K, acc: __m256) -> __m256 {
+            let mut lanes = _mm256_setzero_si256();
+            for g in 0..8 {
+                // SAFETY: `x.qs` is 256 bytes; bytes 32g .. 32g + 32 are in bounds for g < 8.
+                let y = unsafe { _mm256_loadu_si256(x.qs.as_ptr().add(32 * g).cast()) };
+                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(w.q[g], y), w.sc[g]);
+                lanes = _mm256_add_epi32(lanes, p);
+            }
+            // SAFETY: `x.bsums` is 16 `i16`, 32 bytes.
+            let bsums = unsafe { _mm256_loadu_si256(x.bsums.as_ptr().cast()) };
+            let offset = _mm256_slli_epi32(_mm256_madd_epi16(w.scales, bsums), 5);
+            let lanes = _mm256_sub_epi32(lanes, offset);
+            _mm256_add_ps(
+                acc,
+                _mm256_mul_ps(_mm256_set1_ps(w.d * x.d), _mm256_cvtepi32_ps(lanes)),
+            )
+        }
+    }
+}

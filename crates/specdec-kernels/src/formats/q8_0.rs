@@ -1,0 +1,162 @@
+//! Q8_0: 32 values per block, `value = d · q` with `q` an `i8` and `d` an f16 scale.
+
+use super::{hsum8, lane4, le_u16, BlockFormat, WeightBlock, QK8_0};
+use crate::f16::F16;
+
+/// A Q8_0 block, byte-identical to ggml's `block_q8_0` (34 bytes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C)]
+pub struct BlockQ8_0 {
+    /// Scale.
+    pub d: F16,
+    /// Quants, in value order.
+    pub qs: [i8; QK8_0],
+}
+
+impl WeightBlock for BlockQ8_0 {
+    const FORMAT: BlockFormat = BlockFormat::Q8_0;
+    const VALUES: usize = QK8_0;
+    const BYTES: usize = 34;
+
+    fn read(bytes: &[u8]) -> Option<Self> {
+        if bytes.len() != Self::BYTES {
+            return None;
+        }
+        Some(BlockQ8_0 {
+            d: F16(le_u16(bytes, 0)),
+            qs: std::array::from_fn(|i| bytes[2 + i] as i8),
+        })
+    }
+
+    fn write(&self, out: &mut [u8]) {
+        assert_eq!(out.len(), Self::BYTES, "a Q8_0 block is 34 bytes");
+        out[..2].copy_from_slice(&self.d.0.to_le_bytes());
+        for (o, q) in out[2..].iter_mut().zip(self.qs) {
+            *o = q as u8;
+        }
+    }
+
+    fn dequantize(&self, out: &mut [f32]) {
+        assert_eq!(out.len(), QK8_0, "a Q8_0 block holds 32 values");
+        let d = self.d.to_f32();
+        for (o, &q) in out.iter_mut().zip(&self.qs) {
+            *o = f32::from(q) * d;
+        }
+    }
+}
+
+/// A Q8_0-quantised activation block: ggml's `block_q8_0` numbers (the scale is rounded to f16), with
+/// the scale kept widened to `f32` so the hot loop need not convert it. Quants lie in `-127..=127`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[repr(C)]
+pub struct ActQ8_0 {
+    /// Scale: an f16 value, widened.
+    pub d: f32,
+    /// Quants, in value order.
+    pub qs: [i8; QK8_0],
+}
+
+impl ActQ8_0 {
+    /// The equivalent ggml `block_q8_0` (exact: `d` is an f16 value).
+    pub fn to_block(&self) -> BlockQ8_0 {
+        BlockQ8_0 {
+            d: F16::from_f32(self.d),
+            qs: self.qs,
+        }
+    }
+}
+
+/// Quantises `x` (a multiple of 32 long) to Q8_0 activation blocks exactly as ggml's
+/// `quantize_row_q8_0_ref`: `d = amax / 127` rounded to f16, `q = round(x / d)` (halves away from zero)
+/// with the unrounded reciprocal.
+///
+/// # Panics
+/// If `out.len() * 32 != x.len()`.
+pub fn quantize_row_q8_0(x: &[f32], out: &mut [ActQ8_0]) {
+    assert_eq!(out.len() * QK8_0, x.len(), "one block per 32 values");
+    for (x, block) in x.chunks_exact(QK8_0).zip(out) {
+        let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        block.d = F16::from_f32(d).to_f32();
+        for (q, &v) in block.qs.iter_mut().zip(x) {
+            // |v · id| ≤ 127 (up to rounding of id, which round() absorbs), so the cast cannot saturate.
+            *q = (v * id).round() as i8;
+        }
+    }
+}
+
+/// Reference dot product of a Q8_0 weight row with a Q8_0 activation row (see the module docs of
+/// [`crate::formats`] for the lane arithmetic every kernel reproduces).
+///
+/// # Panics
+/// If the rows differ in length.
+pub fn dot_q8_0_q8_0(w: &[BlockQ8_0], x: &[ActQ8_0]) -> f32 {
+    assert_eq!(w.len(), x.len(), "rows must have the same number of blocks");
+    let mut acc = [0f32; 8];
+    for (wb, xb) in w.iter().zip(x) {
+        let q: [i32; 32] = std::array::from_fn(|k| i32::from(wb.qs[k]));
+        let d = wb.d.to_f32() * xb.d;
+        for (j, a) in acc.iter_mut().enumerate() {
+            *a += d * lane4(&q, &xb.qs, j) as f32;
+        }
+    }
+    hsum8(acc)
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx2 {
+    use super::{ActQ8_0, BlockQ8_0};
+    use crate::simd::avx2::Dequantizer;
+    use std::arch::x86_64::*;
+
+    /// 32 signed weights and their magnitudes (for `maddubs`, whose first operand is unsigned).
+    pub(crate) struct SignedBlock {
+        pub(crate) w: __m256i,
+        pub(crate) abs: __m256i,
+        pub(crate) d: f32,
+    }
+
+    /// Lane `j` = sum of `w[k] · y[k]` over `k` in `4j .. 4j + 4`, then `acc + (dw · dy) · lane`.
+    ///
+    /// Exact: `|w| ≤ 128` and `|y| ≤ 127`, so a `maddubs` pair sum stays below `i16::MAX`; `y` is never
+    /// -128, so `sign(y, w)` cannot overflow.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    pub(crate) fn accumulate_signed(w: &SignedBlock, x: &ActQ8_0, acc: __m256) -> __m256 {
+        // SAFETY: `x.qs` is 32 bytes, one unaligned 256-bit load.
+        let y = unsafe { _mm256_loadu_si256(x.qs.as_ptr().cast()) };
+        let p16 = _mm256_maddubs_epi16(w.abs, _mm256_sign_epi8(y, w.w));
+        let lanes = _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+        _mm256_add_ps(
+            acc,
+            _mm256_mul_ps(_mm256_set1_ps(w.d * x.d), _mm256_cvtepi32_ps(lanes)),
+        )
+    }
+
+    pub(crate) struct Q8_0;
+
+    impl Dequantizer for Q8_0 {
+        type Block = BlockQ8_0;
+        type Act = ActQ8_0;
+        type Unpacked = SignedBlock;
+
+        #[inline]
+        #[target_feature(enable = "avx2")]
+        unsafe fn unpack(block: &BlockQ8_0) -> SignedBlock {
+            // SAFETY: `block.qs` is 32 bytes, one unaligned 256-bit load.
+            let w = unsafe { _mm256_loadu_si256(block.qs.as_ptr().cast()) };
+            SignedBlock {
+                w,
+                abs: _mm256_sign_epi8(w, w),
+                d: block.d.to_f32(),
+            }
+        }
+
+        #[inline]
+        #[target_feature(enable = "avx2")]
+        unsafe fn accumulate(w: &SignedBlock, x: &ActQ8_0, acc: __m256) -> __m256 {
+            accumulate_signed(w, x, acc)
+        }
+    }
+}

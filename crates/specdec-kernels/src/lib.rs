@@ -1,0 +1,148 @@
+//! CPU kernels for GGUF-quantised matrices: block formats, activation quantisation and a multi-row
+//! matmul whose cost grows slowly with the number of activation rows.
+//!
+//! Speculative decoding scores a handful of tokens at once, so the target model's matmuls see `m` = 2..16
+//! activation rows. Row-by-row kernels stream every weight block `m` times; [`Kernels::matmul`] unpacks
+//! each weight block once per pass of up to 16 rows and dots it against all of them.
+//!
+//! - [`formats`]: ggml's `block_q8_0`, `block_q4_0`, `block_q4_K`, `block_q6_K` and `block_q8_K`
+//!   byte-for-byte, their dequantisation, activation quantisation ([`quantize_row_q8_k`],
+//!   [`quantize_row_q8_0`], exactly ggml's `_ref` functions) and the scalar reference dot products.
+//! - [`Kernels`]: the matmul at a [`CpuLevel`] (portable scalar, AVX2), detected once per process and
+//!   overridable with `SPECDEC_KERNELS=scalar|avx2|auto`.
+//! - [`mod@f16`]: exact f16 conversions.
+//!
+//! Invariant: a result depends only on its weight row and activation row: it is bit-identical whatever
+//! the number of rows in the call, whatever the other rows hold, and at every [`CpuLevel`] (all levels
+//! perform the same exact integer sums and the same float operations in the same order; see
+//! [`formats`]).
+//!
+//! This crate knows no models, files or tensors; the caller hands it a tensor's bytes.
+//!
+//! ```
+//! use specdec_kernels::{BlockFormat, BlockQ8_0, F16, Kernels, QMatrix, Weights};
+//!
+//! // A 2 × 64 Q8_0 matrix: row 0 is all 1.0 (scale 0.5, quant 2), row 1 all -0.5.
+//! let block = |d: f32, q: i8| BlockQ8_0 { d: F16::from_f32(d), qs: [q; 32] };
+//! let weights = Weights::Q8_0(vec![block(0.5, 2), block(0.5, 2), block(-0.5, 1), block(-0.5, 1)]);
+//! let w = QMatrix::from_blocks(2, 64, weights)?;
+//!
+//! // Three activation rows, all 127.0, all -254.0 and all 0.0 (exact in Q8_0: scales 1 and 2).
+//! let x: Vec<f32> = [127.0, -254.0, 0.0].iter().flat_map(|&v| vec![v; 64]).collect();
+//! let xq = w.quantize_activations(3, &x)?;
+//!
+//! let mut out = vec![0.0; 3 * 2]; // [activation row, weight row]
+//! Kernels::get().matmul(&w, &xq, &mut out)?;
+//! assert_eq!(out, [8128.0, -4064.0, -16256.0, 8128.0, 0.0, 0.0]);
+//! assert_eq!(w.format(), BlockFormat::Q8_0);
+//! # Ok::<(), specdec_kernels::KernelError>(())
+//! ```
+
+pub mod dispatch;
+pub mod f16;
+pub mod formats;
+mod matrix;
+mod simd;
+
+pub use dispatch::{CpuLevel, Kernels, LEVEL_ENV};
+pub use f16::F16;
+pub use formats::{
+    dequantize_row, dot_q4_0_q8_0, dot_q4_k_q8_k, dot_q6_k_q8_k, dot_q8_0_q8_0, quantize_row_q8_0,
+    quantize_row_q8_k, ActQ8_0, ActivationFormat, BlockFormat, BlockQ4K, BlockQ4_0, BlockQ6K,
+    BlockQ8K, BlockQ8_0, WeightBlock,
+};
+pub use matrix::{matmul, QMatrix, QuantizedActivations, Weights};
+pub use simd::MAX_PASS_ROWS;
+
+/// Everything that can go wrong in this crate: shapes and levels, never arithmetic.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KernelError {
+    /// A weight row is not a whole number of blocks.
+    #[error("{cols} values per row is not a multiple of the {format:?} block length {block_len}")]
+    RaggedRow {
+        /// The weight format.
+        format: BlockFormat,
+        /// Values per row.
+        cols: usize,
+        /// Values per block.
+        block_len: usize,
+    },
+    /// An activation row is not a whole number of blocks.
+    #[error("{cols} activation values per row is not a multiple of the block length {block_len}")]
+    RaggedActivations {
+        /// Values per row.
+        cols: usize,
+        /// Values per block.
+        block_len: usize,
+    },
+    /// The number of blocks does not match the shape.
+    #[error("expected {expected} blocks, got {actual}")]
+    BlockCount {
+        /// Blocks the shape needs.
+        expected: usize,
+        /// Blocks given.
+        actual: usize,
+    },
+    /// The tensor bytes do not match the shape.
+    #[error("expected {expected} bytes, got {actual}")]
+    ByteLength {
+        /// Bytes the shape needs.
+        expected: usize,
+        /// Bytes given.
+        actual: usize,
+    },
+    /// The activation input does not match the shape.
+    #[error("expected {expected} activation values, got {actual}")]
+    InputLength {
+        /// Values the shape needs.
+        expected: usize,
+        /// Values given.
+        actual: usize,
+    },
+    /// The activations were quantised for another weight format.
+    #[error("{weights:?} weights need {:?} activations, got {activations:?}", weights.activation_format())]
+    ActivationFormat {
+        /// The weight format.
+        weights: BlockFormat,
+        /// The activations' format.
+        activations: ActivationFormat,
+    },
+    /// Activation rows and weight rows differ in length.
+    #[error("weight rows have {weights} values, activation rows {activations}")]
+    WidthMismatch {
+        /// Values per weight row.
+        weights: usize,
+        /// Values per activation row.
+        activations: usize,
+    },
+    /// The requested output columns are not within the matrix.
+    #[error("columns {start}..{end} are not within the matrix's {rows} rows")]
+    ColumnRange {
+        /// Range start.
+        start: usize,
+        /// Range end.
+        end: usize,
+        /// Weight rows.
+        rows: usize,
+    },
+    /// The output buffer has the wrong length.
+    #[error("expected an output of {expected} values, got {actual}")]
+    OutputLength {
+        /// Values the call writes.
+        expected: usize,
+        /// Values given.
+        actual: usize,
+    },
+    /// The CPU cannot run the requested level.
+    #[error("this CPU does not support the {level} kernels")]
+    UnsupportedLevel {
+        /// The level's name.
+        level: &'static str,
+    },
+    /// An unknown level name (in `SPECDEC_KERNELS` or [`CpuLevel::parse`]).
+    #[error("unknown kernel level {name:?} (expected scalar, avx2 or auto)")]
+    UnknownLevel {
+        /// The name given.
+        name: String,
+    },
+}

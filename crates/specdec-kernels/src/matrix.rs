@@ -1,0 +1,398 @@
+//! Quantised weight matrices, quantised activations, and the multi-row matmul over them.
+
+use crate::dispatch::Kernels;
+use crate::formats::{
+    dequantize_row, quantize_row_q8_0, quantize_row_q8_k, ActQ8_0, ActivationFormat, BlockFormat,
+    BlockQ4K, BlockQ4_0, BlockQ6K, BlockQ8K, BlockQ8_0, WeightBlock,
+};
+use crate::simd::{self, pass, MAX_PASS_ROWS};
+use crate::KernelError;
+use std::ops::Range;
+
+/// The blocks of a weight matrix, row-major (row `n` is blocks `n · cols / block_len ..`).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Weights {
+    /// Q8_0 blocks.
+    Q8_0(Vec<BlockQ8_0>),
+    /// Q4_0 blocks.
+    Q4_0(Vec<BlockQ4_0>),
+    /// Q4_K blocks.
+    Q4K(Vec<BlockQ4K>),
+    /// Q6_K blocks.
+    Q6K(Vec<BlockQ6K>),
+}
+
+impl Weights {
+    /// The blocks' format.
+    pub fn format(&self) -> BlockFormat {
+        match self {
+            Weights::Q8_0(_) => BlockFormat::Q8_0,
+            Weights::Q4_0(_) => BlockFormat::Q4_0,
+            Weights::Q4K(_) => BlockFormat::Q4K,
+            Weights::Q6K(_) => BlockFormat::Q6K,
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Weights::Q8_0(b) => b.len(),
+            Weights::Q4_0(b) => b.len(),
+            Weights::Q4K(b) => b.len(),
+            Weights::Q6K(b) => b.len(),
+        }
+    }
+}
+
+/// A quantised weight matrix of `rows` output features by `cols` input features (a GGUF tensor of
+/// shape `[cols, rows]` in ggml's order).
+#[derive(Clone, Debug, PartialEq)]
+pub struct QMatrix {
+    rows: usize,
+    cols: usize,
+    weights: Weights,
+}
+
+fn blocks_per_row(format: BlockFormat, cols: usize) -> Result<usize, KernelError> {
+    let block_len = format.block_len();
+    if cols % block_len != 0 {
+        return Err(KernelError::RaggedRow {
+            format,
+            cols,
+            block_len,
+        });
+    }
+    Ok(cols / block_len)
+}
+
+fn read_blocks<B: WeightBlock>(bytes: &[u8]) -> Vec<B> {
+    bytes.chunks_exact(B::BYTES).filter_map(B::read).collect()
+}
+
+impl QMatrix {
+    /// A matrix from its blocks.
+    ///
+    /// # Errors
+    /// [`KernelError::RaggedRow`] if `cols` is not a multiple of the block length,
+    /// [`KernelError::BlockCount`] if there are not `rows · cols / block_len` blocks.
+    pub fn from_blocks(rows: usize, cols: usize, weights: Weights) -> Result<QMatrix, KernelError> {
+        let expected = rows * blocks_per_row(weights.format(), cols)?;
+        if weights.len() != expected {
+            return Err(KernelError::BlockCount {
+                expected,
+                actual: weights.len(),
+            });
+        }
+        Ok(QMatrix {
+            rows,
+            cols,
+            weights,
+        })
+    }
+
+    /// A matrix from a tensor's bytes as stored in a GGUF file (copied into typed blocks).
+    ///
+    /// # Errors
+    /// [`KernelError::RaggedRow`], or [`KernelError::ByteLength`] if `bytes` is not exactly the
+    /// matrix's size.
+    pub fn from_bytes(
+        format: BlockFormat,
+        rows: usize,
+        cols: usize,
+        bytes: &[u8],
+    ) -> Result<QMatrix, KernelError> {
+        let expected = rows * blocks_per_row(format, cols)? * format.block_bytes();
+        if bytes.len() != expected {
+            return Err(KernelError::ByteLength {
+                expected,
+                actual: bytes.len(),
+            });
+        }
+        let weights = match format {
+            BlockFormat::Q8_0 => Weights::Q8_0(read_blocks(bytes)),
+            BlockFormat::Q4_0 => Weights::Q4_0(read_blocks(bytes)),
+            BlockFormat::Q4K => Weights::Q4K(read_blocks(bytes)),
+            BlockFormat::Q6K => Weights::Q6K(read_blocks(bytes)),
+        };
+        QMatrix::from_blocks(rows, cols, weights)
+    }
+
+    /// Output features (weight rows).
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Input features (values per weight row).
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// The weight format.
+    pub fn format(&self) -> BlockFormat {
+        self.weights.format()
+    }
+
+    /// The blocks.
+    pub fn weights(&self) -> &Weights {
+        &self.weights
+    }
+
+    /// Bytes of quantised weights (what one pass of a matmul streams).
+    pub fn size_bytes(&self) -> usize {
+        self.weights.len() * self.format().block_bytes()
+    }
+
+    /// Dequantises weight row `n` into `out` (`cols` long).
+    ///
+    /// # Panics
+    /// If `n >= rows` or `out.len() != cols`.
+    pub fn dequantize_row(&self, n: usize, out: &mut [f32]) {
+        assert!(n < self.rows, "row {n} out of {}", self.rows);
+        let nb = self.cols / self.format().block_len();
+        let blocks = n * nb..(n + 1) * nb;
+        match &self.weights {
+            Weights::Q8_0(b) => dequantize_row(&b[blocks], out),
+            Weights::Q4_0(b) => dequantize_row(&b[blocks], out),
+            Weights::Q4K(b) => dequantize_row(&b[blocks], out),
+            Weights::Q6K(b) => dequantize_row(&b[blocks], out),
+        }
+    }
+
+    /// Quantises `rows` activation rows of `x` (row-major, `rows × cols`) in the format this matrix's
+    /// dot product takes.
+    ///
+    /// # Errors
+    /// As [`QuantizedActivations::quantize`].
+    pub fn quantize_activations(
+        &self,
+        rows: usize,
+        x: &[f32],
+    ) -> Result<QuantizedActivations, KernelError> {
+        QuantizedActivations::quantize(self.format().activation_format(), rows, self.cols, x)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+enum ActBlocks {
+    Q8_0(Vec<ActQ8_0>),
+    Q8K(Vec<BlockQ8K>),
+}
+
+/// `rows` activation vectors of `cols` values, quantised for a weight format's dot product.
+#[derive(Clone, Debug, PartialEq)]
+pub struct QuantizedActivations {
+    rows: usize,
+    cols: usize,
+    blocks: ActBlocks,
+}
+
+impl QuantizedActivations {
+    /// Quantises `x` (row-major, `rows × cols`) with [`quantize_row_q8_0`] or [`quantize_row_q8_k`].
+    ///
+    /// # Errors
+    /// [`KernelError::RaggedActivations`] if `cols` is not a multiple of the block length,
+    /// [`KernelError::InputLength`] if `x.len() != rows · cols`.
+    pub fn quantize(
+        format: ActivationFormat,
+        rows: usize,
+        cols: usize,
+        x: &[f32],
+    ) -> Result<Self, KernelError> {
+        let block_len = format.block_len();
+        if cols % block_len != 0 {
+            return Err(KernelError::RaggedActivations { cols, block_len });
+        }
+        if x.len() != rows * cols {
+            return Err(KernelError::InputLength {
+                expected: rows * cols,
+                actual: x.len(),
+            });
+        }
+        let n = x.len() / block_len;
+        let blocks = match format {
+            ActivationFormat::Q8_0 => {
+                let mut out = vec![
+                    ActQ8_0 {
+                        d: 0.0,
+                        qs: [0; 32]
+                    };
+                    n
+                ];
+                quantize_row_q8_0(x, &mut out);
+                ActBlocks::Q8_0(out)
+            }
+            ActivationFormat::Q8K => {
+                let mut out = vec![
+                    BlockQ8K {
+                        d: 0.0,
+                        qs: [0; 256],
+                        bsums: [0; 16]
+                    };
+                    n
+                ];
+                quantize_row_q8_k(x, &mut out);
+                ActBlocks::Q8K(out)
+            }
+        };
+        Ok(QuantizedActivations { rows, cols, blocks })
+    }
+
+    /// Activation rows.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Values per row.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// The quantisation format.
+    pub fn format(&self) -> ActivationFormat {
+        match self.blocks {
+            ActBlocks::Q8_0(_) => ActivationFormat::Q8_0,
+            ActBlocks::Q8K(_) => ActivationFormat::Q8K,
+        }
+    }
+
+    /// Row `r`'s Q8_0 blocks, if these activations are Q8_0 and `r < rows`.
+    pub fn q8_0_row(&self, r: usize) -> Option<&[ActQ8_0]> {
+        let nb = self.cols / ActivationFormat::Q8_0.block_len();
+        match &self.blocks {
+            ActBlocks::Q8_0(b) => b.get(r * nb..(r + 1) * nb),
+            ActBlocks::Q8K(_) => None,
+        }
+    }
+
+    /// Row `r`'s Q8_K blocks, if these activations are Q8_K and `r < rows`.
+    pub fn q8k_row(&self, r: usize) -> Option<&[BlockQ8K]> {
+        let nb = self.cols / ActivationFormat::Q8K.block_len();
+        match &self.blocks {
+            ActBlocks::Q8K(b) => b.get(r * nb..(r + 1) * nb),
+            ActBlocks::Q8_0(_) => None,
+        }
+    }
+}
+
+impl Kernels {
+    /// `out[r · w.rows() + n] = dot(weight row n, activation row r)` for every activation row `r` and
+    /// weight row `n`.
+    ///
+    /// # Errors
+    /// As [`Kernels::matmul_columns`].
+    pub fn matmul(
+        &self,
+        w: &QMatrix,
+        x: &QuantizedActivations,
+        out: &mut [f32],
+    ) -> Result<(), KernelError> {
+        self.matmul_columns(w, x, 0..w.rows(), out)
+    }
+
+    /// The output columns (weight rows) `columns` only: `out[r · columns.len() + (n - columns.start)]
+    /// = dot(weight row n, activation row r)`. Disjoint ranges can run on different threads.
+    ///
+    /// Activation rows go in passes of up to 16; within a pass each weight block is unpacked once and
+    /// dotted against every row of the pass. Each result is bit-identical to the one-row call and to
+    /// every other [`CpuLevel`](crate::CpuLevel).
+    ///
+    /// # Errors
+    /// [`KernelError::ActivationFormat`] or [`KernelError::WidthMismatch`] if `x` does not fit `w`,
+    /// [`KernelError::ColumnRange`] if `columns` is not within `0..w.rows()`,
+    /// [`KernelError::OutputLength`] if `out.len() != x.rows() · columns.len()`.
+    pub fn matmul_columns(
+        &self,
+        w: &QMatrix,
+        x: &QuantizedActivations,
+        columns: Range<usize>,
+        out: &mut [f32],
+    ) -> Result<(), KernelError> {
+        if x.format() != w.format().activation_format() {
+            return Err(KernelError::ActivationFormat {
+                weights: w.format(),
+                activations: x.format(),
+            });
+        }
+        if x.cols() != w.cols() {
+            return Err(KernelError::WidthMismatch {
+                weights: w.cols(),
+                activations: x.cols(),
+            });
+        }
+        if columns.start > columns.end || columns.end > w.rows() {
+            return Err(KernelError::ColumnRange {
+                start: columns.start,
+                end: columns.end,
+                rows: w.rows(),
+            });
+        }
+        let expected = x.rows() * columns.len();
+        if out.len() != expected {
+            return Err(KernelError::OutputLength {
+                expected,
+                actual: out.len(),
+            });
+        }
+        let nb = w.cols() / w.format().block_len();
+        if nb == 0 || columns.is_empty() {
+            out.fill(0.0);
+            return Ok(());
+        }
+        let blocks = columns.start * nb..columns.end * nb;
+        let stride = columns.len();
+        for first in (0..x.rows()).step_by(MAX_PASS_ROWS) {
+            let rows = first..(first + MAX_PASS_ROWS).min(x.rows());
+            let out = &mut out[rows.start * stride..rows.end * stride];
+            match (&w.weights, &x.blocks) {
+                (Weights::Q8_0(b), ActBlocks::Q8_0(a)) => pass::<simd::Q8_0>(
+                    self.level(),
+                    &b[blocks.clone()],
+                    nb,
+                    &row_slices(a, nb, rows),
+                    out,
+                ),
+                (Weights::Q4_0(b), ActBlocks::Q8_0(a)) => pass::<simd::Q4_0>(
+                    self.level(),
+                    &b[blocks.clone()],
+                    nb,
+                    &row_slices(a, nb, rows),
+                    out,
+                ),
+                (Weights::Q4K(b), ActBlocks::Q8K(a)) => pass::<simd::Q4K>(
+                    self.level(),
+                    &b[blocks.clone()],
+                    nb,
+                    &row_slices(a, nb, rows),
+                    out,
+                ),
+                (Weights::Q6K(b), ActBlocks::Q8K(a)) => pass::<simd::Q6K>(
+                    self.level(),
+                    &b[blocks.clone()],
+                    nb,
+                    &row_slices(a, nb, rows),
+                    out,
+                ),
+                // The format check above rules these out.
+                _ => {
+                    return Err(KernelError::ActivationFormat {
+                        weights: w.format(),
+                        activations: x.format(),
+                    })
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The blocks of activation rows `rows`, `nb` blocks each.
+fn row_slices<A>(blocks: &[A], nb: usize, rows: Range<usize>) -> Vec<&[A]> {
+    rows.map(|r| &blocks[r * nb..(r + 1) * nb]).collect()
+}
+
+/// [`Kernels::matmul`] with the process-wide [`Kernels::get`].
+///
+/// # Errors
+/// As [`Kernels::matmul_columns`].
+pub fn matmul(w: &QMatrix, x: &QuantizedActivations, out: &mut [f32]) -> Result<(), KernelError> {
+    Kernels::get().matmul(w, x, out)
+}

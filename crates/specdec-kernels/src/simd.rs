@@ -1,0 +1,193 @@
+//! The multi-row loop, written once per CPU level and shared by every weight format.
+//!
+//! For each weight row (output column) of the requested range, each weight block is unpacked once and
+//! then dotted against the same block of every activation row of the pass. The per-(row, column)
+//! arithmetic is the reference lane arithmetic of [`crate::formats`] and does not depend on how many
+//! rows share the pass, so results are row-independent.
+
+use crate::dispatch::CpuLevel;
+use crate::formats::{
+    dot_q4_0_q8_0, dot_q4_k_q8_k, dot_q6_k_q8_k, dot_q8_0_q8_0, ActQ8_0, BlockQ4K, BlockQ4_0,
+    BlockQ6K, BlockQ8K, BlockQ8_0,
+};
+
+/// Most activation rows dotted against one unpacked weight block.
+pub const MAX_PASS_ROWS: usize = 16;
+
+/// A weight format's kernels: the scalar reference dot and, on x86-64, the AVX2 dequantizer.
+pub(crate) trait Format {
+    type Block;
+    type Act;
+    fn dot(w: &[Self::Block], x: &[Self::Act]) -> f32;
+    #[cfg(target_arch = "x86_64")]
+    type Avx2: avx2::Dequantizer<Block = Self::Block, Act = Self::Act>;
+}
+
+macro_rules! format {
+    ($name:ident, $block:ty, $act:ty, $dot:path, $avx2:path) => {
+        pub(crate) struct $name;
+        impl Format for $name {
+            type Block = $block;
+            type Act = $act;
+            fn dot(w: &[$block], x: &[$act]) -> f32 {
+                $dot(w, x)
+            }
+            #[cfg(target_arch = "x86_64")]
+            type Avx2 = $avx2;
+        }
+    };
+}
+
+format!(
+    Q8_0,
+    BlockQ8_0,
+    ActQ8_0,
+    dot_q8_0_q8_0,
+    crate::formats::q8_0::avx2::Q8_0
+);
+format!(
+    Q4_0,
+    BlockQ4_0,
+    ActQ8_0,
+    dot_q4_0_q8_0,
+    crate::formats::q4_0::avx2::Q4_0
+);
+format!(
+    Q4K,
+    BlockQ4K,
+    BlockQ8K,
+    dot_q4_k_q8_k,
+    crate::formats::q4_k::avx2::Q4K
+);
+format!(
+    Q6K,
+    BlockQ6K,
+    BlockQ8K,
+    dot_q6_k_q8_k,
+    crate::formats::q6_k::avx2::Q6K
+);
+
+/// One pass: 1 ..= [`MAX_PASS_ROWS`] activation rows `xs` against the weight rows in `w` (`nb` blocks
+/// each) at `level`; writes `out[r * columns + c]`.
+///
+/// `level` must be supported by this CPU (a [`crate::Kernels`] guarantees it).
+pub(crate) fn pass<F: Format>(
+    level: CpuLevel,
+    w: &[F::Block],
+    nb: usize,
+    xs: &[&[F::Act]],
+    out: &mut [f32],
+) {
+    match level {
+        CpuLevel::Scalar => scalar_rows(F::dot, w, nb, xs, out),
+        // SAFETY: `level` is supported by this CPU (the caller's contract, upheld by `Kernels`).
+        #[cfg(target_arch = "x86_64")]
+        CpuLevel::Avx2 => unsafe { avx2::pass::<F::Avx2>(w, nb, xs, out) },
+        #[cfg(not(target_arch = "x86_64"))]
+        CpuLevel::Avx2 => scalar_rows(F::dot, w, nb, xs, out),
+    }
+}
+
+/// The scalar level: the reference dot product for every (row, column) pair.
+pub(crate) fn scalar_rows<B, A>(
+    dot: fn(&[B], &[A]) -> f32,
+    w: &[B],
+    nb: usize,
+    xs: &[&[A]],
+    out: &mut [f32],
+) {
+    let stride = w.len() / nb;
+    for (c, wrow) in w.chunks_exact(nb).enumerate() {
+        for (r, x) in xs.iter().enumerate() {
+            out[r * stride + c] = dot(wrow, x);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx2 {
+    use std::arch::x86_64::*;
+
+    /// One weight format's AVX2 half of the kernel: unpack a block into registers, and fold one
+    /// activation block into a row's 8-lane accumulator exactly as the format's reference dot does.
+    pub(crate) trait Dequantizer {
+        /// The weight block.
+        type Block;
+        /// The activation block.
+        type Act;
+        /// A weight block unpacked into registers.
+        type Unpacked;
+
+        /// # Safety
+        /// The CPU must support AVX2.
+        unsafe fn unpack(block: &Self::Block) -> Self::Unpacked;
+
+        /// # Safety
+        /// The CPU must support AVX2.
+        unsafe fn accumulate(w: &Self::Unpacked, x: &Self::Act, acc: __m256) -> __m256;
+    }
+
+    /// [`crate::formats::hsum8`]'s tree: halves, then `movehl`, then `movehdup`.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    pub(crate) fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)))
+    }
+
+    /// `N` activation rows against the weight rows in `w` (`nb` blocks each); writes
+    /// `out[r * columns + c]`.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2.
+    #[target_feature(enable = "avx2")]
+    unsafe fn rows<D: Dequantizer, const N: usize>(
+        w: &[D::Block],
+        nb: usize,
+        xs: [&[D::Act]; N],
+        out: &mut [f32],
+    ) {
+        let columns = w.len() / nb;
+        for (c, wrow) in w.chunks_exact(nb).enumerate() {
+            let mut acc = [_mm256_setzero_ps(); N];
+            for (b, block) in wrow.iter().enumerate() {
+                // SAFETY: AVX2 is enabled for this function (caller's contract).
+                let u = unsafe { D::unpack(block) };
+                for (a, x) in acc.iter_mut().zip(&xs) {
+                    // SAFETY: as above.
+                    *a = unsafe { D::accumulate(&u, &x[b], *a) };
+                }
+            }
+            for (r, a) in acc.into_iter().enumerate() {
+                out[r * columns + c] = hsum(a);
+            }
+        }
+    }
+
+    /// Runs one pass (1 ..= [`super::MAX_PASS_ROWS`] activation rows) with the row count as a constant,
+    /// so the accumulators live in registers.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2.
+    pub(crate) unsafe fn pass<D: Dequantizer>(
+        w: &[D::Block],
+        nb: usize,
+        xs: &[&[D::Act]],
+        out: &mut [f32],
+    ) {
+        macro_rules! by_rows {
+            ($($n:literal)*) => {
+                match xs.len() {
+                    $($n => {
+                        let xs: [&[D::Act]; $n] = std::array::from_fn(|i| xs[i]);
+                        // SAFETY: AVX2 support is the caller's contract.
+                        unsafe { rows::<D, $n>(w, nb, xs, out) }
+                    })*
+                    n => unreachable!("a pass holds 1..=16 rows, got {n}"),
+                }
+            };
+        }
+        by_rows!(1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16)
+    }
+}

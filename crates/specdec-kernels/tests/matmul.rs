@@ -1,0 +1,294 @@
+//! Every CPU level against the scalar reference dot products, row independence, and accuracy against
+//! dequantised f32 arithmetic.
+
+mod common;
+
+use common::{random_activations, random_matrix, same_bits, Rng, FORMATS};
+use specdec_kernels::{
+    dot_q4_0_q8_0, dot_q4_k_q8_k, dot_q6_k_q8_k, dot_q8_0_q8_0, BlockFormat, CpuLevel, KernelError,
+    Kernels, QMatrix, QuantizedActivations, Weights,
+};
+
+const MS: [usize; 10] = [1, 2, 3, 4, 5, 8, 9, 16, 17, 33];
+
+fn cols_for(format: BlockFormat) -> usize {
+    // Several blocks per row, so the accumulation across blocks is exercised.
+    4 * format.block_len()
+}
+
+/// The reference dot product of weight row `n` and activation row `r`.
+fn reference(w: &QMatrix, x: &QuantizedActivations, n: usize, r: usize) -> f32 {
+    let nb = w.cols() / w.format().block_len();
+    let blocks = n * nb..(n + 1) * nb;
+    match w.weights() {
+        Weights::Q8_0(b) => dot_q8_0_q8_0(&b[blocks], x.q8_0_row(r).expect("Q8_0 activations")),
+        Weights::Q4_0(b) => dot_q4_0_q8_0(&b[blocks], x.q8_0_row(r).expect("Q8_0 activations")),
+        Weights::Q4K(b) => dot_q4_k_q8_k(&b[blocks], x.q8k_row(r).expect("Q8_K activations")),
+        Weights::Q6K(b) => dot_q6_k_q8_k(&b[blocks], x.q8k_row(r).expect("Q8_K activations")),
+    }
+}
+
+fn kernels() -> Vec<Kernels> {
+    CpuLevel::supported()
+        .into_iter()
+        .map(|l| Kernels::with_level(l).expect("supported level"))
+        .collect()
+}
+
+#[test]
+fn every_level_matches_the_scalar_reference_for_every_m() {
+    let levels = kernels();
+    eprintln!(
+        "levels under test: {:?}",
+        levels.iter().map(|k| k.level()).collect::<Vec<_>>()
+    );
+    let mut rng = Rng(1);
+    for format in FORMATS {
+        let (rows, cols) = (7, cols_for(format));
+        for m in MS {
+            let w = random_matrix(&mut rng, format, rows, cols);
+            let x = w
+                .quantize_activations(m, &random_activations(&mut rng, m, cols))
+                .unwrap();
+            for k in &levels {
+                let mut out = vec![f32::NAN; m * rows];
+                k.matmul(&w, &x, &mut out).unwrap();
+                for r in 0..m {
+                    for n in 0..rows {
+                        let (got, want) = (out[r * rows + n], reference(&w, &x, n, r));
+                        assert!(
+                            same_bits(got, want),
+                            "{format:?} {:?} m={m} r={r} n={n}: {got} vs {want}",
+                            k.level()
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_row_gives_the_same_bits_alone_and_in_any_batch() {
+    let mut rng = Rng(2);
+    for format in FORMATS {
+        let (rows, cols, m) = (5, cols_for(format), 33);
+        let w = random_matrix(&mut rng, format, rows, cols);
+        let x = random_activations(&mut rng, m, cols);
+        let xq = w.quantize_activations(m, &x).unwrap();
+        for k in kernels() {
+            let mut batch = vec![0.0; m * rows];
+            k.matmul(&w, &xq, &mut batch).unwrap();
+            for r in 0..m {
+                let alone = w
+                    .quantize_activations(1, &x[r * cols..(r + 1) * cols])
+                    .unwrap();
+                let mut single = vec![0.0; rows];
+                k.matmul(&w, &alone, &mut single).unwrap();
+                // The same row next to different neighbours, at a different position in the pass.
+                let mut shuffled = random_activations(&mut rng, 6, cols);
+                shuffled[4 * cols..5 * cols].copy_from_slice(&x[r * cols..(r + 1) * cols]);
+                let sq = w.quantize_activations(6, &shuffled).unwrap();
+                let mut other = vec![0.0; 6 * rows];
+                k.matmul(&w, &sq, &mut other).unwrap();
+                for n in 0..rows {
+                    let b = batch[r * rows + n];
+                    assert!(
+                        same_bits(b, single[n]),
+                        "{format:?} {:?} r={r} n={n}",
+                        k.level()
+                    );
+                    assert!(
+                        same_bits(b, other[4 * rows + n]),
+                        "{format:?} {:?} r={r} n={n}",
+                        k.level()
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn column_ranges_compose_into_the_full_matmul() {
+    let mut rng = Rng(3);
+    for format in FORMATS {
+        let (rows, cols, m) = (9, cols_for(format), 4);
+        let w = random_matrix(&mut rng, format, rows, cols);
+        let x = w
+            .quantize_activations(m, &random_activations(&mut rng, m, cols))
+            .unwrap();
+        for k in kernels() {
+            let mut full = vec![0.0; m * rows];
+            k.matmul(&w, &x, &mut full).unwrap();
+            for range in [0..4, 4..9, 3..3, 8..9] {
+                let mut part = vec![0.0; m * range.len()];
+                k.matmul_columns(&w, &x, range.clone(), &mut part).unwrap();
+                for r in 0..m {
+                    for (i, n) in range.clone().enumerate() {
+                        assert!(same_bits(part[r * range.len() + i], full[r * rows + n]));
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn quantised_dot_matches_the_dequantised_f32_dot() {
+    let mut rng = Rng(4);
+    for format in FORMATS {
+        let (rows, cols, m) = (6, cols_for(format), 5);
+        let w = random_matrix(&mut rng, format, rows, cols);
+        let x = random_activations(&mut rng, m, cols);
+        let xq = w.quantize_activations(m, &x).unwrap();
+        let mut out = vec![0.0; m * rows];
+        specdec_kernels::matmul(&w, &xq, &mut out).unwrap();
+        let mut wrow = vec![0.0; cols];
+        for n in 0..rows {
+            w.dequantize_row(n, &mut wrow);
+            for r in 0..m {
+                let xd = dequantised_activations(&xq, r, cols);
+                let exact: f64 = wrow
+                    .iter()
+                    .zip(&xd)
+                    .map(|(&a, &b)| f64::from(a) * f64::from(b))
+                    .sum();
+                let magnitude: f64 = wrow
+                    .iter()
+                    .zip(&xd)
+                    .map(|(&a, &b)| (f64::from(a) * f64::from(b)).abs())
+                    .sum();
+                let got = f64::from(out[r * rows + n]);
+                // f32 rounding of the block scales' products and of the lane sums: a few ulps of the
+                // magnitude, far below any quantisation error.
+                assert!(
+                    (got - exact).abs() <= 1e-5 * magnitude + 1e-30,
+                    "{format:?} r={r} n={n}: {got} vs {exact} (magnitude {magnitude})"
+                );
+            }
+        }
+    }
+}
+
+fn dequantised_activations(x: &QuantizedActivations, r: usize, cols: usize) -> Vec<f32> {
+    let mut out = vec![0.0; cols];
+    if let Some(blocks) = x.q8k_row(r) {
+        for (b, o) in blocks.iter().zip(out.chunks_exact_mut(256)) {
+            b.dequantize(o);
+        }
+    } else {
+        for (b, o) in x
+            .q8_0_row(r)
+            .expect("Q8_0 or Q8_K")
+            .iter()
+            .zip(out.chunks_exact_mut(32))
+        {
+            for (v, &q) in o.iter_mut().zip(&b.qs) {
+                *v = b.d * f32::from(q);
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn the_scalar_level_is_always_available_and_explicit() {
+    assert_eq!(
+        Kernels::with_level(CpuLevel::Scalar).unwrap().level(),
+        CpuLevel::Scalar
+    );
+    assert!(CpuLevel::supported().contains(&CpuLevel::Scalar));
+    assert_eq!(CpuLevel::parse("AVX2").unwrap(), CpuLevel::Avx2);
+    assert!(matches!(
+        CpuLevel::parse("avx9"),
+        Err(KernelError::UnknownLevel { .. })
+    ));
+}
+
+#[test]
+fn shape_errors_are_reported_not_panicked() {
+    let mut rng = Rng(5);
+    let w = random_matrix(&mut rng, BlockFormat::Q4K, 3, 512);
+    let x = w.quantize_activations(2, &vec![1.0; 1024]).unwrap();
+    let k = Kernels::get();
+    assert_eq!(
+        k.matmul(&w, &x, &mut [0.0; 5]),
+        Err(KernelError::OutputLength {
+            expected: 6,
+            actual: 5
+        })
+    );
+    assert!(matches!(
+        k.matmul_columns(&w, &x, 2..4, &mut [0.0; 4]),
+        Err(KernelError::ColumnRange { .. })
+    ));
+    let narrow =
+        QuantizedActivations::quantize(specdec_kernels::ActivationFormat::Q8K, 1, 256, &[0.0; 256])
+            .unwrap();
+    assert!(matches!(
+        k.matmul(&w, &narrow, &mut [0.0; 3]),
+        Err(KernelError::WidthMismatch { .. })
+    ));
+    let q8 = QuantizedActivations::quantize(
+        specdec_kernels::ActivationFormat::Q8_0,
+        1,
+        512,
+        &[0.0; 512],
+    )
+    .unwrap();
+    assert!(matches!(
+        k.matmul(&w, &q8, &mut [0.0; 3]),
+        Err(KernelError::ActivationFormat { .. })
+    ));
+    assert!(matches!(
+        QMatrix::from_bytes(BlockFormat::Q4K, 1, 300, &[0; 144]),
+        Err(KernelError::RaggedRow { cols: 300, .. })
+    ));
+    assert_eq!(
+        QMatrix::from_bytes(BlockFormat::Q6K, 2, 256, &[0; 210]),
+        Err(KernelError::ByteLength {
+            expected: 420,
+            actual: 210
+        })
+    );
+    assert!(matches!(
+        w.quantize_activations(2, &[0.0; 10]),
+        Err(KernelError::InputLength { .. })
+    ));
+}
+
+mod properties {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+
+        /// Any bit pattern (NaN and infinite scales included) gives the reference bits at every level.
+        #[test]
+        fn arbitrary_tensor_bytes_match_the_reference(
+            format_index in 0usize..4,
+            rows in 1usize..4,
+            blocks in 1usize..3,
+            m in 1usize..20,
+            seed in any::<u64>(),
+        ) {
+            let format = FORMATS[format_index];
+            let cols = blocks * format.block_len();
+            let mut rng = Rng(seed);
+            let bytes: Vec<u8> = (0..rows * blocks * format.block_bytes()).map(|_| rng.byte()).collect();
+            let w = QMatrix::from_bytes(format, rows, cols, &bytes).unwrap();
+            let x = w.quantize_activations(m, &random_activations(&mut rng, m, cols)).unwrap();
+            for k in kernels() {
+                let mut out = vec![0.0; m * rows];
+                k.matmul(&w, &x, &mut out).unwrap();
+                for r in 0..m {
+                    for n in 0..rows {
+                        prop_assert!(same_bits(out[r * rows + n], reference(&w, &x, n, r)));
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,5 +1,8 @@
 //! CPU kernels for GGUF-quantised matrices: block formats, activation quantisation and a multi-row
-//! matmul whose cost grows slowly with the number of activation rows.
+//! matmul. Not yet used by the runtime, and not yet faster than candle's row-by-row kernels: on one
+//! AVX2 thread its cost still grows almost linearly with the number of rows (time(m) / time(1) of 1.7
+//! to 2.4 at m = 4 and 6 to 9.6 at m = 16 across the four formats, `benches/matmul.rs`), because the
+//! per-row accumulators spill out of the 16 AVX2 registers.
 //!
 //! Speculative decoding scores a handful of tokens at once, so the target model's matmuls see `m` = 2..16
 //! activation rows. Row-by-row kernels stream every weight block `m` times; [`Kernels::matmul`] unpacks

@@ -131,9 +131,14 @@ impl Metrics {
     }
 
     /// The speedup the cost model predicts from the measured acceptance and costs:
-    /// `Σ_k n_k E(k) / Σ_k n_k (k c + r(k + 1))` over the rounds' draft lengths `k`.
+    /// `Σ_k n_k E(k) / Σ_k n_k (k c + r(k + 1))` over the rounds' draft lengths `k`. `None` until the
+    /// target was timed at two or more block lengths: from one length alone, `t(1)` and so `c` and
+    /// `r(m)` would rest on [`CostProfile::PRIOR_SLOPE`], and the prediction on a guess.
     pub fn predicted_speedup(&self) -> Option<f64> {
         let cost = self.cost_profile()?;
+        if cost.measured.len() < 2 {
+            return None;
+        }
         let a = self.per_position_acceptance();
         let (mut tokens, mut time) = (0.0, 0.0);
         for (k, &n) in self.rounds_by_draft_len.iter().enumerate() {
@@ -232,6 +237,24 @@ fn grow<T: Default + Clone>(v: &mut Vec<T>, len: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn no_speedup_is_predicted_from_a_single_block_length() {
+        let round = |drafted, accepted, draft_secs, verify_secs| Round {
+            drafted,
+            accepted,
+            emitted: accepted + 1,
+            draft_secs,
+            verify_secs,
+            verified: drafted + 1,
+        };
+        let mut m = Metrics::default();
+        m.record(&round(4, 4, 0.04, 0.2));
+        m.record(&round(4, 2, 0.04, 0.2));
+        assert_eq!(m.predicted_speedup(), None);
+        m.record(&round(0, 0, 0.0, 0.07));
+        assert!(m.predicted_speedup().is_some());
+    }
 
     #[test]
     fn per_position_counts_stop_after_the_first_rejection() {

@@ -113,13 +113,6 @@ impl Model {
             None
         };
         let rope_freqs = if g.has_tensor(ROPE_FREQS) {
-            if c.arch != Arch::Llama {
-                // llama.cpp reads per-dimension factors for Llama 3.1+ only; it refuses them here.
-                return Err(Error::UnsupportedTensor {
-                    path: g.path().to_path_buf(),
-                    name: ROPE_FREQS.to_string(),
-                });
-            }
             let f = g.vector(ROPE_FREQS, c.rope_dim / 2)?;
             if !f.iter().all(|x| x.is_finite() && *x > 0.0) {
                 return Err(Error::BadTensor {
@@ -319,15 +312,14 @@ fn inv_freq(c: &ModelConfig, factors: Option<&[f32]>) -> Vec<f64> {
 /// Rejects tensors the forward pass would not read: a model that carries them (q/k norms, output
 /// biases, a second set of experts, ...) needs something this runtime does not implement.
 fn check_tensors(g: &Gguf, c: &ModelConfig) -> Result<()> {
-    let mut known: HashSet<String> = [
-        "token_embd.weight",
-        "output_norm.weight",
-        "output.weight",
-        ROPE_FREQS,
-    ]
-    .into_iter()
-    .map(String::from)
-    .collect();
+    let mut known: HashSet<String> = ["token_embd.weight", "output_norm.weight", "output.weight"]
+        .into_iter()
+        .map(String::from)
+        .collect();
+    if c.arch == Arch::Llama {
+        // Per-dimension rope factors are a Llama 3.1+ tensor; llama.cpp refuses them elsewhere.
+        known.insert(ROPE_FREQS.to_string());
+    }
     let per_layer: &[&str] = &[
         "attn_norm.weight",
         "attn_q.weight",

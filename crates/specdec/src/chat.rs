@@ -53,7 +53,17 @@ pub fn command(args: &ChatArgs, ui: Ui) -> Result<()> {
         crate::engine::INTERRUPTED.store(false, std::sync::atomic::Ordering::SeqCst);
         history.push(Message::new("user", line));
         let count = |h: &[Message]| prompt_tokens(&loaded.tokenizer, h).map(|p| p.len());
-        match messages_to_drop(&history, system.len(), count, budget)? {
+        let dropped = match messages_to_drop(&history, system.len(), count, budget) {
+            Ok(dropped) => dropped,
+            Err(e) => {
+                // E.g. a template that rewrites messages, given one that spells a special token:
+                // this message is refused, the chat goes on.
+                history.pop();
+                eprintln!("error: {e:#}");
+                continue;
+            }
+        };
+        match dropped {
             Some(0) => {}
             Some(n) => {
                 history.drain(system.len()..system.len() + n);

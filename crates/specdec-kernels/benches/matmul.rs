@@ -5,7 +5,8 @@
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use specdec_kernels::{
-    BlockFormat, BlockQ4K, BlockQ4_0, BlockQ6K, BlockQ8_0, Kernels, QMatrix, Weights, F16,
+    BlockFormat, BlockQ4K, BlockQ4_0, BlockQ5_0, BlockQ6K, BlockQ8_0, Kernels, QMatrix, Weights,
+    F16,
 };
 use std::hint::black_box;
 
@@ -46,6 +47,15 @@ fn matrix(format: BlockFormat, rows: usize, cols: usize) -> QMatrix {
                 })
                 .collect(),
         ),
+        BlockFormat::Q5_0 => Weights::Q5_0(
+            chunks
+                .map(|c| BlockQ5_0 {
+                    d,
+                    qh: std::array::from_fn(|i| c[i]),
+                    qs: std::array::from_fn(|i| c[4 + i]),
+                })
+                .collect(),
+        ),
         BlockFormat::Q4K => Weights::Q4K(
             chunks
                 .map(|c| BlockQ4K {
@@ -79,6 +89,7 @@ fn bench(c: &mut Criterion) {
         BlockFormat::Q8_0,
         BlockFormat::Q6K,
         BlockFormat::Q4_0,
+        BlockFormat::Q5_0,
     ] {
         let mut group = c.benchmark_group(format!("matmul/{format:?}/{}", kernels.level().name()));
         for (name, rows, cols) in shapes {

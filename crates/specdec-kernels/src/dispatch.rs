@@ -11,7 +11,7 @@ pub const LEVEL_ENV: &str = "SPECDEC_KERNELS";
 pub enum CpuLevel {
     /// Portable Rust, the reference.
     Scalar,
-    /// x86-64 AVX2 (`maddubs`/`madd` integer dot products).
+    /// x86-64 AVX2 and F16C (`maddubs`/`madd` integer dot products).
     Avx2,
 }
 
@@ -33,7 +33,10 @@ impl CpuLevel {
         match self {
             CpuLevel::Scalar => true,
             #[cfg(target_arch = "x86_64")]
-            CpuLevel::Avx2 => std::arch::is_x86_feature_detected!("avx2"),
+            CpuLevel::Avx2 => {
+                std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("f16c")
+            }
             #[cfg(not(target_arch = "x86_64"))]
             CpuLevel::Avx2 => false,
         }

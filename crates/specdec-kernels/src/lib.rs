@@ -8,7 +8,7 @@
 //! activation rows. Row-by-row kernels stream every weight block `m` times; [`Kernels::matmul`] unpacks
 //! each weight block once per pass of up to 16 rows and dots it against all of them.
 //!
-//! - [`formats`]: ggml's `block_q8_0`, `block_q4_0`, `block_q4_K`, `block_q6_K` and `block_q8_K`
+//! - [`formats`]: ggml's `block_q8_0`, `block_q4_0`, `block_q5_0`, `block_q4_K`, `block_q6_K` and `block_q8_K`
 //!   byte-for-byte, their dequantisation, activation quantisation ([`quantize_row_q8_k`],
 //!   [`quantize_row_q8_0`], exactly ggml's `_ref` functions) and the scalar reference dot products.
 //! - [`Kernels`]: the matmul at a [`CpuLevel`] (portable scalar, AVX2), detected once per process and
@@ -45,16 +45,18 @@ pub mod dispatch;
 pub mod f16;
 pub mod formats;
 mod matrix;
+pub mod pool;
 mod simd;
 
 pub use dispatch::{CpuLevel, Kernels, LEVEL_ENV};
 pub use f16::F16;
 pub use formats::{
-    dequantize_row, dot_q4_0_q8_0, dot_q4_k_q8_k, dot_q6_k_q8_k, dot_q8_0_q8_0, quantize_row_q8_0,
-    quantize_row_q8_k, ActQ8_0, ActivationFormat, BlockFormat, BlockQ4K, BlockQ4_0, BlockQ6K,
-    BlockQ8K, BlockQ8_0, WeightBlock,
+    dequantize_row, dot_q4_0_q8_0, dot_q4_k_q8_k, dot_q5_0_q8_0, dot_q6_k_q8_k, dot_q8_0_q8_0,
+    quantize_row_q8_0, quantize_row_q8_k, ActQ8_0, ActivationFormat, BlockFormat, BlockQ4K,
+    BlockQ4_0, BlockQ5_0, BlockQ6K, BlockQ8K, BlockQ8_0, WeightBlock,
 };
 pub use matrix::{matmul, QMatrix, QuantizedActivations, Weights};
+pub use pool::ThreadPool;
 pub use simd::MAX_PASS_ROWS;
 
 /// Everything that can go wrong in this crate: shapes and levels, never arithmetic.

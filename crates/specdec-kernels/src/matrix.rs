@@ -3,9 +3,10 @@
 use crate::dispatch::Kernels;
 use crate::formats::{
     dequantize_row, quantize_row_q8_0, quantize_row_q8_k, ActQ8_0, ActivationFormat, BlockFormat,
-    BlockQ4K, BlockQ4_0, BlockQ6K, BlockQ8K, BlockQ8_0, WeightBlock,
+    BlockQ4K, BlockQ4_0, BlockQ5_0, BlockQ6K, BlockQ8K, BlockQ8_0, WeightBlock,
 };
-use crate::simd::{self, pass, MAX_PASS_ROWS};
+use crate::pool::ThreadPool;
+use crate::simd::{self, pass, Out, MAX_PASS_ROWS};
 use crate::KernelError;
 use std::ops::Range;
 
@@ -16,6 +17,8 @@ pub enum Weights {
     Q8_0(Vec<BlockQ8_0>),
     /// Q4_0 blocks.
     Q4_0(Vec<BlockQ4_0>),
+    /// Q5_0 blocks.
+    Q5_0(Vec<BlockQ5_0>),
     /// Q4_K blocks.
     Q4K(Vec<BlockQ4K>),
     /// Q6_K blocks.
@@ -28,6 +31,7 @@ impl Weights {
         match self {
             Weights::Q8_0(_) => BlockFormat::Q8_0,
             Weights::Q4_0(_) => BlockFormat::Q4_0,
+            Weights::Q5_0(_) => BlockFormat::Q5_0,
             Weights::Q4K(_) => BlockFormat::Q4K,
             Weights::Q6K(_) => BlockFormat::Q6K,
         }
@@ -37,6 +41,7 @@ impl Weights {
         match self {
             Weights::Q8_0(b) => b.len(),
             Weights::Q4_0(b) => b.len(),
+            Weights::Q5_0(b) => b.len(),
             Weights::Q4K(b) => b.len(),
             Weights::Q6K(b) => b.len(),
         }
@@ -110,6 +115,7 @@ impl QMatrix {
         let weights = match format {
             BlockFormat::Q8_0 => Weights::Q8_0(read_blocks(bytes)),
             BlockFormat::Q4_0 => Weights::Q4_0(read_blocks(bytes)),
+            BlockFormat::Q5_0 => Weights::Q5_0(read_blocks(bytes)),
             BlockFormat::Q4K => Weights::Q4K(read_blocks(bytes)),
             BlockFormat::Q6K => Weights::Q6K(read_blocks(bytes)),
         };
@@ -152,6 +158,7 @@ impl QMatrix {
         match &self.weights {
             Weights::Q8_0(b) => dequantize_row(&b[blocks], out),
             Weights::Q4_0(b) => dequantize_row(&b[blocks], out),
+            Weights::Q5_0(b) => dequantize_row(&b[blocks], out),
             Weights::Q4K(b) => dequantize_row(&b[blocks], out),
             Weights::Q6K(b) => dequantize_row(&b[blocks], out),
         }
@@ -306,6 +313,58 @@ impl Kernels {
         columns: Range<usize>,
         out: &mut [f32],
     ) -> Result<(), KernelError> {
+        self.check(w, x, columns.clone(), out.len())?;
+        if columns.is_empty() {
+            return Ok(());
+        }
+        let out = Out {
+            ptr: out.as_mut_ptr(),
+            stride: columns.len(),
+        };
+        // SAFETY: `out` holds `x.rows() · columns.len()` values (checked above) and is borrowed
+        // mutably for the whole call.
+        unsafe { self.columns_into(w, x, columns.clone(), columns.start, out) };
+        Ok(())
+    }
+
+    /// [`Kernels::matmul`] with the output columns spread over `pool`'s threads in chunks of whole
+    /// weight rows. Each result is computed by one thread with the same arithmetic, so it is
+    /// bit-identical to the single-threaded call.
+    ///
+    /// # Errors
+    /// As [`Kernels::matmul_columns`].
+    pub fn matmul_threaded(
+        &self,
+        w: &QMatrix,
+        x: &QuantizedActivations,
+        out: &mut [f32],
+        pool: &ThreadPool,
+    ) -> Result<(), KernelError> {
+        self.check(w, x, 0..w.rows(), out.len())?;
+        let rows = w.rows();
+        let out = SharedOut(Out {
+            ptr: out.as_mut_ptr(),
+            stride: rows,
+        });
+        // Enough chunks per thread that a thread slowed by a busy core hands its share to the others,
+        // few enough that claiming one costs nothing next to computing it.
+        let per = rows.div_ceil(8 * pool.threads()).clamp(16, 512);
+        pool.for_chunks(rows, per, &|cols| {
+            let out = &out;
+            // SAFETY: `out` holds `x.rows() · rows` values (checked above) and outlives the call;
+            // chunks are disjoint column ranges, so no two threads write the same element.
+            unsafe { self.columns_into(w, x, cols, 0, out.0) };
+        });
+        Ok(())
+    }
+
+    fn check(
+        &self,
+        w: &QMatrix,
+        x: &QuantizedActivations,
+        columns: Range<usize>,
+        out_len: usize,
+    ) -> Result<(), KernelError> {
         if x.format() != w.format().activation_format() {
             return Err(KernelError::ActivationFormat {
                 weights: w.format(),
@@ -326,68 +385,84 @@ impl Kernels {
             });
         }
         let expected = x.rows() * columns.len();
-        if out.len() != expected {
+        if out_len != expected {
             return Err(KernelError::OutputLength {
                 expected,
-                actual: out.len(),
+                actual: out_len,
             });
-        }
-        let nb = w.cols() / w.format().block_len();
-        if nb == 0 || columns.is_empty() {
-            out.fill(0.0);
-            return Ok(());
-        }
-        let blocks = columns.start * nb..columns.end * nb;
-        let stride = columns.len();
-        for first in (0..x.rows()).step_by(MAX_PASS_ROWS) {
-            let rows = first..(first + MAX_PASS_ROWS).min(x.rows());
-            let out = &mut out[rows.start * stride..rows.end * stride];
-            match (&w.weights, &x.blocks) {
-                (Weights::Q8_0(b), ActBlocks::Q8_0(a)) => pass::<simd::Q8_0>(
-                    self.level(),
-                    &b[blocks.clone()],
-                    nb,
-                    &row_slices(a, nb, rows),
-                    out,
-                ),
-                (Weights::Q4_0(b), ActBlocks::Q8_0(a)) => pass::<simd::Q4_0>(
-                    self.level(),
-                    &b[blocks.clone()],
-                    nb,
-                    &row_slices(a, nb, rows),
-                    out,
-                ),
-                (Weights::Q4K(b), ActBlocks::Q8K(a)) => pass::<simd::Q4K>(
-                    self.level(),
-                    &b[blocks.clone()],
-                    nb,
-                    &row_slices(a, nb, rows),
-                    out,
-                ),
-                (Weights::Q6K(b), ActBlocks::Q8K(a)) => pass::<simd::Q6K>(
-                    self.level(),
-                    &b[blocks.clone()],
-                    nb,
-                    &row_slices(a, nb, rows),
-                    out,
-                ),
-                // The format check above rules these out.
-                _ => {
-                    return Err(KernelError::ActivationFormat {
-                        weights: w.format(),
-                        activations: x.format(),
-                    })
-                }
-            }
         }
         Ok(())
     }
+
+    /// Weight rows `columns` against every activation row, in passes of up to [`MAX_PASS_ROWS`];
+    /// result `(r, n)` goes to `out` at row `r`, column `n - base`.
+    ///
+    /// # Safety
+    /// `self.check(w, x, ..)` passed; `out` is valid for writes of those elements and no other thread
+    /// accesses them meanwhile.
+    unsafe fn columns_into(
+        &self,
+        w: &QMatrix,
+        x: &QuantizedActivations,
+        columns: Range<usize>,
+        base: usize,
+        out: Out,
+    ) {
+        let nb = w.cols() / w.format().block_len();
+        let out = Out {
+            // SAFETY: `columns.start - base` is a column of the output row (the caller's contract).
+            ptr: unsafe { out.ptr.add(columns.start - base) },
+            stride: out.stride,
+        };
+        if nb == 0 {
+            for r in 0..x.rows() {
+                for c in 0..columns.len() {
+                    // SAFETY: the caller's contract.
+                    unsafe { out.ptr.add(r * out.stride + c).write(0.0) };
+                }
+            }
+            return;
+        }
+        let blocks = columns.start * nb..columns.end * nb;
+        for first in (0..x.rows()).step_by(MAX_PASS_ROWS) {
+            let rows = first..(first + MAX_PASS_ROWS).min(x.rows());
+            let acts = rows.start * nb..rows.end * nb;
+            let out = Out {
+                // SAFETY: row `rows.start` of the output (the caller's contract).
+                ptr: unsafe { out.ptr.add(rows.start * out.stride) },
+                stride: out.stride,
+            };
+            let level = self.level();
+            // SAFETY: `level` comes from a `Kernels`, so this CPU supports it; `out` is the caller's.
+            unsafe {
+                match (&w.weights, &x.blocks) {
+                    (Weights::Q8_0(b), ActBlocks::Q8_0(a)) => {
+                        pass::<simd::Q8_0>(level, &b[blocks.clone()], nb, &a[acts], out)
+                    }
+                    (Weights::Q4_0(b), ActBlocks::Q8_0(a)) => {
+                        pass::<simd::Q4_0>(level, &b[blocks.clone()], nb, &a[acts], out)
+                    }
+                    (Weights::Q5_0(b), ActBlocks::Q8_0(a)) => {
+                        pass::<simd::Q5_0>(level, &b[blocks.clone()], nb, &a[acts], out)
+                    }
+                    (Weights::Q4K(b), ActBlocks::Q8K(a)) => {
+                        pass::<simd::Q4K>(level, &b[blocks.clone()], nb, &a[acts], out)
+                    }
+                    (Weights::Q6K(b), ActBlocks::Q8K(a)) => {
+                        pass::<simd::Q6K>(level, &b[blocks.clone()], nb, &a[acts], out)
+                    }
+                    // `check` rules these out.
+                    _ => {}
+                }
+            }
+        }
+    }
 }
 
-/// The blocks of activation rows `rows`, `nb` blocks each.
-fn row_slices<A>(blocks: &[A], nb: usize, rows: Range<usize>) -> Vec<&[A]> {
-    rows.map(|r| &blocks[r * nb..(r + 1) * nb]).collect()
-}
+/// An output pointer shared by the threads of one matmul, each writing its own columns.
+struct SharedOut(Out);
+// SAFETY: the threads write disjoint elements (see `matmul_threaded`), and the buffer outlives the job.
+unsafe impl Sync for SharedOut {}
 
 /// [`Kernels::matmul`] with the process-wide [`Kernels::get`].
 ///

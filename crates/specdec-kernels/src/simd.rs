@@ -7,8 +7,8 @@
 
 use crate::dispatch::CpuLevel;
 use crate::formats::{
-    dot_q4_0_q8_0, dot_q4_k_q8_k, dot_q6_k_q8_k, dot_q8_0_q8_0, ActQ8_0, BlockQ4K, BlockQ4_0,
-    BlockQ6K, BlockQ8K, BlockQ8_0,
+    dot_q4_0_q8_0, dot_q4_k_q8_k, dot_q5_0_q8_0, dot_q6_k_q8_k, dot_q8_0_q8_0, ActQ8_0, BlockQ4K,
+    BlockQ4_0, BlockQ5_0, BlockQ6K, BlockQ8K, BlockQ8_0,
 };
 
 /// Most activation rows dotted against one unpacked weight block.
@@ -53,6 +53,13 @@ format!(
     crate::formats::q4_0::avx2::Q4_0
 );
 format!(
+    Q5_0,
+    BlockQ5_0,
+    ActQ8_0,
+    dot_q5_0_q8_0,
+    crate::formats::q5_0::avx2::Q5_0
+);
+format!(
     Q4K,
     BlockQ4K,
     BlockQ8K,
@@ -67,39 +74,63 @@ format!(
     crate::formats::q6_k::avx2::Q6K
 );
 
-/// One pass: 1 ..= [`MAX_PASS_ROWS`] activation rows `xs` against the weight rows in `w` (`nb` blocks
-/// each) at `level`; writes `out[r * columns + c]`.
+/// Where a pass writes: `out[r * stride + c]` for activation row `r` and column `c` of the pass.
+#[derive(Clone, Copy)]
+pub(crate) struct Out {
+    pub(crate) ptr: *mut f32,
+    pub(crate) stride: usize,
+}
+
+impl Out {
+    /// # Safety
+    /// `r * stride + c` must be within the buffer, and no other thread may access that element now.
+    #[inline]
+    unsafe fn write(self, r: usize, c: usize, v: f32) {
+        // SAFETY: the caller's contract.
+        unsafe { self.ptr.add(r * self.stride + c).write(v) }
+    }
+}
+
+/// One pass: 1 ..= [`MAX_PASS_ROWS`] activation rows (`x`, `nb` blocks each, contiguous) against the
+/// weight rows in `w` (`nb` blocks each) at `level`; writes column `c` of row `r` through `out`.
 ///
-/// `level` must be supported by this CPU (a [`crate::Kernels`] guarantees it).
-pub(crate) fn pass<F: Format>(
+/// # Safety
+/// `level` must be supported by this CPU (a [`crate::Kernels`] guarantees it), and `out` must be valid
+/// for writes of every `(r, c)` of the pass, which no other thread accesses meanwhile.
+pub(crate) unsafe fn pass<F: Format>(
     level: CpuLevel,
     w: &[F::Block],
     nb: usize,
-    xs: &[&[F::Act]],
-    out: &mut [f32],
+    x: &[F::Act],
+    out: Out,
 ) {
     match level {
-        CpuLevel::Scalar => scalar_rows(F::dot, w, nb, xs, out),
+        // SAFETY: the caller's contract.
+        CpuLevel::Scalar => unsafe { scalar_rows(F::dot, w, nb, x, out) },
         // SAFETY: `level` is supported by this CPU (the caller's contract, upheld by `Kernels`).
         #[cfg(target_arch = "x86_64")]
-        CpuLevel::Avx2 => unsafe { avx2::pass::<F::Avx2>(w, nb, xs, out) },
+        CpuLevel::Avx2 => unsafe { avx2::pass::<F::Avx2>(w, nb, x, out) },
+        // SAFETY: the caller's contract.
         #[cfg(not(target_arch = "x86_64"))]
-        CpuLevel::Avx2 => scalar_rows(F::dot, w, nb, xs, out),
+        CpuLevel::Avx2 => unsafe { scalar_rows(F::dot, w, nb, x, out) },
     }
 }
 
 /// The scalar level: the reference dot product for every (row, column) pair.
-pub(crate) fn scalar_rows<B, A>(
+///
+/// # Safety
+/// As [`pass`].
+pub(crate) unsafe fn scalar_rows<B, A>(
     dot: fn(&[B], &[A]) -> f32,
     w: &[B],
     nb: usize,
-    xs: &[&[A]],
-    out: &mut [f32],
+    x: &[A],
+    out: Out,
 ) {
-    let stride = w.len() / nb;
     for (c, wrow) in w.chunks_exact(nb).enumerate() {
-        for (r, x) in xs.iter().enumerate() {
-            out[r * stride + c] = dot(wrow, x);
+        for (r, x) in x.chunks_exact(nb).enumerate() {
+            // SAFETY: the caller's contract.
+            unsafe { out.write(r, c, dot(wrow, x)) };
         }
     }
 }
@@ -127,28 +158,34 @@ pub(crate) mod avx2 {
         unsafe fn accumulate(w: &Self::Unpacked, x: &Self::Act, acc: __m256) -> __m256;
     }
 
+    /// The exact `f32` of an f16 (F16C; equal to [`crate::F16::to_f32`], which is exact too).
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    pub(crate) fn f16_to_f32(h: crate::F16) -> f32 {
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(h.0))))
+    }
+
     /// [`crate::formats::hsum8`]'s tree: halves, then `movehl`, then `movehdup`.
     #[inline]
-    #[target_feature(enable = "avx2")]
+    #[target_feature(enable = "avx2,f16c")]
     pub(crate) fn hsum(v: __m256) -> f32 {
         let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
         let t = _mm_add_ps(s, _mm_movehl_ps(s, s));
         _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)))
     }
 
-    /// `N` activation rows against the weight rows in `w` (`nb` blocks each); writes
-    /// `out[r * columns + c]`.
+    /// `N` activation rows against the weight rows in `w` (`nb` blocks each).
     ///
     /// # Safety
-    /// The CPU must support AVX2.
-    #[target_feature(enable = "avx2")]
+    /// The CPU must support AVX2 and F16C; `out` as [`super::pass`].
+    #[target_feature(enable = "avx2,f16c")]
     unsafe fn rows<D: Dequantizer, const N: usize>(
         w: &[D::Block],
         nb: usize,
-        xs: [&[D::Act]; N],
-        out: &mut [f32],
+        x: &[D::Act],
+        out: super::Out,
     ) {
-        let columns = w.len() / nb;
+        let xs: [&[D::Act]; N] = std::array::from_fn(|r| &x[r * nb..(r + 1) * nb]);
         for (c, wrow) in w.chunks_exact(nb).enumerate() {
             let mut acc = [_mm256_setzero_ps(); N];
             for (b, block) in wrow.iter().enumerate() {
@@ -160,7 +197,8 @@ pub(crate) mod avx2 {
                 }
             }
             for (r, a) in acc.into_iter().enumerate() {
-                out[r * columns + c] = hsum(a);
+                // SAFETY: the caller's contract.
+                unsafe { out.write(r, c, hsum(a)) };
             }
         }
     }
@@ -169,22 +207,21 @@ pub(crate) mod avx2 {
     /// so the accumulators live in registers.
     ///
     /// # Safety
-    /// The CPU must support AVX2.
+    /// The CPU must support AVX2 and F16C; `out` as [`super::pass`].
     pub(crate) unsafe fn pass<D: Dequantizer>(
         w: &[D::Block],
         nb: usize,
-        xs: &[&[D::Act]],
-        out: &mut [f32],
+        x: &[D::Act],
+        out: super::Out,
     ) {
         macro_rules! by_rows {
             ($($n:literal)*) => {
-                match xs.len() {
+                match x.len() / nb {
                     $($n => {
-                        let xs: [&[D::Act]; $n] = std::array::from_fn(|i| xs[i]);
                         // SAFETY: AVX2 support is the caller's contract.
-                        unsafe { rows::<D, $n>(w, nb, xs, out) }
+                        unsafe { rows::<D, $n>(w, nb, x, out) }
                     })*
-                    n => unreachable!("a pass holds 1..=16 rows, got {n}"),
+                    _ => {}
                 }
             };
         }

@@ -4,8 +4,8 @@ mod common;
 
 use common::Rng;
 use specdec_kernels::{
-    dequantize_row, quantize_row_q8_0, ActQ8_0, BlockQ4K, BlockQ4_0, BlockQ6K, BlockQ8K, BlockQ8_0,
-    WeightBlock, F16,
+    dequantize_row, quantize_row_q8_0, ActQ8_0, BlockQ4K, BlockQ4_0, BlockQ5_0, BlockQ6K, BlockQ8K,
+    BlockQ8_0, WeightBlock, F16,
 };
 use std::mem::{align_of, size_of};
 
@@ -13,6 +13,8 @@ use std::mem::{align_of, size_of};
 fn blocks_have_ggml_sizes() {
     assert_eq!(size_of::<BlockQ8_0>(), 34);
     assert_eq!(size_of::<BlockQ4_0>(), 18);
+    assert_eq!(size_of::<BlockQ5_0>(), 22);
+    assert_eq!(BlockQ5_0::BYTES, size_of::<BlockQ5_0>());
     assert_eq!(size_of::<BlockQ4K>(), 144);
     assert_eq!(size_of::<BlockQ6K>(), 210);
     assert_eq!(size_of::<BlockQ8K>(), 292);
@@ -42,6 +44,7 @@ fn read_and_write_match_the_memory_layout() {
     for _ in 0..20 {
         check_bytes::<BlockQ8_0>(&mut rng);
         check_bytes::<BlockQ4_0>(&mut rng);
+        check_bytes::<BlockQ5_0>(&mut rng);
         check_bytes::<BlockQ4K>(&mut rng);
         check_bytes::<BlockQ6K>(&mut rng);
     }
@@ -119,6 +122,33 @@ fn q6_k_dequantises_as_ggml() {
         }
     }
     assert_eq!(out.map(f32::to_bits), want.map(f32::to_bits));
+}
+
+/// ggml's `dequantize_row_q5_0`, transcribed.
+#[test]
+fn q5_0_dequantises_as_ggml() {
+    let mut rng = Rng(55);
+    for _ in 0..200 {
+        let b = BlockQ5_0 {
+            d: F16::from_f32(0.25 * rng.unit()),
+            qh: rng.bytes(),
+            qs: rng.bytes(),
+        };
+        let mut out = [0f32; 32];
+        b.dequantize(&mut out);
+        let d = b.d.to_f32();
+        let qh = u32::from_le_bytes(b.qh);
+        let mut want = [0f32; 32];
+        for j in 0..16 {
+            let xh0 = (((qh >> j) << 4) & 0x10) as u8;
+            let xh1 = ((qh >> (j + 12)) & 0x10) as u8;
+            let x0 = ((b.qs[j] & 0x0f) | xh0) as i32 - 16;
+            let x1 = ((b.qs[j] >> 4) | xh1) as i32 - 16;
+            want[j] = x0 as f32 * d;
+            want[j + 16] = x1 as f32 * d;
+        }
+        assert_eq!(out.map(f32::to_bits), want.map(f32::to_bits));
+    }
 }
 
 #[test]

@@ -5,8 +5,8 @@ mod common;
 
 use common::{random_activations, random_matrix, same_bits, Rng, FORMATS};
 use specdec_kernels::{
-    dot_q4_0_q8_0, dot_q4_k_q8_k, dot_q6_k_q8_k, dot_q8_0_q8_0, BlockFormat, CpuLevel, KernelError,
-    Kernels, QMatrix, QuantizedActivations, Weights,
+    dot_q4_0_q8_0, dot_q4_k_q8_k, dot_q5_0_q8_0, dot_q6_k_q8_k, dot_q8_0_q8_0, BlockFormat,
+    CpuLevel, KernelError, Kernels, QMatrix, QuantizedActivations, ThreadPool, Weights,
 };
 
 const MS: [usize; 10] = [1, 2, 3, 4, 5, 8, 9, 16, 17, 33];
@@ -23,6 +23,7 @@ fn reference(w: &QMatrix, x: &QuantizedActivations, n: usize, r: usize) -> f32 {
     match w.weights() {
         Weights::Q8_0(b) => dot_q8_0_q8_0(&b[blocks], x.q8_0_row(r).expect("Q8_0 activations")),
         Weights::Q4_0(b) => dot_q4_0_q8_0(&b[blocks], x.q8_0_row(r).expect("Q8_0 activations")),
+        Weights::Q5_0(b) => dot_q5_0_q8_0(&b[blocks], x.q8_0_row(r).expect("Q8_0 activations")),
         Weights::Q4K(b) => dot_q4_k_q8_k(&b[blocks], x.q8k_row(r).expect("Q8_K activations")),
         Weights::Q6K(b) => dot_q6_k_q8_k(&b[blocks], x.q8k_row(r).expect("Q8_K activations")),
     }
@@ -128,6 +129,37 @@ fn column_ranges_compose_into_the_full_matmul() {
                     for (i, n) in range.clone().enumerate() {
                         assert!(same_bits(part[r * range.len() + i], full[r * rows + n]));
                     }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn threaded_matmul_gives_the_single_threaded_bits() {
+    let mut rng = Rng(31);
+    let pools: Vec<ThreadPool> = [1, 2, 3]
+        .into_iter()
+        .map(|n| ThreadPool::new(n).unwrap())
+        .collect();
+    for format in FORMATS {
+        for (rows, m) in [(1, 1), (37, 3), (300, 17), (1000, 1)] {
+            let cols = cols_for(format);
+            let w = random_matrix(&mut rng, format, rows, cols);
+            let x = w
+                .quantize_activations(m, &random_activations(&mut rng, m, cols))
+                .unwrap();
+            for k in kernels() {
+                let mut want = vec![0.0; m * rows];
+                k.matmul(&w, &x, &mut want).unwrap();
+                for pool in &pools {
+                    let mut got = vec![f32::NAN; m * rows];
+                    k.matmul_threaded(&w, &x, &mut got, pool).unwrap();
+                    assert!(
+                        got.iter().zip(&want).all(|(a, b)| same_bits(*a, *b)),
+                        "{format:?} rows {rows} m {m} threads {}",
+                        pool.threads()
+                    );
                 }
             }
         }

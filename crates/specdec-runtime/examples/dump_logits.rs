@@ -19,6 +19,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         &g,
         &LoadOptions {
             requantize_q5: false,
+            ..LoadOptions::default()
         },
     )?);
     let ids = tok.encode(&std::fs::read_to_string(text)?, true)?;

@@ -179,6 +179,28 @@ pub enum Error {
     /// A candle kernel failed.
     #[error("kernel: {0}")]
     Kernel(#[from] candle_core::Error),
+    /// One of our own kernels refused its input (a shape or format mismatch: a bug, reported rather
+    /// than a panic).
+    #[error("kernel: {0}")]
+    OwnKernel(#[from] specdec_kernels::KernelError),
+    /// A buffer handed to a matrix operation has the wrong length.
+    #[error("{what}: expected input and output lengths {expected:?}, got {actual:?}")]
+    Shape {
+        /// The operation.
+        what: &'static str,
+        /// Expected (input, output) lengths.
+        expected: (usize, usize),
+        /// Given (input, output) lengths.
+        actual: (usize, usize),
+    },
+    /// The kernel thread pool could not start its threads.
+    #[error("starting {threads} kernel threads: {source}")]
+    Threads {
+        /// Threads asked for.
+        threads: usize,
+        /// The operating system's error.
+        source: std::io::Error,
+    },
 }
 
 impl Error {

@@ -180,7 +180,7 @@ impl Gguf {
             });
         }
         let bytes = self.read_bytes(name, info, rows * cols)?;
-        Ok(QWeight::from_bytes(dtype, &bytes, rows, cols))
+        QWeight::from_bytes(dtype, &bytes, rows, cols)
     }
 
     /// Reads a vector of `len` f32 values (norm weights, biases); F16 and BF16 are widened.
@@ -206,7 +206,7 @@ impl Gguf {
             });
         }
         let bytes = self.read_bytes(name, info, len)?;
-        QWeight::from_bytes(info.ggml_dtype, &bytes, 1, len).to_f32()
+        QWeight::from_bytes(info.ggml_dtype, &bytes, 1, len)?.to_f32()
     }
 
     /// The raw bytes of `elems` values of a tensor, in an 8-byte-aligned buffer, after checking that

@@ -52,7 +52,7 @@ pub use config::{Arch, ModelConfig};
 pub use error::{Error, Result};
 pub use gguf::Gguf;
 pub use kv::KvCache;
-pub use model::{LoadOptions, Model};
+pub use model::{thread_pool, LoadOptions, Model};
 pub use session::Session;
 pub use tokenizer::{Message, StreamDecoder, Tokenizer};
 pub use weights::QWeight;

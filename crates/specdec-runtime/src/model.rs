@@ -8,31 +8,59 @@
 //! drafted tokens equals k single-token steps bit for bit, which is what makes greedy speculative
 //! output identical to greedy plain output on real models.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::path::Path;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use candle_core::quantized::GgmlDType;
+use specdec_kernels::ThreadPool;
 
 use crate::config::{Arch, ModelConfig, RopeStyle};
 use crate::error::{Error, Result};
 use crate::gguf::Gguf;
 use crate::kv::KvCache;
-use crate::weights::QWeight;
+use crate::weights::{Activations, QWeight};
 
 /// How weights are prepared at load time.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LoadOptions {
-    /// Re-quantise Q5_0 and Q5_1 matrices to Q8_0, whose dot product candle vectorises (its Q5 path is
-    /// scalar). Costs ~1.5x the bytes of those matrices; the embedding table is left as it is.
+    /// Re-quantise Q5_1 matrices to Q8_0, which our kernels cover (candle's Q5_1 dot product is
+    /// scalar). Costs ~1.4x the bytes of those matrices; the embedding table is left as it is. Q5_0
+    /// has a kernel of its own and is never re-quantised.
     pub requantize_q5: bool,
+    /// Threads for the matrix kernels, the caller included; `None` means one per available core.
+    /// Models loaded with the same count share one pool.
+    pub threads: Option<usize>,
 }
 
 impl Default for LoadOptions {
     fn default() -> Self {
         Self {
             requantize_q5: true,
+            threads: None,
         }
     }
+}
+
+/// The kernel thread pool of `threads` threads (one per core for `None`), shared by every model that
+/// asks for the same count: the draft and the target never run at the same time, and one pool's
+/// workers do not compete with another's for the cores.
+pub fn thread_pool(threads: Option<usize>) -> Result<Arc<ThreadPool>> {
+    static POOLS: OnceLock<Mutex<HashMap<usize, Arc<ThreadPool>>>> = OnceLock::new();
+    let n = threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+        .max(1);
+    let mut pools = POOLS
+        .get_or_init(|| Mutex::new(HashMap::new()))
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    if let Some(p) = pools.get(&n) {
+        return Ok(Arc::clone(p));
+    }
+    let pool =
+        Arc::new(ThreadPool::new(n).map_err(|source| Error::Threads { threads: n, source })?);
+    pools.insert(n, Arc::clone(&pool));
+    Ok(pool)
 }
 
 #[derive(Debug)]
@@ -60,6 +88,8 @@ pub struct Model {
     output: Option<QWeight>,
     /// The rope frequency of each dimension pair, scaling included (see [`inv_freq`]).
     inv_freq: Vec<f64>,
+    /// The threads the matrix kernels run on.
+    pool: Arc<ThreadPool>,
 }
 
 impl Model {
@@ -74,7 +104,7 @@ impl Model {
         let c = ModelConfig::from_gguf(g)?;
         check_tensors(g, &c)?;
         let prep = |w: QWeight| -> Result<QWeight> {
-            if options.requantize_q5 && matches!(w.dtype(), GgmlDType::Q5_0 | GgmlDType::Q5_1) {
+            if options.requantize_q5 && w.dtype() == GgmlDType::Q5_1 {
                 w.requantize(GgmlDType::Q8_0)
             } else {
                 Ok(w)
@@ -126,7 +156,9 @@ impl Model {
             None
         };
         let inv_freq = inv_freq(&c, rope_freqs.as_deref());
+        let pool = thread_pool(options.threads)?;
         Ok(Self {
+            pool,
             norm: g.vector("output_norm.weight", c.n_embd)?,
             config: c,
             embd,
@@ -219,10 +251,12 @@ impl Model {
         let mut up = vec![0.0f32; m * c.n_ff];
         for (li, l) in self.layers.iter().enumerate() {
             let _span = tracing::trace_span!("layer", li).entered();
+            let pool = &*self.pool;
             rms_norm(&x, &l.attn_norm, c.rms_eps, &mut h);
-            l.wq.matmul(&h, m, &mut q)?;
-            l.wk.matmul(&h, m, &mut k)?;
-            l.wv.matmul(&h, m, &mut v)?;
+            let mut hq = Activations::new(&h, m);
+            l.wq.matmul(&mut hq, &mut q, pool)?;
+            l.wk.matmul(&mut hq, &mut k, pool)?;
+            l.wv.matmul(&mut hq, &mut v, pool)?;
             if let Some([bq, bk, bv]) = &l.bias {
                 add_rows(&mut q, bq);
                 add_rows(&mut k, bk);
@@ -233,15 +267,17 @@ impl Model {
             cache.write(li, pos, &k, &v);
             let (keys, values) = cache.layer(li, pos + m);
             attention(c, &q, keys, values, pos, &mut attn);
-            l.wo.matmul(&attn, m, &mut o)?;
+            l.wo.matmul(&mut Activations::new(&attn, m), &mut o, pool)?;
             add(&mut x, &o);
             rms_norm(&x, &l.ffn_norm, c.rms_eps, &mut h);
-            l.w_gate.matmul(&h, m, &mut gate)?;
-            l.w_up.matmul(&h, m, &mut up)?;
+            let mut hq = Activations::new(&h, m);
+            l.w_gate.matmul(&mut hq, &mut gate, pool)?;
+            l.w_up.matmul(&mut hq, &mut up, pool)?;
             for (g, u) in gate.iter_mut().zip(&up) {
                 *g = *g / (1.0 + (-*g).exp()) * u;
             }
-            l.w_down.matmul(&gate, m, &mut o)?;
+            l.w_down
+                .matmul(&mut Activations::new(&gate, m), &mut o, pool)?;
             add(&mut x, &o);
         }
         cache.set_len(pos + m);
@@ -251,7 +287,11 @@ impl Model {
         logits.clear();
         logits.resize(logits_rows * c.vocab, 0.0);
         let out = self.output.as_ref().unwrap_or(&self.embd);
-        out.matmul(&normed, logits_rows, logits)?;
+        out.matmul(
+            &mut Activations::new(&normed, logits_rows),
+            logits,
+            &self.pool,
+        )?;
         Ok(())
     }
 

@@ -12,7 +12,9 @@ use candle_core::backend::BackendStorage;
 use candle_core::quantized::{GgmlDType, QuantizedType};
 use candle_core::CpuStorage;
 
-use crate::error::Result;
+use specdec_kernels::{BlockFormat, Kernels, QMatrix, QuantizedActivations, ThreadPool};
+
+use crate::error::{Error, Result};
 
 /// The types a weight may have.
 pub fn supported(dtype: GgmlDType) -> bool {
@@ -35,17 +37,62 @@ pub fn supported(dtype: GgmlDType) -> bool {
     )
 }
 
+/// The block format of our own kernels for a GGUF type, if they cover it.
+fn own_format(dtype: GgmlDType) -> Option<BlockFormat> {
+    match dtype {
+        GgmlDType::Q8_0 => Some(BlockFormat::Q8_0),
+        GgmlDType::Q4_0 => Some(BlockFormat::Q4_0),
+        GgmlDType::Q5_0 => Some(BlockFormat::Q5_0),
+        GgmlDType::Q4K => Some(BlockFormat::Q4K),
+        GgmlDType::Q6K => Some(BlockFormat::Q6K),
+        _ => None,
+    }
+}
+
+/// Whether [`QWeight`] runs a type on our own kernels (else on candle's).
+pub fn has_own_kernel(dtype: GgmlDType) -> bool {
+    own_format(dtype).is_some()
+}
+
+enum Storage {
+    Own(QMatrix),
+    Candle(Box<dyn QuantizedType>),
+}
+
 /// A matrix of `rows` rows of `cols` values, stored in a GGUF quantisation type.
 pub struct QWeight {
-    data: Box<dyn QuantizedType>,
+    data: Storage,
+    dtype: GgmlDType,
     rows: usize,
     cols: usize,
+}
+
+/// An activation matrix `[m, cols]` with its quantised forms made on first use, so the matrices that
+/// read the same input (q, k and v; gate and up) quantise it once.
+pub struct Activations<'a> {
+    x: &'a [f32],
+    m: usize,
+    q8_0: Option<QuantizedActivations>,
+    q8k: Option<QuantizedActivations>,
+}
+
+impl<'a> Activations<'a> {
+    /// `m` rows of `x`.
+    pub fn new(x: &'a [f32], m: usize) -> Self {
+        Self {
+            x,
+            m,
+            q8_0: None,
+            q8k: None,
+        }
+    }
 }
 
 impl std::fmt::Debug for QWeight {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("QWeight")
             .field("dtype", &self.dtype())
+            .field("own_kernel", &self.is_own_kernel())
             .field("rows", &self.rows)
             .field("cols", &self.cols)
             .finish()
@@ -55,24 +102,47 @@ impl std::fmt::Debug for QWeight {
 impl QWeight {
     /// Wraps raw GGUF bytes; the caller checked the type, the size and that `cols` is a whole number
     /// of blocks.
-    pub(crate) fn from_bytes(dtype: GgmlDType, bytes: &[u8], rows: usize, cols: usize) -> Self {
-        Self {
-            data: dtype.from_data(Cow::Borrowed(bytes)),
+    pub(crate) fn from_bytes(
+        dtype: GgmlDType,
+        bytes: &[u8],
+        rows: usize,
+        cols: usize,
+    ) -> Result<Self> {
+        let data = match own_format(dtype) {
+            Some(format) => Storage::Own(QMatrix::from_bytes(format, rows, cols, bytes)?),
+            None => Storage::Candle(dtype.from_data(Cow::Borrowed(bytes))),
+        };
+        Ok(Self {
+            data,
+            dtype,
             rows,
             cols,
-        }
+        })
     }
 
-    /// Quantises an f32 matrix (`rows * cols` values, row-major).
-    pub fn quantize(values: &[f32], rows: usize, cols: usize, dtype: GgmlDType) -> Self {
+    /// Quantises an f32 matrix (`rows * cols` values, row-major), with candle's quantisers.
+    pub fn quantize(values: &[f32], rows: usize, cols: usize, dtype: GgmlDType) -> Result<Self> {
         let mut data = dtype.cpu_zeros(rows * cols);
         data.from_float(values);
-        Self { data, rows, cols }
+        if own_format(dtype).is_some() {
+            return Self::from_bytes(dtype, &candle_bytes(data.as_ref()), rows, cols);
+        }
+        Ok(Self {
+            data: Storage::Candle(data),
+            dtype,
+            rows,
+            cols,
+        })
     }
 
     /// The quantisation type.
     pub fn dtype(&self) -> GgmlDType {
-        self.data.dtype()
+        self.dtype
+    }
+
+    /// Whether this matrix runs on our own kernels.
+    pub fn is_own_kernel(&self) -> bool {
+        matches!(self.data, Storage::Own(_))
     }
 
     /// Rows (output features).
@@ -87,21 +157,56 @@ impl QWeight {
 
     /// Bytes held.
     pub fn size_in_bytes(&self) -> usize {
-        self.data.storage_size_in_bytes()
+        match &self.data {
+            Storage::Own(w) => w.size_bytes(),
+            Storage::Candle(d) => d.storage_size_in_bytes(),
+        }
     }
 
-    /// `out[i, r] = Σ_c x[i, c] w[r, c]` for `m` rows of `x` (`[m, cols]` in, `[m, rows]` out).
-    pub fn matmul(&self, x: &[f32], m: usize, out: &mut [f32]) -> Result<()> {
-        assert_eq!(x.len(), m * self.cols, "matmul input is [m, cols]");
-        assert_eq!(out.len(), m * self.rows, "matmul output is [m, rows]");
-        self.data.matmul_t((m, self.cols, self.rows), x, out)?;
+    /// `out[i, r] = Σ_c x[i, c] w[r, c]` for `m` rows of `x` (`[m, cols]` in, `[m, rows]` out), on
+    /// `pool`'s threads.
+    pub fn matmul(
+        &self,
+        x: &mut Activations<'_>,
+        out: &mut [f32],
+        pool: &ThreadPool,
+    ) -> Result<()> {
+        let m = x.m;
+        if x.x.len() != m * self.cols || out.len() != m * self.rows {
+            return Err(Error::Shape {
+                what: "matmul",
+                expected: (m * self.cols, m * self.rows),
+                actual: (x.x.len(), out.len()),
+            });
+        }
+        match &self.data {
+            Storage::Own(w) => {
+                let slot = match w.format().activation_format() {
+                    specdec_kernels::ActivationFormat::Q8_0 => &mut x.q8_0,
+                    specdec_kernels::ActivationFormat::Q8K => &mut x.q8k,
+                };
+                let q = match slot {
+                    Some(q) => q,
+                    None => slot.insert(w.quantize_activations(m, x.x)?),
+                };
+                Kernels::get().matmul_threaded(w, q, out, pool)?;
+            }
+            Storage::Candle(d) => d.matmul_t((m, self.cols, self.rows), x.x, out)?,
+        }
         Ok(())
     }
 
     /// Row `row`, dequantised into `out` (`cols` values): an embedding lookup without a dense copy of
     /// the table.
     pub fn row_into(&self, row: usize, out: &mut [f32]) -> Result<()> {
-        match self.data.embedding(&[row as u32], self.rows, self.cols)? {
+        let d = match &self.data {
+            Storage::Own(w) => {
+                w.dequantize_row(row, out);
+                return Ok(());
+            }
+            Storage::Candle(d) => d,
+        };
+        match d.embedding(&[row as u32], self.rows, self.cols)? {
             CpuStorage::F32(v) => {
                 out.copy_from_slice(&v);
                 Ok(())
@@ -116,7 +221,17 @@ impl QWeight {
 
     /// The whole matrix as f32.
     pub fn to_f32(&self) -> Result<Vec<f32>> {
-        match self.data.dequantize(self.rows * self.cols)? {
+        let d = match &self.data {
+            Storage::Own(w) => {
+                let mut out = vec![0.0; self.rows * self.cols];
+                for (r, row) in out.chunks_exact_mut(self.cols.max(1)).enumerate() {
+                    w.dequantize_row(r, row);
+                }
+                return Ok(out);
+            }
+            Storage::Candle(d) => d,
+        };
+        match d.dequantize(self.rows * self.cols)? {
             CpuStorage::F32(v) => Ok(v),
             other => Err(candle_core::Error::Msg(format!(
                 "dequantize returned {:?}, expected f32",
@@ -126,8 +241,17 @@ impl QWeight {
         }
     }
 
-    /// The same matrix in another type (e.g. Q5_0 to Q8_0, whose dot product candle vectorises).
+    /// The same matrix in another type (e.g. Q5_1 to Q8_0, which our kernels cover).
     pub fn requantize(&self, dtype: GgmlDType) -> Result<Self> {
-        Ok(Self::quantize(&self.to_f32()?, self.rows, self.cols, dtype))
+        Self::quantize(&self.to_f32()?, self.rows, self.cols, dtype)
     }
+}
+
+/// The raw GGUF bytes of a candle block buffer.
+fn candle_bytes(d: &dyn QuantizedType) -> Vec<u8> {
+    let n = d.storage_size_in_bytes();
+    // SAFETY: `as_ptr` points at the `storage_size_in_bytes` bytes of candle's block array, which lives
+    // as long as `d` is borrowed.
+    let bytes = unsafe { std::slice::from_raw_parts(d.as_ptr(), n) };
+    bytes.to_vec()
 }

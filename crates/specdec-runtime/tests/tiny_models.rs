@@ -55,8 +55,9 @@ fn check_block_equals_single(model: &Arc<Model>, what: &str) {
     }
 }
 
-/// The kernels really exercised, per file type: what the model runs after loading. Q5_0 and Q5_1
-/// files are re-quantised to Q8_0 by default, so they are also checked as loaded as they are.
+/// The kernels really exercised, per file type: what the model runs after loading. Q5_1 files are
+/// re-quantised to Q8_0 by default, so they are also checked as loaded as they are (Q5_0 has its own
+/// kernel and is never re-quantised).
 #[test]
 fn block_logits_equal_single_token_logits_bit_for_bit() {
     use GgmlDType::*;
@@ -66,9 +67,13 @@ fn block_logits_equal_single_token_logits_bit_for_bit() {
             if !requantize_q5 && !matches!(spec.dtype, Q5_0 | Q5_1) {
                 continue;
             }
-            let model = Arc::new(Model::load(&path, &LoadOptions { requantize_q5 }).unwrap());
+            let options = LoadOptions {
+                requantize_q5,
+                ..LoadOptions::default()
+            };
+            let model = Arc::new(Model::load(&path, &options).unwrap());
             let expected = match spec.dtype {
-                Q5_0 | Q5_1 if requantize_q5 => vec![Q8_0, spec.dtype],
+                Q5_1 if requantize_q5 => vec![Q8_0, spec.dtype],
                 other => vec![other],
             };
             let mut loaded = model.matrix_types();
@@ -260,19 +265,26 @@ fn a_session_clamps_its_capacity_to_the_trained_context() {
 }
 
 #[test]
-fn q5_weights_are_requantised_to_q8_0_on_request() {
-    let (_dir, path) = tiny(&TinySpec::new(Arch::Qwen2, GgmlDType::Q5_0));
-    let fast = Model::load(
-        &path,
+fn q5_1_weights_are_requantised_to_q8_0_on_request_and_q5_0_never() {
+    let (_dir, q5_0) = tiny(&TinySpec::new(Arch::Qwen2, GgmlDType::Q5_0));
+    let a = Model::load(&q5_0, &LoadOptions::default()).unwrap();
+    let b = Model::load(
+        &q5_0,
         &LoadOptions {
-            requantize_q5: true,
+            requantize_q5: false,
+            ..LoadOptions::default()
         },
     )
     .unwrap();
+    assert_eq!(a.weight_bytes(), b.weight_bytes());
+    assert_eq!(a.matrix_types(), vec![GgmlDType::Q5_0]);
+    let (_dir, path) = tiny(&TinySpec::new(Arch::Qwen2, GgmlDType::Q5_1));
+    let fast = Model::load(&path, &LoadOptions::default()).unwrap();
     let exact = Model::load(
         &path,
         &LoadOptions {
             requantize_q5: false,
+            ..LoadOptions::default()
         },
     )
     .unwrap();

@@ -124,7 +124,8 @@ impl Loaded {
             if n == 0 {
                 bail!("--threads must be at least 1");
             }
-            // candle sizes its thread pool from this variable when it first runs a kernel.
+            // Our kernels take the count from `LoadOptions`; candle's (the types we have no kernel
+            // for) size their thread pool from this variable when they first run.
             std::env::set_var("CANDLE_NUM_THREADS", n.to_string());
         }
         if args.ctx < 2 {
@@ -142,12 +143,16 @@ impl Loaded {
         let bar = ui.spinner(format!("loading {}", target_path.display()));
         let g = Gguf::open(&target_path)?;
         let tokenizer = Tokenizer::from_gguf(&g)?;
-        let target = Arc::new(Model::from_gguf(&g, &LoadOptions::default())?);
+        let options = LoadOptions {
+            threads: args.threads,
+            ..LoadOptions::default()
+        };
+        let target = Arc::new(Model::from_gguf(&g, &options)?);
         bar.finish_and_clear();
         let draft = match draft_path {
             Some(p) => {
                 let bar = ui.spinner(format!("loading {}", p.display()));
-                let d = Arc::new(Model::load(&p, &LoadOptions::default())?);
+                let d = Arc::new(Model::load(&p, &options)?);
                 bar.finish_and_clear();
                 let (dv, tv) = (d.config().vocab, target.config().vocab);
                 if dv != tv {

@@ -20,12 +20,14 @@
 
 pub(crate) mod q4_0;
 pub(crate) mod q4_k;
+pub(crate) mod q5_0;
 pub(crate) mod q6_k;
 pub(crate) mod q8_0;
 pub(crate) mod q8_k;
 
 pub use q4_0::{dot_q4_0_q8_0, BlockQ4_0};
 pub use q4_k::{dot_q4_k_q8_k, BlockQ4K};
+pub use q5_0::{dot_q5_0_q8_0, BlockQ5_0};
 pub use q6_k::{dot_q6_k_q8_k, BlockQ6K};
 pub use q8_0::{dot_q8_0_q8_0, quantize_row_q8_0, ActQ8_0, BlockQ8_0};
 pub use q8_k::{quantize_row_q8_k, BlockQ8K};
@@ -42,6 +44,8 @@ pub enum BlockFormat {
     Q8_0,
     /// 32 values, one f16 scale, 4-bit quants offset by 8 (ggml type 2).
     Q4_0,
+    /// 32 values, one f16 scale, 5-bit quants offset by 16 (ggml type 6).
+    Q5_0,
     /// 256 values in 8 sub-blocks with 6-bit scales and mins, 4-bit quants (ggml type 12).
     Q4K,
     /// 256 values in 16 sub-blocks with `i8` scales, 6-bit quants offset by 32 (ggml type 14).
@@ -52,7 +56,7 @@ impl BlockFormat {
     /// Values per block.
     pub const fn block_len(self) -> usize {
         match self {
-            BlockFormat::Q8_0 | BlockFormat::Q4_0 => QK8_0,
+            BlockFormat::Q8_0 | BlockFormat::Q4_0 | BlockFormat::Q5_0 => QK8_0,
             BlockFormat::Q4K | BlockFormat::Q6K => QK_K,
         }
     }
@@ -62,6 +66,7 @@ impl BlockFormat {
         match self {
             BlockFormat::Q8_0 => BlockQ8_0::BYTES,
             BlockFormat::Q4_0 => BlockQ4_0::BYTES,
+            BlockFormat::Q5_0 => BlockQ5_0::BYTES,
             BlockFormat::Q4K => BlockQ4K::BYTES,
             BlockFormat::Q6K => BlockQ6K::BYTES,
         }
@@ -70,7 +75,7 @@ impl BlockFormat {
     /// The activation format this weight format is dotted against.
     pub const fn activation_format(self) -> ActivationFormat {
         match self {
-            BlockFormat::Q8_0 | BlockFormat::Q4_0 => ActivationFormat::Q8_0,
+            BlockFormat::Q8_0 | BlockFormat::Q4_0 | BlockFormat::Q5_0 => ActivationFormat::Q8_0,
             BlockFormat::Q4K | BlockFormat::Q6K => ActivationFormat::Q8K,
         }
     }

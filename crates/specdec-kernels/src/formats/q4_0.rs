@@ -80,7 +80,7 @@ pub fn dot_q4_0_q8_0(w: &[BlockQ4_0], x: &[ActQ8_0]) -> f32 {
 pub(crate) mod avx2 {
     use super::{ActQ8_0, BlockQ4_0};
     use crate::formats::q8_0::avx2::{accumulate_signed, SignedBlock};
-    use crate::simd::avx2::Dequantizer;
+    use crate::simd::avx2::{f16_to_f32, Dequantizer};
     use std::arch::x86_64::*;
 
     pub(crate) struct Q4_0;
@@ -91,7 +91,7 @@ pub(crate) mod avx2 {
         type Unpacked = SignedBlock;
 
         #[inline]
-        #[target_feature(enable = "avx2")]
+        #[target_feature(enable = "avx2,f16c")]
         unsafe fn unpack(block: &BlockQ4_0) -> SignedBlock {
             // SAFETY: `block.qs` is 16 bytes, one unaligned 128-bit load.
             let v = unsafe { _mm_loadu_si128(block.qs.as_ptr().cast()) };
@@ -102,12 +102,12 @@ pub(crate) mod avx2 {
             SignedBlock {
                 w,
                 abs: _mm256_sign_epi8(w, w),
-                d: block.d.to_f32(),
+                d: f16_to_f32(block.d),
             }
         }
 
         #[inline]
-        #[target_feature(enable = "avx2")]
+        #[target_feature(enable = "avx2,f16c")]
         unsafe fn accumulate(w: &SignedBlock, x: &ActQ8_0, acc: __m256) -> __m256 {
             accumulate_signed(w, x, acc)
         }

@@ -120,7 +120,7 @@ pub fn dot_q4_k_q8_k(w: &[BlockQ4K], x: &[BlockQ8K]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
     use super::{BlockQ4K, BlockQ8K};
-    use crate::simd::avx2::Dequantizer;
+    use crate::simd::avx2::{f16_to_f32, Dequantizer};
     use std::arch::x86_64::*;
 
     pub(crate) struct Q4K;
@@ -142,7 +142,7 @@ pub(crate) mod avx2 {
         type Unpacked = Unpacked;
 
         #[inline]
-        #[target_feature(enable = "avx2")]
+        #[target_feature(enable = "avx2,f16c")]
         unsafe fn unpack(block: &BlockQ4K) -> Unpacked {
             let (sc, m) = block.scales_mins();
             let low = _mm256_set1_epi8(0x0f);
@@ -167,15 +167,15 @@ pub(crate) mod avx2 {
                 q,
                 sc: scv,
                 mins,
-                d: block.d.to_f32(),
-                dmin: block.dmin.to_f32(),
+                d: f16_to_f32(block.d),
+                dmin: f16_to_f32(block.dmin),
             }
         }
 
         /// Exact integer lanes: a nibble times a quant is ≤ 15 · 127, so `maddubs` pair sums fit `i16`,
         /// and a lane's total over the block is ≤ 8 · 63 · 4 · 15 · 127 < 2^24 (exact in f32 too).
         #[inline]
-        #[target_feature(enable = "avx2")]
+        #[target_feature(enable = "avx2,f16c")]
         unsafe fn accumulate(w: &Unpacked, x: &BlockQ8K, acc: __m256) -> __m256 {
             let mut lanes = _mm256_setzero_si256();
             for s in 0..8 {

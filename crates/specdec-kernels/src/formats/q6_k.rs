@@ -110,7 +110,7 @@ pub fn dot_q6_k_q8_k(w: &[BlockQ6K], x: &[BlockQ8K]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
     use super::{BlockQ6K, BlockQ8K};
-    use crate::simd::avx2::Dequantizer;
+    use crate::simd::avx2::{f16_to_f32, Dequantizer};
     use std::arch::x86_64::*;
 
     pub(crate) struct Q6K;
@@ -131,7 +131,7 @@ pub(crate) mod avx2 {
         type Unpacked = Unpacked;
 
         #[inline]
-        #[target_feature(enable = "avx2")]
+        #[target_feature(enable = "avx2,f16c")]
         unsafe fn unpack(block: &BlockQ6K) -> Unpacked {
             let low = _mm256_set1_epi8(0x0f);
             let high = _mm256_set1_epi8(0x30);
@@ -178,14 +178,14 @@ pub(crate) mod avx2 {
                 q,
                 sc,
                 scales,
-                d: block.d.to_f32(),
+                d: f16_to_f32(block.d),
             }
         }
 
         /// Exact integer lanes: `maddubs` pair sums are ≤ 2 · 63 · 127 < 2^15, a lane's total is
         /// ≤ 8 · 128 · 4 · 63 · 127 < 2^31, and the offset term ≤ 32 · 2 · 128 · 2032.
         #[inline]
-        #[target_feature(enable = "avx2")]
+        #[target_feature(enable = "avx2,f16c")]
         unsafe fn accumulate(w: &Unpacked, x: &BlockQ8K, acc: __m256) -> __m256 {
             let mut lanes = _mm256_setzero_si256();
             for g in 0..8 {

@@ -107,7 +107,7 @@ pub fn dot_q8_0_q8_0(w: &[BlockQ8_0], x: &[ActQ8_0]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
     use super::{ActQ8_0, BlockQ8_0};
-    use crate::simd::avx2::Dequantizer;
+    use crate::simd::avx2::{f16_to_f32, Dequantizer};
     use std::arch::x86_64::*;
 
     /// 32 signed weights and their magnitudes (for `maddubs`, whose first operand is unsigned).
@@ -122,7 +122,7 @@ pub(crate) mod avx2 {
     /// Exact: `|w| ≤ 128` and `|y| ≤ 127`, so a `maddubs` pair sum stays below `i16::MAX`; `y` is never
     /// -128, so `sign(y, w)` cannot overflow.
     #[inline]
-    #[target_feature(enable = "avx2")]
+    #[target_feature(enable = "avx2,f16c")]
     pub(crate) fn accumulate_signed(w: &SignedBlock, x: &ActQ8_0, acc: __m256) -> __m256 {
         // SAFETY: `x.qs` is 32 bytes, one unaligned 256-bit load.
         let y = unsafe { _mm256_loadu_si256(x.qs.as_ptr().cast()) };
@@ -142,19 +142,19 @@ pub(crate) mod avx2 {
         type Unpacked = SignedBlock;
 
         #[inline]
-        #[target_feature(enable = "avx2")]
+        #[target_feature(enable = "avx2,f16c")]
         unsafe fn unpack(block: &BlockQ8_0) -> SignedBlock {
             // SAFETY: `block.qs` is 32 bytes, one unaligned 256-bit load.
             let w = unsafe { _mm256_loadu_si256(block.qs.as_ptr().cast()) };
             SignedBlock {
                 w,
                 abs: _mm256_sign_epi8(w, w),
-                d: block.d.to_f32(),
+                d: f16_to_f32(block.d),
             }
         }
 
         #[inline]
-        #[target_feature(enable = "avx2")]
+        #[target_feature(enable = "avx2,f16c")]
         unsafe fn accumulate(w: &SignedBlock, x: &ActQ8_0, acc: __m256) -> __m256 {
             accumulate_signed(w, x, acc)
         }

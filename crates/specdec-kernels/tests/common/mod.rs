@@ -3,7 +3,7 @@
 #![allow(dead_code)]
 
 use specdec_kernels::{
-    BlockFormat, BlockQ4K, BlockQ4_0, BlockQ6K, BlockQ8_0, QMatrix, Weights, F16,
+    BlockFormat, BlockQ4K, BlockQ4_0, BlockQ5_0, BlockQ6K, BlockQ8_0, QMatrix, Weights, F16,
 };
 
 pub struct Rng(pub u64);
@@ -66,6 +66,15 @@ pub fn random_matrix(rng: &mut Rng, format: BlockFormat, rows: usize, cols: usiz
                 })
                 .collect(),
         ),
+        BlockFormat::Q5_0 => Weights::Q5_0(
+            (0..n)
+                .map(|_| BlockQ5_0 {
+                    d: rng.scale(),
+                    qh: rng.bytes(),
+                    qs: rng.bytes(),
+                })
+                .collect(),
+        ),
         BlockFormat::Q4K => Weights::Q4K(
             (0..n)
                 .map(|_| BlockQ4K {
@@ -107,9 +116,10 @@ pub fn random_activations(rng: &mut Rng, m: usize, cols: usize) -> Vec<f32> {
     x
 }
 
-pub const FORMATS: [BlockFormat; 4] = [
+pub const FORMATS: [BlockFormat; 5] = [
     BlockFormat::Q8_0,
     BlockFormat::Q4_0,
+    BlockFormat::Q5_0,
     BlockFormat::Q4K,
     BlockFormat::Q6K,
 ];

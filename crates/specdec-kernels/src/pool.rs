@@ -1,0 +1,330 @@
+//! A small fork-join thread pool for the matmuls and attention of one forward pass.
+//!
+//! The calling thread always takes part, so a pool of `n` threads starts `n - 1` workers. A job is split
+//! into chunks that participants claim from a shared counter, so a worker whose core is busy with
+//! another process simply claims fewer chunks: the caller never waits for a worker that has not yet
+//! started on a job (it closes the job when every chunk is claimed, and a late worker then skips it).
+//! Workers spin briefly after a job, since the next one usually follows within microseconds, and then
+//! sleep on a condition variable. Nothing is allocated per job.
+//!
+//! Splitting a matmul over output columns never changes a result: each output element is computed by
+//! one participant with the same arithmetic, whichever participant that is.
+
+use std::cell::UnsafeCell;
+use std::ops::Range;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::thread::JoinHandle;
+
+/// Spins of a worker waiting for the next job before it sleeps (a few tens of microseconds).
+const SPINS: u32 = 1 << 14;
+
+/// A job's state word: the job number in the high 32 bits, [`CLOSED`], and the number of workers that
+/// entered the job in the low bits.
+const CLOSED: u64 = 1 << 31;
+const ENTERED: u64 = CLOSED - 1;
+
+type Job = *const (dyn Fn(usize) + Sync);
+
+struct Shared {
+    /// Job number, closed flag and entered count (see [`CLOSED`]).
+    state: AtomicU64,
+    /// Workers that finished the current job.
+    done: AtomicUsize,
+    /// The current job; written only by the caller while no worker can read it (before the job's
+    /// number is published, or after every entered worker finished).
+    job: UnsafeCell<Option<Job>>,
+    sleepers: AtomicUsize,
+    lock: Mutex<()>,
+    wake: Condvar,
+    shutdown: AtomicBool,
+}
+
+// SAFETY: `job` is only written by the thread running `ThreadPool::run` while no worker reads it, and
+// read by workers only between entering a job (an acquire of `state`) and reporting `done`; the
+// pointee is `Sync`.
+unsafe impl Sync for Shared {}
+// SAFETY: as above; the raw pointer is only dereferenced under that protocol.
+unsafe impl Send for Shared {}
+
+/// A fork-join pool of a fixed number of threads (the caller included).
+pub struct ThreadPool {
+    shared: Arc<Shared>,
+    workers: Vec<JoinHandle<()>>,
+    threads: usize,
+    /// Serialises `run` calls from different threads (one job at a time).
+    running: Mutex<()>,
+}
+
+impl std::fmt::Debug for ThreadPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ThreadPool")
+            .field("threads", &self.threads)
+            .finish()
+    }
+}
+
+impl ThreadPool {
+    /// A pool of `threads` threads (at least 1): the caller and `threads - 1` workers.
+    ///
+    /// # Errors
+    /// The operating system's error if a worker thread cannot be started.
+    pub fn new(threads: usize) -> std::io::Result<ThreadPool> {
+        let threads = threads.max(1);
+        let shared = Arc::new(Shared {
+            state: AtomicU64::new(0),
+            done: AtomicUsize::new(0),
+            job: UnsafeCell::new(None),
+            sleepers: AtomicUsize::new(0),
+            lock: Mutex::new(()),
+            wake: Condvar::new(),
+            shutdown: AtomicBool::new(false),
+        });
+        let mut workers = Vec::with_capacity(threads - 1);
+        for index in 1..threads {
+            let mine = Arc::clone(&shared);
+            let handle = std::thread::Builder::new()
+                .name(format!("specdec-kernels-{index}"))
+                .spawn(move || worker(&mine, index));
+            match handle {
+                Ok(h) => workers.push(h),
+                Err(e) => {
+                    stop(&shared, &mut workers);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(ThreadPool {
+            shared,
+            workers,
+            threads,
+            running: Mutex::new(()),
+        })
+    }
+
+    /// The process-wide pool, one thread per available core (made on first use).
+    pub fn global() -> Arc<ThreadPool> {
+        static GLOBAL: OnceLock<Arc<ThreadPool>> = OnceLock::new();
+        Arc::clone(GLOBAL.get_or_init(|| {
+            let n = std::thread::available_parallelism().map_or(1, |n| n.get());
+            // Falling back to the caller alone keeps every kernel working if threads cannot start.
+            Arc::new(ThreadPool::new(n).unwrap_or_else(|_| ThreadPool::single()))
+        }))
+    }
+
+    /// A pool of the calling thread alone.
+    pub fn single() -> ThreadPool {
+        ThreadPool {
+            shared: Arc::new(Shared {
+                state: AtomicU64::new(0),
+                done: AtomicUsize::new(0),
+                job: UnsafeCell::new(None),
+                sleepers: AtomicUsize::new(0),
+                lock: Mutex::new(()),
+                wake: Condvar::new(),
+                shutdown: AtomicBool::new(false),
+            }),
+            workers: Vec::new(),
+            threads: 1,
+            running: Mutex::new(()),
+        }
+    }
+
+    /// Threads taking part in a job, the caller included.
+    pub fn threads(&self) -> usize {
+        self.threads
+    }
+
+    /// Calls `f(participant)` on the caller (participant 0) and on every worker that starts before the
+    /// caller finishes its own call; returns when every started call returned. `f` must itself share
+    /// out the work (see [`ThreadPool::for_chunks`]): a participant may never be called.
+    pub fn run(&self, f: &(dyn Fn(usize) + Sync)) {
+        if self.workers.is_empty() {
+            f(0);
+            return;
+        }
+        // A poisoned lock only means another `run` panicked; the protocol state is still consistent
+        // because that `run` waited for its workers before unwinding past `close`.
+        let _one_job = self.running.lock().unwrap_or_else(|e| e.into_inner());
+        let s = &*self.shared;
+        let number = (s.state.load(Ordering::Relaxed) >> 32).wrapping_add(1) & 0xffff_ffff;
+        // SAFETY: no worker reads `job` now: every worker of the previous job reported done, and none
+        // can enter this one before `state` publishes its number below.
+        unsafe {
+            let erased: Job = std::mem::transmute::<&(dyn Fn(usize) + Sync), Job>(f);
+            *s.job.get() = Some(erased);
+        }
+        s.done.store(0, Ordering::Relaxed);
+        s.state.store(number << 32, Ordering::SeqCst);
+        if s.sleepers.load(Ordering::SeqCst) > 0 {
+            let _g = s.lock.lock().unwrap_or_else(|e| e.into_inner());
+            s.wake.notify_all();
+        }
+        struct Close<'a>(&'a Shared);
+        impl Drop for Close<'_> {
+            // Runs even if `f` panics on the caller, so no worker is left holding a dangling job.
+            fn drop(&mut self) {
+                let s = self.0;
+                let entered = (s.state.fetch_or(CLOSED, Ordering::SeqCst) & ENTERED) as usize;
+                let mut spins = 0u32;
+                while s.done.load(Ordering::Acquire) < entered {
+                    spins = spins.saturating_add(1);
+                    if spins < SPINS {
+                        std::hint::spin_loop();
+                    } else {
+                        std::thread::yield_now();
+                    }
+                }
+            }
+        }
+        let close = Close(s);
+        f(0);
+        drop(close);
+    }
+
+    /// Splits `0..n` into chunks of `chunk` (the last may be shorter) and calls `f` on each, spread over
+    /// the pool's threads; returns when all are done.
+    pub fn for_chunks(&self, n: usize, chunk: usize, f: &(dyn Fn(Range<usize>) + Sync)) {
+        let chunk = chunk.max(1);
+        if self.workers.is_empty() || n <= chunk {
+            let mut start = 0;
+            while start < n {
+                f(start..(start + chunk).min(n));
+                start += chunk;
+            }
+            return;
+        }
+        let next = AtomicUsize::new(0);
+        self.run(&|_| loop {
+            let start = next.fetch_add(chunk, Ordering::Relaxed);
+            if start >= n {
+                break;
+            }
+            f(start..(start + chunk).min(n));
+        });
+    }
+}
+
+impl Drop for ThreadPool {
+    fn drop(&mut self) {
+        stop(&self.shared, &mut self.workers);
+    }
+}
+
+fn stop(shared: &Shared, workers: &mut Vec<JoinHandle<()>>) {
+    shared.shutdown.store(true, Ordering::SeqCst);
+    {
+        let _g = shared.lock.lock().unwrap_or_else(|e| e.into_inner());
+        shared.wake.notify_all();
+    }
+    for w in workers.drain(..) {
+        // A worker that panicked has nothing left to clean up.
+        let _ = w.join();
+    }
+}
+
+fn worker(s: &Shared, index: usize) {
+    let mut seen = 0u64;
+    loop {
+        // Wait for a job number other than the last one seen: spin, then sleep.
+        let mut spins = 0u32;
+        let state = loop {
+            let state = s.state.load(Ordering::Acquire);
+            if state >> 32 != seen || s.shutdown.load(Ordering::Relaxed) {
+                break state;
+            }
+            spins += 1;
+            if spins < SPINS {
+                std::hint::spin_loop();
+                continue;
+            }
+            let mut g = s.lock.lock().unwrap_or_else(|e| e.into_inner());
+            s.sleepers.fetch_add(1, Ordering::SeqCst);
+            while s.state.load(Ordering::SeqCst) >> 32 == seen && !s.shutdown.load(Ordering::SeqCst)
+            {
+                g = s.wake.wait(g).unwrap_or_else(|e| e.into_inner());
+            }
+            s.sleepers.fetch_sub(1, Ordering::SeqCst);
+            spins = 0;
+        };
+        if s.shutdown.load(Ordering::SeqCst) {
+            return;
+        }
+        seen = state >> 32;
+        // Enter the job unless the caller already closed it.
+        let mut cur = state;
+        let entered = loop {
+            if cur >> 32 != seen || cur & CLOSED != 0 {
+                break false;
+            }
+            match s
+                .state
+                .compare_exchange_weak(cur, cur + 1, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => break true,
+                Err(now) => cur = now,
+            }
+        };
+        if !entered {
+            continue;
+        }
+        // SAFETY: this worker entered the open job, so the caller is waiting in `Close` for our `done`
+        // and the job (and everything it borrows) is alive and unchanged until then.
+        let job = unsafe { *s.job.get() };
+        if let Some(job) = job {
+            // SAFETY: as above.
+            let f = unsafe { &*job };
+            // A panic in `f` must still report done, or the caller would wait forever.
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(index)));
+        }
+        s.done.fetch_add(1, Ordering::Release);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_chunk_runs_exactly_once() {
+        for threads in [1, 2, 3, 5] {
+            let pool = ThreadPool::new(threads).expect("threads start");
+            for n in [0usize, 1, 7, 64, 1000] {
+                for chunk in [1usize, 3, 16, 2000] {
+                    let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+                    pool.for_chunks(n, chunk, &|r| {
+                        for i in r {
+                            hits[i].fetch_add(1, Ordering::Relaxed);
+                        }
+                    });
+                    assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn many_small_jobs_in_a_row_complete() {
+        let pool = ThreadPool::new(2).expect("threads start");
+        let total = AtomicUsize::new(0);
+        for _ in 0..20_000 {
+            pool.for_chunks(4, 1, &|r| {
+                total.fetch_add(r.len(), Ordering::Relaxed);
+            });
+        }
+        assert_eq!(total.load(Ordering::Relaxed), 80_000);
+    }
+
+    #[test]
+    fn jobs_after_a_sleep_still_run() {
+        let pool = ThreadPool::new(3).expect("threads start");
+        let total = AtomicUsize::new(0);
+        for _ in 0..3 {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            pool.for_chunks(100, 1, &|r| {
+                total.fetch_add(r.len(), Ordering::Relaxed);
+            });
+        }
+        assert_eq!(total.load(Ordering::Relaxed), 300);
+    }
+}

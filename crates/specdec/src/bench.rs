@@ -196,6 +196,9 @@ struct Record {
 
 /// `specdec bench`.
 pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
+    if args.cost_curve {
+        return crate::costcurve::command(args, ui);
+    }
     let mut modes: Vec<DrafterKind> = vec![DrafterKind::None];
     for m in &args.modes {
         let kind = match m.as_str() {

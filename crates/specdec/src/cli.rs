@@ -201,4 +201,10 @@ pub struct BenchArgs {
     /// Draw tokens/s per mode and the verification cost curve r(m) as SVG.
     #[arg(long)]
     pub plot: Option<PathBuf>,
+    /// Measure costs instead of running prompts: for the target and the draft, decode tokens/s at
+    /// context 128 and 2048, prefill tokens/s of 512 tokens, r(m) for m = 1..16, c, and the GB/s a
+    /// decode step achieves against this machine's read bandwidth (measured in the same run). With
+    /// --json, writes the same figures.
+    #[arg(long)]
+    pub cost_curve: bool,
 }

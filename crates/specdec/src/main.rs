@@ -4,6 +4,7 @@
 mod bench;
 mod chat;
 mod cli;
+mod costcurve;
 mod engine;
 mod generate;
 mod plot;

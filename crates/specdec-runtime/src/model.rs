@@ -8,12 +8,13 @@
 //! drafted tokens equals k single-token steps bit for bit, which is what makes greedy speculative
 //! output identical to greedy plain output on real models.
 
+use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use candle_core::quantized::GgmlDType;
-use specdec_kernels::ThreadPool;
+use specdec_kernels::{CpuLevel, Kernels, ThreadPool};
 
 use crate::config::{Arch, ModelConfig, RopeStyle};
 use crate::error::{Error, Result};
@@ -266,7 +267,7 @@ impl Model {
             self.apply_rope(&mut k, c.n_head_kv, &rope);
             cache.write(li, pos, &k, &v);
             let (keys, values) = cache.layer(li, pos + m);
-            attention(c, &q, keys, values, pos, &mut attn);
+            attention(c, &q, keys, values, pos, &mut attn, pool);
             l.wo.matmul(&mut Activations::new(&attn, m), &mut o, pool)?;
             add(&mut x, &o);
             rms_norm(&x, &l.ffn_norm, c.rms_eps, &mut h);
@@ -402,6 +403,10 @@ fn check_tensors(g: &Gguf, c: &ModelConfig) -> Result<()> {
 
 /// Causal attention for rows at positions `pos..pos + m`: row `i` attends to keys `0..=pos + i`
 /// exactly, in order, with no mask, so its result is independent of the other rows.
+///
+/// The work is split over `pool` by (row, KV head): each item computes the query heads that share one
+/// KV head, reading each key and value once for all of them. Which thread computes an item does not
+/// change its arithmetic.
 fn attention(
     c: &ModelConfig,
     q: &[f32],
@@ -409,41 +414,115 @@ fn attention(
     values: &[f32],
     pos: usize,
     out: &mut [f32],
+    pool: &ThreadPool,
 ) {
     let hd = c.head_dim;
     let group = c.n_head / c.n_head_kv;
+    let q_dim = c.q_dim();
     let kv_dim = c.kv_dim();
+    let m = q.len() / q_dim;
     let scale = 1.0 / (hd as f32).sqrt();
-    let mut scores = Vec::with_capacity(pos + q.len() / c.q_dim());
-    for (i, (qrow, orow)) in q
-        .chunks_exact(c.q_dim())
-        .zip(out.chunks_exact_mut(c.q_dim()))
-        .enumerate()
-    {
-        let n = pos + i + 1;
-        for (h, (qh, oh)) in qrow
-            .chunks_exact(hd)
-            .zip(orow.chunks_exact_mut(hd))
-            .enumerate()
-        {
-            let off = (h / group) * hd;
-            scores.clear();
-            let mut max = f32::NEG_INFINITY;
-            for j in 0..n {
-                let s = dot(qh, &keys[j * kv_dim + off..j * kv_dim + off + hd]) * scale;
-                max = max.max(s);
-                scores.push(s);
+    let heads = group * hd;
+    let out_ptr = SharedMut(out.as_mut_ptr());
+    let avx2 = Kernels::get().level() == CpuLevel::Avx2;
+    pool.for_chunks(m * c.n_head_kv, 1, &|items| {
+        let out_ptr = &out_ptr;
+        SCORES.with(|scores| {
+            let mut scores = scores.borrow_mut();
+            for item in items {
+                let (i, kvh) = (item / c.n_head_kv, item % c.n_head_kv);
+                let at = i * q_dim + kvh * heads;
+                // SAFETY: items are disjoint (row, KV head) pairs, so each writes its own `heads`
+                // values of `out`, which outlives the job.
+                let oh = unsafe { std::slice::from_raw_parts_mut(out_ptr.0.add(at), heads) };
+                let job = Attend {
+                    q: &q[at..at + heads],
+                    keys,
+                    values,
+                    n: pos + i + 1,
+                    off: kvh * hd,
+                    kv_dim,
+                    hd,
+                    group,
+                    scale,
+                };
+                #[cfg(target_arch = "x86_64")]
+                if avx2 {
+                    // SAFETY: `CpuLevel::Avx2` is only chosen on CPUs that support AVX2.
+                    unsafe { job.run_avx2(oh, &mut scores) };
+                    continue;
+                }
+                let _ = avx2;
+                job.run(oh, &mut scores);
             }
-            let mut total = 0.0f32;
-            for s in &mut scores {
-                *s = (*s - max).exp();
-                total += *s;
+        });
+    });
+}
+
+thread_local! {
+    /// Attention scores of the item a thread is working on (grown, never shrunk).
+    static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// An output pointer shared by the threads of one attention call, each writing its own heads.
+struct SharedMut(*mut f32);
+// SAFETY: the threads write disjoint elements and the buffer outlives the job (see `attention`).
+unsafe impl Sync for SharedMut {}
+
+/// One (row, KV head) item of [`attention`].
+struct Attend<'a> {
+    /// The `group` query heads of this KV head, `[group, hd]`.
+    q: &'a [f32],
+    keys: &'a [f32],
+    values: &'a [f32],
+    /// Keys `0..n` are visible.
+    n: usize,
+    /// Offset of this KV head within a cache row.
+    off: usize,
+    kv_dim: usize,
+    hd: usize,
+    group: usize,
+    scale: f32,
+}
+
+impl Attend<'_> {
+    /// The same loops compiled for AVX2: the explicit 8-lane accumulators make the vector code
+    /// compute exactly what the portable code computes.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    unsafe fn run_avx2(&self, out: &mut [f32], scores: &mut Vec<f32>) {
+        self.run(out, scores)
+    }
+
+    #[inline(always)]
+    fn run(&self, out: &mut [f32], scores: &mut Vec<f32>) {
+        let (n, hd, group) = (self.n, self.hd, self.group);
+        // [group, n] scores, then `group` totals.
+        scores.clear();
+        scores.resize(group * n + group, 0.0);
+        let (s, totals) = scores.split_at_mut(group * n);
+        for j in 0..n {
+            let k = &self.keys[j * self.kv_dim + self.off..][..hd];
+            for g in 0..group {
+                s[g * n + j] = dot(&self.q[g * hd..(g + 1) * hd], k) * self.scale;
             }
-            oh.fill(0.0);
-            for (j, &w) in scores.iter().enumerate() {
-                let w = w / total;
-                let vj = &values[j * kv_dim + off..j * kv_dim + off + hd];
-                for (o, &vv) in oh.iter_mut().zip(vj) {
+        }
+        for (g, total) in totals.iter_mut().enumerate() {
+            let row = &mut s[g * n..(g + 1) * n];
+            let max = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+            let mut t = 0.0f32;
+            for x in row.iter_mut() {
+                *x = (*x - max).exp();
+                t += *x;
+            }
+            *total = t;
+        }
+        out.fill(0.0);
+        for j in 0..n {
+            let v = &self.values[j * self.kv_dim + self.off..][..hd];
+            for (g, oh) in out.chunks_exact_mut(hd).enumerate() {
+                let w = s[g * n + j] / totals[g];
+                for (o, &vv) in oh.iter_mut().zip(v) {
                     *o += w * vv;
                 }
             }
@@ -452,6 +531,7 @@ fn attention(
 }
 
 /// A dot product with 8 independent accumulators combined in a fixed order.
+#[inline(always)]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0.0f32; 8];
     let ca = a.chunks_exact(8);

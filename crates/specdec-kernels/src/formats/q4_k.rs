@@ -144,28 +144,48 @@ pub(crate) mod avx2 {
         #[inline]
         #[target_feature(enable = "avx2,f16c")]
         unsafe fn unpack(block: &BlockQ4K) -> Unpacked {
-            let (sc, m) = block.scales_mins();
+            // ggml's `get_scale_min_k4` for all 8 sub-blocks at once, on 32-bit words: afterwards bytes
+            // 0..8 of `u` are the scales and bytes 8..16 the mins.
+            let w = |i: usize| {
+                u32::from_le_bytes([
+                    block.scales[4 * i],
+                    block.scales[4 * i + 1],
+                    block.scales[4 * i + 2],
+                    block.scales[4 * i + 3],
+                ])
+            };
+            let (k1, k2, k3) = (0x3f3f_3f3f_u32, 0x0f0f_0f0f_u32, 0x0303_0303_u32);
+            let (u0, u1, u2) = (w(0), w(1), w(2));
+            let u3 = ((u2 >> 4) & k2) | (((u1 >> 6) & k3) << 4);
+            let u1n = (u2 & k2) | (((u0 >> 6) & k3) << 4);
+            let u2n = u1 & k1;
+            let u0n = u0 & k1;
+            let bytes = _mm_set_epi32(u3 as i32, u2n as i32, u1n as i32, u0n as i32);
+            // i16 scales 0..8 in the low half, mins 0..8 in the high half.
+            let sm = _mm256_cvtepu8_epi16(bytes);
+            let scales = _mm256_permute2x128_si256(sm, sm, 0x00);
+            let m = _mm256_extracti128_si256(sm, 1);
+            let mins = _mm256_set_m128i(_mm_unpackhi_epi16(m, m), _mm_unpacklo_epi16(m, m));
             let low = _mm256_set1_epi8(0x0f);
             let mut q = [_mm256_setzero_si256(); 8];
-            let mut scv = [_mm256_setzero_si256(); 8];
+            let mut sc = [_mm256_setzero_si256(); 8];
             for c in 0..4 {
                 // SAFETY: `block.qs` is 128 bytes; bytes 32c .. 32c + 32 are in bounds for c < 4.
                 let v = unsafe { _mm256_loadu_si256(block.qs.as_ptr().add(32 * c).cast()) };
                 q[2 * c] = _mm256_and_si256(v, low);
                 q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
             }
-            for (v, &s) in scv.iter_mut().zip(&sc) {
-                *v = _mm256_set1_epi16(i16::from(s));
+            for (s, v) in sc.iter_mut().enumerate() {
+                // Every i16 lane takes scale `s` (bytes 2s, 2s + 1 of each 128-bit half).
+                let b = (2 * s) as i8;
+                *v = _mm256_shuffle_epi8(
+                    scales,
+                    _mm256_set1_epi16(i16::from_le_bytes([b as u8, b as u8 + 1])),
+                );
             }
-            let mut m16 = [0i16; 16];
-            for (k, v) in m16.iter_mut().enumerate() {
-                *v = i16::from(m[k / 2]);
-            }
-            // SAFETY: `m16` is 32 bytes, one unaligned 256-bit load.
-            let mins = unsafe { _mm256_loadu_si256(m16.as_ptr().cast()) };
             Unpacked {
                 q,
-                sc: scv,
+                sc,
                 mins,
                 d: f16_to_f32(block.d),
                 dmin: f16_to_f32(block.dmin),

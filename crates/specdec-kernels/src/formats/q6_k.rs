@@ -163,17 +163,25 @@ pub(crate) mod avx2 {
                     _mm256_and_si256(_mm256_srli_epi16(qh, 2), high),
                 );
             }
-            let mut sc = [_mm256_setzero_si256(); 8];
-            for (g, v) in sc.iter_mut().enumerate() {
-                let (lo, hi) = (
-                    i16::from(block.scales[2 * g]),
-                    i16::from(block.scales[2 * g + 1]),
-                );
-                *v = _mm256_set_m128i(_mm_set1_epi16(hi), _mm_set1_epi16(lo));
-            }
             // SAFETY: `scales` is 16 bytes, one unaligned 128-bit load.
             let scales =
                 _mm256_cvtepi8_epi16(unsafe { _mm_loadu_si128(block.scales.as_ptr().cast()) });
+            // Scales 0..8 in both halves, then 8..16 in both halves.
+            let first = _mm256_permute2x128_si256(scales, scales, 0x00);
+            let second = _mm256_permute2x128_si256(scales, scales, 0x11);
+            let mut sc = [_mm256_setzero_si256(); 8];
+            for (g, v) in sc.iter_mut().enumerate() {
+                // Low half: scale 2g in every i16 lane; high half: scale 2g + 1.
+                let src = if g < 4 { first } else { second };
+                let (lo, hi) = ((4 * (g % 4)) as u8, (4 * (g % 4) + 2) as u8);
+                let pick = _mm256_set_epi64x(
+                    i64::from_le_bytes([hi, hi + 1, hi, hi + 1, hi, hi + 1, hi, hi + 1]),
+                    i64::from_le_bytes([hi, hi + 1, hi, hi + 1, hi, hi + 1, hi, hi + 1]),
+                    i64::from_le_bytes([lo, lo + 1, lo, lo + 1, lo, lo + 1, lo, lo + 1]),
+                    i64::from_le_bytes([lo, lo + 1, lo, lo + 1, lo, lo + 1, lo, lo + 1]),
+                );
+                *v = _mm256_shuffle_epi8(src, pick);
+            }
             Unpacked {
                 q,
                 sc,

@@ -1,0 +1,79 @@
+//! Quick r(m) of the matmul per format on a 1.5B-like FFN shape, threaded as the runtime runs it:
+//! `cargo run --release -p specdec-kernels --example rcurve [threads]`.
+
+use specdec_kernels::{BlockFormat, Kernels, QMatrix, ThreadPool};
+use std::time::Instant;
+
+fn bytes(seed: u64, n: usize) -> Vec<u8> {
+    let mut s = seed;
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = s;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            (z ^ (z >> 31)) as u8
+        })
+        .collect()
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let threads = std::env::args()
+        .nth(1)
+        .map_or(Ok(2), |s| s.parse::<usize>())?;
+    let pool = ThreadPool::new(threads)?;
+    let kernels = Kernels::get();
+    let rows: usize = std::env::args().nth(2).map_or(Ok(8960), |s| s.parse())?;
+    let cols = 1536;
+    for format in [
+        BlockFormat::Q4K,
+        BlockFormat::Q6K,
+        BlockFormat::Q8_0,
+        BlockFormat::Q5_0,
+        BlockFormat::Q4_0,
+    ] {
+        let n = rows * cols / format.block_len();
+        let mut raw = bytes(7, n * format.block_bytes());
+        // Small finite f16 scales (0x2000 ≈ 0.0078) at the start of every block but Q6_K's (at its end).
+        for b in raw.chunks_exact_mut(format.block_bytes()) {
+            let at = if format == BlockFormat::Q6K { 208 } else { 0 };
+            b[at] = 0;
+            b[at + 1] = 0x20;
+            if format == BlockFormat::Q4K {
+                b[2] = 0;
+                b[3] = 0x20;
+            }
+        }
+        let w = QMatrix::from_bytes(format, rows, cols, &raw)?;
+        let mut t1 = 0.0;
+        let mut line = Vec::new();
+        for m in [1usize, 2, 4, 8, 16, 32] {
+            let x: Vec<f32> = bytes(m as u64, m * cols)
+                .iter()
+                .map(|&b| f32::from(b) / 64.0 - 2.0)
+                .collect();
+            let xq = w.quantize_activations(m, &x)?;
+            let mut out = vec![0.0; m * rows];
+            let mut times = Vec::new();
+            for _ in 0..201 {
+                let start = Instant::now();
+                kernels.matmul_threaded(&w, &xq, &mut out, &pool)?;
+                times.push(start.elapsed().as_secs_f64());
+            }
+            times.sort_by(f64::total_cmp);
+            let t = times[0]; // the fastest: least disturbed by other tenants of the machine
+            if m == 1 {
+                t1 = t;
+                line.push(format!(
+                    "t(1) {:.2} ms ({:.1} GB/s)",
+                    t * 1e3,
+                    w.size_bytes() as f64 / t / 1e9
+                ));
+            } else {
+                line.push(format!("r({m}) {:.2}", t / t1));
+            }
+        }
+        println!("{format:?} {}: {}", kernels.level().name(), line.join(", "));
+    }
+    Ok(())
+}

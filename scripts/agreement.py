@@ -170,6 +170,9 @@ def reference_logits(path, ids):
         q = rope(q.reshape(T, n_head, hd), pos, inv, neox)
         k = rope(k.reshape(T, n_kv, hd), pos, inv, neox)
         v = v.reshape(T, n_kv, hd)
+        # specdec's KV cache holds f16 (rounded to nearest, ties to even, as numpy's astype does).
+        k = k.astype(np.float16).astype(np.float32)
+        v = v.astype(np.float16).astype(np.float32)
         rep = n_head // n_kv
         k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
         s = np.einsum("thd,shd->hts", q, k) / np.sqrt(hd) + mask

@@ -52,7 +52,7 @@ pub use dispatch::{CpuLevel, Kernels, LEVEL_ENV};
 pub use f16::F16;
 pub use formats::{
     dequantize_row, dot_q4_0_q8_0, dot_q4_k_q8_k, dot_q5_0_q8_0, dot_q6_k_q8_k, dot_q8_0_q8_0,
-    quantize_row_q8_0, quantize_row_q8_k, ActQ8_0, ActivationFormat, BlockFormat, BlockQ4K,
+    hsum8, quantize_row_q8_0, quantize_row_q8_k, ActQ8_0, ActivationFormat, BlockFormat, BlockQ4K,
     BlockQ4_0, BlockQ5_0, BlockQ6K, BlockQ8K, BlockQ8_0, WeightBlock,
 };
 pub use matrix::{matmul, QMatrix, QuantizedActivations, Weights};

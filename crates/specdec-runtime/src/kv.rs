@@ -1,16 +1,21 @@
-//! The KV cache: keys and values of every layer for up to `capacity` positions, allocated once.
+//! The KV cache: keys and values of every layer for up to `capacity` positions, allocated once, stored
+//! as IEEE f16 (half the bytes of f32, the type llama.cpp's cache uses by default).
 //!
 //! invariant: `truncate` only shortens, in O(1) (a length, no copy); writing past `capacity` is a
 //! typed `ContextOverflow`, never a reallocation. The buffers come from the zeroed allocator, so
-//! untouched positions cost address space, not resident memory.
+//! untouched positions cost address space, not resident memory. A value is rounded to f16 (to
+//! nearest, ties to even) once, when it is written, so every later read of it sees the same bits.
+
+use specdec_kernels::F16;
 
 use crate::error::{Error, Result};
 
-/// Keys and values per layer, `[capacity, kv_dim]` each, of which the first `len` rows are valid.
+/// Keys and values per layer, `[capacity, kv_dim]` f16 bit patterns each, of which the first `len`
+/// rows are valid.
 #[derive(Clone, Debug)]
 pub struct KvCache {
-    k: Vec<Vec<f32>>,
-    v: Vec<Vec<f32>>,
+    k: Vec<Vec<u16>>,
+    v: Vec<Vec<u16>>,
     kv_dim: usize,
     capacity: usize,
     len: usize,
@@ -20,8 +25,8 @@ impl KvCache {
     /// A cache for `n_layer` layers of `kv_dim` values per position and `capacity` positions.
     pub fn new(n_layer: usize, kv_dim: usize, capacity: usize) -> Self {
         Self {
-            k: (0..n_layer).map(|_| vec![0.0; capacity * kv_dim]).collect(),
-            v: (0..n_layer).map(|_| vec![0.0; capacity * kv_dim]).collect(),
+            k: (0..n_layer).map(|_| vec![0; capacity * kv_dim]).collect(),
+            v: (0..n_layer).map(|_| vec![0; capacity * kv_dim]).collect(),
             kv_dim,
             capacity,
             len: 0,
@@ -72,15 +77,24 @@ impl KvCache {
         Ok(())
     }
 
-    /// Writes rows `pos..pos + m` of layer `layer` (`k` and `v` are `[m, kv_dim]`).
+    /// Writes rows `pos..pos + m` of layer `layer` (`k` and `v` are `[m, kv_dim]`), rounded to f16.
     pub(crate) fn write(&mut self, layer: usize, pos: usize, k: &[f32], v: &[f32]) {
         let (a, b) = (pos * self.kv_dim, pos * self.kv_dim + k.len());
-        self.k[layer][a..b].copy_from_slice(k);
-        self.v[layer][a..b].copy_from_slice(v);
+        for (d, &x) in self.k[layer][a..b].iter_mut().zip(k) {
+            *d = F16::from_f32(x).0;
+        }
+        for (d, &x) in self.v[layer][a..b].iter_mut().zip(v) {
+            *d = F16::from_f32(x).0;
+        }
     }
 
-    /// Keys and values of layer `layer` for positions `0..upto`.
-    pub(crate) fn layer(&self, layer: usize, upto: usize) -> (&[f32], &[f32]) {
+    /// Bytes of keys and values held per position (all layers).
+    pub fn bytes_per_position(&self) -> usize {
+        2 * self.k.len() * self.kv_dim * std::mem::size_of::<u16>()
+    }
+
+    /// Keys and values of layer `layer` for positions `0..upto`, as f16 bit patterns.
+    pub(crate) fn layer(&self, layer: usize, upto: usize) -> (&[u16], &[u16]) {
         let n = upto * self.kv_dim;
         (&self.k[layer][..n], &self.v[layer][..n])
     }

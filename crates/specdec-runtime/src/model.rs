@@ -14,7 +14,8 @@ use std::path::Path;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use candle_core::quantized::GgmlDType;
-use specdec_kernels::{CpuLevel, Kernels, ThreadPool};
+use specdec_kernels::f16::f16_to_f32;
+use specdec_kernels::{hsum8, CpuLevel, Kernels, ThreadPool};
 
 use crate::config::{Arch, ModelConfig, RopeStyle};
 use crate::error::{Error, Result};
@@ -410,8 +411,8 @@ fn check_tensors(g: &Gguf, c: &ModelConfig) -> Result<()> {
 fn attention(
     c: &ModelConfig,
     q: &[f32],
-    keys: &[f32],
-    values: &[f32],
+    keys: &[u16],
+    values: &[u16],
     pos: usize,
     out: &mut [f32],
     pool: &ThreadPool,
@@ -448,12 +449,12 @@ fn attention(
                 };
                 #[cfg(target_arch = "x86_64")]
                 if avx2 {
-                    // SAFETY: `CpuLevel::Avx2` is only chosen on CPUs that support AVX2.
+                    // SAFETY: `CpuLevel::Avx2` is only chosen on CPUs with AVX2 and F16C.
                     unsafe { job.run_avx2(oh, &mut scores) };
                     continue;
                 }
                 let _ = avx2;
-                job.run(oh, &mut scores);
+                job.run::<Portable>(oh, &mut scores);
             }
         });
     });
@@ -473,8 +474,9 @@ unsafe impl Sync for SharedMut {}
 struct Attend<'a> {
     /// The `group` query heads of this KV head, `[group, hd]`.
     q: &'a [f32],
-    keys: &'a [f32],
-    values: &'a [f32],
+    /// f16 keys and values.
+    keys: &'a [u16],
+    values: &'a [u16],
     /// Keys `0..n` are visible.
     n: usize,
     /// Offset of this KV head within a cache row.
@@ -486,46 +488,147 @@ struct Attend<'a> {
 }
 
 impl Attend<'_> {
-    /// The same loops compiled for AVX2: the explicit 8-lane accumulators make the vector code
-    /// compute exactly what the portable code computes.
+    /// The loops with AVX2 and F16C vector code for the f16 reads.
     #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2")]
+    #[target_feature(enable = "avx2,f16c")]
     unsafe fn run_avx2(&self, out: &mut [f32], scores: &mut Vec<f32>) {
-        self.run(out, scores)
+        self.run::<Avx2>(out, scores)
     }
 
     #[inline(always)]
-    fn run(&self, out: &mut [f32], scores: &mut Vec<f32>) {
+    fn run<L: HalfOps>(&self, out: &mut [f32], scores: &mut Vec<f32>) {
         let (n, hd, group) = (self.n, self.hd, self.group);
-        // [group, n] scores, then `group` totals.
+        // [group, n] scores, turned into weights in place.
         scores.clear();
-        scores.resize(group * n + group, 0.0);
-        let (s, totals) = scores.split_at_mut(group * n);
+        scores.resize(group * n, 0.0);
         for j in 0..n {
             let k = &self.keys[j * self.kv_dim + self.off..][..hd];
             for g in 0..group {
-                s[g * n + j] = dot(&self.q[g * hd..(g + 1) * hd], k) * self.scale;
+                // SAFETY: `L` is only instantiated where the CPU supports it (see `run_avx2`).
+                scores[g * n + j] =
+                    unsafe { L::dot(&self.q[g * hd..(g + 1) * hd], k) } * self.scale;
             }
         }
-        for (g, total) in totals.iter_mut().enumerate() {
-            let row = &mut s[g * n..(g + 1) * n];
+        for row in scores.chunks_exact_mut(n) {
             let max = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-            let mut t = 0.0f32;
+            let mut total = 0.0f32;
             for x in row.iter_mut() {
                 *x = (*x - max).exp();
-                t += *x;
+                total += *x;
             }
-            *total = t;
+            for x in row.iter_mut() {
+                *x /= total;
+            }
         }
         out.fill(0.0);
         for j in 0..n {
             let v = &self.values[j * self.kv_dim + self.off..][..hd];
             for (g, oh) in out.chunks_exact_mut(hd).enumerate() {
-                let w = s[g * n + j] / totals[g];
-                for (o, &vv) in oh.iter_mut().zip(v) {
-                    *o += w * vv;
-                }
+                // SAFETY: as above.
+                unsafe { L::axpy(oh, scores[g * n + j], v) };
             }
+        }
+    }
+}
+
+/// The two operations attention does on f16 cache rows. Every implementation computes the same
+/// values: f16 widening is exact, and the 8 lanes are summed with the same tree.
+trait HalfOps {
+    /// `Σ q[i] · k[i]` in 8 lanes (lane `l` takes `i ≡ l mod 8`), summed by `hsum8`, plus the tail.
+    ///
+    /// # Safety
+    /// The CPU must support the implementation's instructions.
+    unsafe fn dot(q: &[f32], k: &[u16]) -> f32;
+    /// `out[i] += w · v[i]`.
+    ///
+    /// # Safety
+    /// As `dot`.
+    unsafe fn axpy(out: &mut [f32], w: f32, v: &[u16]);
+}
+
+struct Portable;
+
+impl HalfOps for Portable {
+    #[inline(always)]
+    unsafe fn dot(q: &[f32], k: &[u16]) -> f32 {
+        let mut acc = [0.0f32; 8];
+        let (qc, kc) = (q.chunks_exact(8), k.chunks_exact(8));
+        let tail: f32 = qc
+            .remainder()
+            .iter()
+            .zip(kc.remainder())
+            .map(|(&x, &y)| x * f16_to_f32(y))
+            .sum();
+        for (x, y) in qc.zip(kc) {
+            for l in 0..8 {
+                acc[l] += x[l] * f16_to_f32(y[l]);
+            }
+        }
+        hsum8(acc) + tail
+    }
+
+    #[inline(always)]
+    unsafe fn axpy(out: &mut [f32], w: f32, v: &[u16]) {
+        for (o, &x) in out.iter_mut().zip(v) {
+            *o += w * f16_to_f32(x);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+struct Avx2;
+
+#[cfg(target_arch = "x86_64")]
+impl HalfOps for Avx2 {
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn dot(q: &[f32], k: &[u16]) -> f32 {
+        use std::arch::x86_64::*;
+        let n = q.len().min(k.len());
+        let mut acc = _mm256_setzero_ps();
+        let mut i = 0;
+        while i + 8 <= n {
+            // SAFETY: `i + 8 <= n` keeps both loads in bounds; F16C is the caller's contract.
+            unsafe {
+                let kv = _mm256_cvtph_ps(_mm_loadu_si128(k.as_ptr().add(i).cast()));
+                let qv = _mm256_loadu_ps(q.as_ptr().add(i));
+                acc = _mm256_add_ps(acc, _mm256_mul_ps(qv, kv));
+            }
+            i += 8;
+        }
+        let mut lanes = [0.0f32; 8];
+        // SAFETY: `lanes` holds 8 f32.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
+        let tail: f32 = q[i..n]
+            .iter()
+            .zip(&k[i..n])
+            .map(|(&x, &y)| x * f16_to_f32(y))
+            .sum();
+        hsum8(lanes) + tail
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn axpy(out: &mut [f32], w: f32, v: &[u16]) {
+        use std::arch::x86_64::*;
+        let n = out.len().min(v.len());
+        let wv = _mm256_set1_ps(w);
+        let mut i = 0;
+        while i + 8 <= n {
+            // SAFETY: `i + 8 <= n` keeps the loads and the store in bounds; F16C is the caller's
+            // contract.
+            unsafe {
+                let x = _mm256_cvtph_ps(_mm_loadu_si128(v.as_ptr().add(i).cast()));
+                let o = _mm256_loadu_ps(out.as_ptr().add(i));
+                _mm256_storeu_ps(
+                    out.as_mut_ptr().add(i),
+                    _mm256_add_ps(o, _mm256_mul_ps(wv, x)),
+                );
+            }
+            i += 8;
+        }
+        for (o, &x) in out[i..n].iter_mut().zip(&v[i..n]) {
+            *o += w * f16_to_f32(x);
         }
     }
 }

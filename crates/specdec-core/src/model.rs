@@ -31,6 +31,32 @@ impl Logits {
         }
     }
 
+    /// Clears the rows, sets the vocabulary size and lets `fill` write rows straight into the buffer
+    /// (`[rows, vocab]`, row-major), so a model can put its output where the verifier reads it. A
+    /// trailing partial row, a bug in `fill`, is dropped.
+    ///
+    /// # Errors
+    /// `fill`'s error; the rows are then cleared.
+    pub fn fill_with<E>(
+        &mut self,
+        vocab: usize,
+        fill: impl FnOnce(&mut Vec<f32>) -> Result<(), E>,
+    ) -> Result<(), E> {
+        self.reset(vocab);
+        let r = fill(&mut self.data);
+        if r.is_err() {
+            self.data.clear();
+        }
+        let whole = if vocab == 0 {
+            0
+        } else {
+            self.data.len() / vocab * vocab
+        };
+        debug_assert_eq!(whole, self.data.len(), "a partial row of logits");
+        self.data.truncate(whole);
+        r
+    }
+
     /// Clears the rows and sets the vocabulary size, keeping the buffer.
     pub fn reset(&mut self, vocab: usize) {
         self.vocab = vocab;

@@ -243,6 +243,51 @@ impl QuantizedActivations {
         Ok(QuantizedActivations { rows, cols, blocks })
     }
 
+    /// Quantises `x` into `self`, keeping `self`'s format and reusing its buffer (no allocation once
+    /// the buffer has grown to the largest `rows · cols` seen).
+    ///
+    /// # Errors
+    /// As [`QuantizedActivations::quantize`].
+    pub fn requantize(&mut self, rows: usize, cols: usize, x: &[f32]) -> Result<(), KernelError> {
+        let block_len = self.format().block_len();
+        if cols % block_len != 0 {
+            return Err(KernelError::RaggedActivations { cols, block_len });
+        }
+        if x.len() != rows * cols {
+            return Err(KernelError::InputLength {
+                expected: rows * cols,
+                actual: x.len(),
+            });
+        }
+        let n = x.len() / block_len;
+        match &mut self.blocks {
+            ActBlocks::Q8_0(out) => {
+                out.resize(
+                    n,
+                    ActQ8_0 {
+                        d: 0.0,
+                        qs: [0; 32],
+                    },
+                );
+                quantize_row_q8_0(x, out);
+            }
+            ActBlocks::Q8K(out) => {
+                out.resize(
+                    n,
+                    BlockQ8K {
+                        d: 0.0,
+                        qs: [0; 256],
+                        bsums: [0; 16],
+                    },
+                );
+                quantize_row_q8_k(x, out);
+            }
+        }
+        self.rows = rows;
+        self.cols = cols;
+        Ok(())
+    }
+
     /// Activation rows.
     pub fn rows(&self) -> usize {
         self.rows

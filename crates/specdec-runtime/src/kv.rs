@@ -19,6 +19,8 @@ pub struct KvCache {
     kv_dim: usize,
     capacity: usize,
     len: usize,
+    /// The forward pass's buffers, reused from one pass to the next.
+    pub(crate) scratch: crate::model::Scratch,
 }
 
 impl KvCache {
@@ -30,6 +32,7 @@ impl KvCache {
             kv_dim,
             capacity,
             len: 0,
+            scratch: crate::model::Scratch::default(),
         }
     }
 

@@ -15,13 +15,13 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use candle_core::quantized::GgmlDType;
 use specdec_kernels::f16::f16_to_f32;
-use specdec_kernels::{hsum8, CpuLevel, Kernels, ThreadPool};
+use specdec_kernels::{CpuLevel, Kernels, ThreadPool};
 
 use crate::config::{Arch, ModelConfig, RopeStyle};
 use crate::error::{Error, Result};
 use crate::gguf::Gguf;
 use crate::kv::KvCache;
-use crate::weights::{Activations, QWeight};
+use crate::weights::{ActivationBuffers, Activations, QWeight};
 
 /// How weights are prepared at load time.
 #[derive(Clone, Debug, PartialEq)]
@@ -231,8 +231,37 @@ impl Model {
             });
         }
         let d = c.n_embd;
-        // [m, d]
-        let mut x = vec![0.0f32; m * d];
+        // The buffers of the last pass, grown if this block is larger; put back at the end (an error
+        // drops them, and the next pass starts from empty ones).
+        let mut sc = std::mem::take(&mut cache.scratch);
+        let Scratch {
+            x,
+            h,
+            q,
+            k,
+            v,
+            attn,
+            o,
+            gate,
+            up,
+            cos,
+            sin,
+            acts,
+        } = &mut sc;
+        for (buf, len) in [
+            (&mut *x, m * d),
+            (&mut *h, m * d),
+            (&mut *q, m * c.q_dim()),
+            (&mut *k, m * c.kv_dim()),
+            (&mut *v, m * c.kv_dim()),
+            (&mut *attn, m * c.q_dim()),
+            (&mut *o, m * d),
+            (&mut *gate, m * c.n_ff),
+            (&mut *up, m * c.n_ff),
+        ] {
+            buf.clear();
+            buf.resize(len, 0.0);
+        }
         for (row, &t) in x.chunks_exact_mut(d).zip(tokens) {
             if t as usize >= c.vocab {
                 return Err(Error::TokenOutOfRange {
@@ -242,66 +271,59 @@ impl Model {
             }
             self.embd.row_into(t as usize, row)?;
         }
-        let rope = self.rope_table(pos, m);
-        let mut h = vec![0.0f32; m * d];
-        let mut q = vec![0.0f32; m * c.q_dim()];
-        let mut k = vec![0.0f32; m * c.kv_dim()];
-        let mut v = vec![0.0f32; m * c.kv_dim()];
-        let mut attn = vec![0.0f32; m * c.q_dim()];
-        let mut o = vec![0.0f32; m * d];
-        let mut gate = vec![0.0f32; m * c.n_ff];
-        let mut up = vec![0.0f32; m * c.n_ff];
+        self.rope_table(pos, m, cos, sin);
+        let pool = &*self.pool;
         for (li, l) in self.layers.iter().enumerate() {
             let _span = tracing::trace_span!("layer", li).entered();
-            let pool = &*self.pool;
-            rms_norm(&x, &l.attn_norm, c.rms_eps, &mut h);
-            let mut hq = Activations::new(&h, m);
-            l.wq.matmul(&mut hq, &mut q, pool)?;
-            l.wk.matmul(&mut hq, &mut k, pool)?;
-            l.wv.matmul(&mut hq, &mut v, pool)?;
+            rms_norm(x, &l.attn_norm, c.rms_eps, h);
+            let mut hq = Activations::new(h, m, acts);
+            l.wq.matmul(&mut hq, q, pool)?;
+            l.wk.matmul(&mut hq, k, pool)?;
+            l.wv.matmul(&mut hq, v, pool)?;
             if let Some([bq, bk, bv]) = &l.bias {
-                add_rows(&mut q, bq);
-                add_rows(&mut k, bk);
-                add_rows(&mut v, bv);
+                add_rows(q, bq);
+                add_rows(k, bk);
+                add_rows(v, bv);
             }
-            self.apply_rope(&mut q, c.n_head, &rope);
-            self.apply_rope(&mut k, c.n_head_kv, &rope);
-            cache.write(li, pos, &k, &v);
+            self.apply_rope(q, c.n_head, cos, sin);
+            self.apply_rope(k, c.n_head_kv, cos, sin);
+            cache.write(li, pos, k, v);
             let (keys, values) = cache.layer(li, pos + m);
-            attention(c, &q, keys, values, pos, &mut attn, pool);
-            l.wo.matmul(&mut Activations::new(&attn, m), &mut o, pool)?;
-            add(&mut x, &o);
-            rms_norm(&x, &l.ffn_norm, c.rms_eps, &mut h);
-            let mut hq = Activations::new(&h, m);
-            l.w_gate.matmul(&mut hq, &mut gate, pool)?;
-            l.w_up.matmul(&mut hq, &mut up, pool)?;
-            for (g, u) in gate.iter_mut().zip(&up) {
+            attention(c, q, keys, values, pos, attn, pool);
+            l.wo.matmul(&mut Activations::new(attn, m, acts), o, pool)?;
+            add(x, o);
+            rms_norm(x, &l.ffn_norm, c.rms_eps, h);
+            let mut hq = Activations::new(h, m, acts);
+            l.w_gate.matmul(&mut hq, gate, pool)?;
+            l.w_up.matmul(&mut hq, up, pool)?;
+            for (g, u) in gate.iter_mut().zip(up.iter()) {
                 *g = *g / (1.0 + (-*g).exp()) * u;
             }
             l.w_down
-                .matmul(&mut Activations::new(&gate, m), &mut o, pool)?;
-            add(&mut x, &o);
+                .matmul(&mut Activations::new(gate, m, acts), o, pool)?;
+            add(x, o);
         }
         cache.set_len(pos + m);
+        // The final norm of the rows whose logits are asked, into `h` (free now).
         let last = &x[(m - logits_rows) * d..];
-        let mut normed = vec![0.0f32; logits_rows * d];
-        rms_norm(last, &self.norm, c.rms_eps, &mut normed);
+        let normed = &mut h[..logits_rows * d];
+        rms_norm(last, &self.norm, c.rms_eps, normed);
         logits.clear();
         logits.resize(logits_rows * c.vocab, 0.0);
         let out = self.output.as_ref().unwrap_or(&self.embd);
         out.matmul(
-            &mut Activations::new(&normed, logits_rows),
+            &mut Activations::new(normed, logits_rows, acts),
             logits,
-            &self.pool,
+            pool,
         )?;
+        cache.scratch = sc;
         Ok(())
     }
 
     /// `(cos, sin)` of every rope angle of positions `pos..pos + m`: `[m, rope_dim / 2]` each.
-    fn rope_table(&self, pos: usize, m: usize) -> (Vec<f32>, Vec<f32>) {
-        let half = self.inv_freq.len();
-        let mut cos = Vec::with_capacity(m * half);
-        let mut sin = Vec::with_capacity(m * half);
+    fn rope_table(&self, pos: usize, m: usize, cos: &mut Vec<f32>, sin: &mut Vec<f32>) {
+        cos.clear();
+        sin.clear();
         for p in pos..pos + m {
             for &f in &self.inv_freq {
                 let a = p as f64 * f;
@@ -309,11 +331,10 @@ impl Model {
                 sin.push(a.sin() as f32);
             }
         }
-        (cos, sin)
     }
 
     /// Rotates the first `rope_dim` dimensions of each head of each row of `x` (`[m, heads * hd]`).
-    fn apply_rope(&self, x: &mut [f32], heads: usize, (cos, sin): &(Vec<f32>, Vec<f32>)) {
+    fn apply_rope(&self, x: &mut [f32], heads: usize, cos: &[f32], sin: &[f32]) {
         let c = &self.config;
         let half = c.rope_dim / 2;
         for (row, (cr, sr)) in x
@@ -333,6 +354,24 @@ impl Model {
             }
         }
     }
+}
+
+/// The buffers of a forward pass, kept with the KV cache so that a pass allocates nothing once they
+/// have grown to the largest block seen.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Scratch {
+    x: Vec<f32>,
+    h: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    attn: Vec<f32>,
+    o: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+    acts: ActivationBuffers,
 }
 
 /// Per-dimension-pair divisors of the rope frequencies (Llama 3.1 and later), `[rope_dim / 2]`.
@@ -488,7 +527,7 @@ struct Attend<'a> {
 }
 
 impl Attend<'_> {
-    /// The loops with AVX2 and F16C vector code for the f16 reads.
+    /// The loops compiled for AVX2, with F16C for widening the cache rows.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,f16c")]
     unsafe fn run_avx2(&self, out: &mut [f32], scores: &mut Vec<f32>) {
@@ -498,79 +537,58 @@ impl Attend<'_> {
     #[inline(always)]
     fn run<L: HalfOps>(&self, out: &mut [f32], scores: &mut Vec<f32>) {
         let (n, hd, group) = (self.n, self.hd, self.group);
-        // [group, n] scores, turned into weights in place.
+        // [group, n] scores, turned into weights in place, then one widened cache row.
         scores.clear();
-        scores.resize(group * n, 0.0);
+        scores.resize(group * n + hd, 0.0);
+        let (scores, row) = scores.split_at_mut(group * n);
         for j in 0..n {
-            let k = &self.keys[j * self.kv_dim + self.off..][..hd];
+            // SAFETY: `L` is only instantiated where the CPU supports it (see `run_avx2`).
+            unsafe { L::widen(&self.keys[j * self.kv_dim + self.off..][..hd], row) };
             for g in 0..group {
-                // SAFETY: `L` is only instantiated where the CPU supports it (see `run_avx2`).
-                scores[g * n + j] =
-                    unsafe { L::dot(&self.q[g * hd..(g + 1) * hd], k) } * self.scale;
+                scores[g * n + j] = dot(&self.q[g * hd..(g + 1) * hd], row) * self.scale;
             }
         }
-        for row in scores.chunks_exact_mut(n) {
-            let max = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+        for w in scores.chunks_exact_mut(n) {
+            let max = w.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
             let mut total = 0.0f32;
-            for x in row.iter_mut() {
+            for x in w.iter_mut() {
                 *x = (*x - max).exp();
                 total += *x;
             }
-            for x in row.iter_mut() {
+            for x in w.iter_mut() {
                 *x /= total;
             }
         }
         out.fill(0.0);
         for j in 0..n {
-            let v = &self.values[j * self.kv_dim + self.off..][..hd];
+            // SAFETY: as above.
+            unsafe { L::widen(&self.values[j * self.kv_dim + self.off..][..hd], row) };
             for (g, oh) in out.chunks_exact_mut(hd).enumerate() {
-                // SAFETY: as above.
-                unsafe { L::axpy(oh, scores[g * n + j], v) };
+                let w = scores[g * n + j];
+                for (o, &v) in oh.iter_mut().zip(row.iter()) {
+                    *o += w * v;
+                }
             }
         }
     }
 }
 
-/// The two operations attention does on f16 cache rows. Every implementation computes the same
-/// values: f16 widening is exact, and the 8 lanes are summed with the same tree.
+/// Widening a row of the f16 cache to f32 (exact, so every implementation gives the same values).
 trait HalfOps {
-    /// `Σ q[i] · k[i]` in 8 lanes (lane `l` takes `i ≡ l mod 8`), summed by `hsum8`, plus the tail.
+    /// `dst[i] = src[i]` as f32.
     ///
     /// # Safety
     /// The CPU must support the implementation's instructions.
-    unsafe fn dot(q: &[f32], k: &[u16]) -> f32;
-    /// `out[i] += w · v[i]`.
-    ///
-    /// # Safety
-    /// As `dot`.
-    unsafe fn axpy(out: &mut [f32], w: f32, v: &[u16]);
+    unsafe fn widen(src: &[u16], dst: &mut [f32]);
 }
 
 struct Portable;
 
 impl HalfOps for Portable {
     #[inline(always)]
-    unsafe fn dot(q: &[f32], k: &[u16]) -> f32 {
-        let mut acc = [0.0f32; 8];
-        let (qc, kc) = (q.chunks_exact(8), k.chunks_exact(8));
-        let tail: f32 = qc
-            .remainder()
-            .iter()
-            .zip(kc.remainder())
-            .map(|(&x, &y)| x * f16_to_f32(y))
-            .sum();
-        for (x, y) in qc.zip(kc) {
-            for l in 0..8 {
-                acc[l] += x[l] * f16_to_f32(y[l]);
-            }
-        }
-        hsum8(acc) + tail
-    }
-
-    #[inline(always)]
-    unsafe fn axpy(out: &mut [f32], w: f32, v: &[u16]) {
-        for (o, &x) in out.iter_mut().zip(v) {
-            *o += w * f16_to_f32(x);
+    unsafe fn widen(src: &[u16], dst: &mut [f32]) {
+        for (d, &h) in dst.iter_mut().zip(src) {
+            *d = f16_to_f32(h);
         }
     }
 }
@@ -582,58 +600,26 @@ struct Avx2;
 impl HalfOps for Avx2 {
     #[inline]
     #[target_feature(enable = "avx2,f16c")]
-    unsafe fn dot(q: &[f32], k: &[u16]) -> f32 {
+    unsafe fn widen(src: &[u16], dst: &mut [f32]) {
         use std::arch::x86_64::*;
-        let n = q.len().min(k.len());
-        let mut acc = _mm256_setzero_ps();
+        let n = src.len().min(dst.len());
         let mut i = 0;
         while i + 8 <= n {
-            // SAFETY: `i + 8 <= n` keeps both loads in bounds; F16C is the caller's contract.
+            // SAFETY: `i + 8 <= n` keeps the load and the store in bounds.
             unsafe {
-                let kv = _mm256_cvtph_ps(_mm_loadu_si128(k.as_ptr().add(i).cast()));
-                let qv = _mm256_loadu_ps(q.as_ptr().add(i));
-                acc = _mm256_add_ps(acc, _mm256_mul_ps(qv, kv));
+                let x = _mm256_cvtph_ps(_mm_loadu_si128(src.as_ptr().add(i).cast()));
+                _mm256_storeu_ps(dst.as_mut_ptr().add(i), x);
             }
             i += 8;
         }
-        let mut lanes = [0.0f32; 8];
-        // SAFETY: `lanes` holds 8 f32.
-        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
-        let tail: f32 = q[i..n]
-            .iter()
-            .zip(&k[i..n])
-            .map(|(&x, &y)| x * f16_to_f32(y))
-            .sum();
-        hsum8(lanes) + tail
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx2,f16c")]
-    unsafe fn axpy(out: &mut [f32], w: f32, v: &[u16]) {
-        use std::arch::x86_64::*;
-        let n = out.len().min(v.len());
-        let wv = _mm256_set1_ps(w);
-        let mut i = 0;
-        while i + 8 <= n {
-            // SAFETY: `i + 8 <= n` keeps the loads and the store in bounds; F16C is the caller's
-            // contract.
-            unsafe {
-                let x = _mm256_cvtph_ps(_mm_loadu_si128(v.as_ptr().add(i).cast()));
-                let o = _mm256_loadu_ps(out.as_ptr().add(i));
-                _mm256_storeu_ps(
-                    out.as_mut_ptr().add(i),
-                    _mm256_add_ps(o, _mm256_mul_ps(wv, x)),
-                );
-            }
-            i += 8;
-        }
-        for (o, &x) in out[i..n].iter_mut().zip(&v[i..n]) {
-            *o += w * f16_to_f32(x);
+        for (d, &h) in dst[i..n].iter_mut().zip(&src[i..n]) {
+            *d = f16_to_f32(h);
         }
     }
 }
 
-/// A dot product with 8 independent accumulators combined in a fixed order.
+/// A dot product with 8 independent accumulators combined in a fixed order (the same values whether
+/// the compiler vectorises it or not).
 #[inline(always)]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0.0f32; 8];

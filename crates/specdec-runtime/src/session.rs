@@ -60,6 +60,21 @@ impl Session {
     /// Appends `tokens` and returns the logits of the last `rows` of them (`[rows, vocab]`). Long
     /// inputs are fed in chunks of [`PREFILL_CHUNK`]; that changes no value (see [`crate::model`]).
     pub fn feed(&mut self, tokens: &[TokenId], rows: usize) -> Result<&[f32]> {
+        let mut logits = std::mem::take(&mut self.logits);
+        let r = self.feed_into(tokens, rows, &mut logits);
+        self.logits = logits;
+        r?;
+        Ok(&self.logits)
+    }
+
+    /// [`Session::feed`], writing the logits into `logits` (cleared first) instead of the session's
+    /// own buffer.
+    pub fn feed_into(
+        &mut self,
+        tokens: &[TokenId],
+        rows: usize,
+        logits: &mut Vec<f32>,
+    ) -> Result<()> {
         let end = self.tokens.len() + tokens.len();
         if end > self.cache.capacity() {
             return Err(Error::ContextOverflow {
@@ -76,21 +91,19 @@ impl Session {
         let split = tokens.len() - rows;
         let (head, tail) = tokens.split_at(split);
         for chunk in head.chunks(PREFILL_CHUNK) {
-            self.step(chunk, 0)?;
+            self.step(chunk, 0, logits)?;
         }
         // The positions whose logits are wanted go in one pass of their own.
-        self.logits.clear();
-        self.step(tail, rows)?;
-        Ok(&self.logits)
+        logits.clear();
+        self.step(tail, rows, logits)
     }
 
-    fn step(&mut self, tokens: &[TokenId], rows: usize) -> Result<()> {
+    fn step(&mut self, tokens: &[TokenId], rows: usize, logits: &mut Vec<f32>) -> Result<()> {
         if tokens.is_empty() {
             return Ok(());
         }
         // A failed pass leaves the cache as it was: `forward` marks positions valid only at the end.
-        self.model
-            .forward(&mut self.cache, tokens, rows, &mut self.logits)?;
+        self.model.forward(&mut self.cache, tokens, rows, logits)?;
         self.tokens.extend_from_slice(tokens);
         Ok(())
     }
@@ -139,10 +152,8 @@ impl Target for Session {
         feed.extend_from_slice(req.draft);
         let rows = req.draft.len() + 1;
         let vocab = self.vocab_size();
-        let logits = self.feed(&feed, rows)?;
-        out[0].reset(vocab);
-        out[0].extend_rows(logits);
-        Ok(())
+        // The logits go straight into the verifier's buffer.
+        out[0].fill_with(vocab, |buf| self.feed_into(&feed, rows, buf))
     }
 
     fn commit(&mut self, _seq: SeqId, committed: &[TokenId]) -> Result<()> {

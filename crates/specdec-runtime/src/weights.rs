@@ -12,7 +12,9 @@ use candle_core::backend::BackendStorage;
 use candle_core::quantized::{GgmlDType, QuantizedType};
 use candle_core::CpuStorage;
 
-use specdec_kernels::{BlockFormat, Kernels, QMatrix, QuantizedActivations, ThreadPool};
+use specdec_kernels::{
+    ActivationFormat, BlockFormat, Kernels, QMatrix, QuantizedActivations, ThreadPool,
+};
 
 use crate::error::{Error, Result};
 
@@ -67,23 +69,57 @@ pub struct QWeight {
     cols: usize,
 }
 
-/// An activation matrix `[m, cols]` with its quantised forms made on first use, so the matrices that
-/// read the same input (q, k and v; gate and up) quantise it once.
-pub struct Activations<'a> {
-    x: &'a [f32],
-    m: usize,
+/// Buffers for the quantised forms of activations, kept between forward passes.
+#[derive(Clone, Debug, Default)]
+pub struct ActivationBuffers {
     q8_0: Option<QuantizedActivations>,
     q8k: Option<QuantizedActivations>,
 }
 
+/// An activation matrix `[m, cols]` with its quantised forms made on first use (in reused buffers),
+/// so the matrices that read the same input (q, k and v; gate and up) quantise it once.
+pub struct Activations<'a> {
+    x: &'a [f32],
+    m: usize,
+    buffers: &'a mut ActivationBuffers,
+    q8_0: bool,
+    q8k: bool,
+}
+
 impl<'a> Activations<'a> {
-    /// `m` rows of `x`.
-    pub fn new(x: &'a [f32], m: usize) -> Self {
+    /// `m` rows of `x`, quantised into `buffers` when a matrix needs it.
+    pub fn new(x: &'a [f32], m: usize, buffers: &'a mut ActivationBuffers) -> Self {
         Self {
             x,
             m,
-            q8_0: None,
-            q8k: None,
+            buffers,
+            q8_0: false,
+            q8k: false,
+        }
+    }
+
+    /// The activations quantised for `format`, made now if this is the first matrix that needs them.
+    fn quantized(&mut self, w: &QMatrix) -> Result<&QuantizedActivations> {
+        let format = w.format().activation_format();
+        let (slot, done) = match format {
+            ActivationFormat::Q8_0 => (&mut self.buffers.q8_0, &mut self.q8_0),
+            ActivationFormat::Q8K => (&mut self.buffers.q8k, &mut self.q8k),
+        };
+        if !*done {
+            match slot {
+                Some(q) => q.requantize(self.m, w.cols(), self.x)?,
+                None => *slot = Some(w.quantize_activations(self.m, self.x)?),
+            }
+            *done = true;
+        }
+        match slot {
+            Some(q) => Ok(q),
+            // Filled just above.
+            None => Err(Error::Shape {
+                what: "activation quantisation",
+                expected: (self.m * w.cols(), 0),
+                actual: (self.x.len(), 0),
+            }),
         }
     }
 }
@@ -181,14 +217,7 @@ impl QWeight {
         }
         match &self.data {
             Storage::Own(w) => {
-                let slot = match w.format().activation_format() {
-                    specdec_kernels::ActivationFormat::Q8_0 => &mut x.q8_0,
-                    specdec_kernels::ActivationFormat::Q8K => &mut x.q8k,
-                };
-                let q = match slot {
-                    Some(q) => q,
-                    None => slot.insert(w.quantize_activations(m, x.x)?),
-                };
+                let q = x.quantized(w)?;
                 Kernels::get().matmul_threaded(w, q, out, pool)?;
             }
             Storage::Candle(d) => d.matmul_t((m, self.cols, self.rows), x.x, out)?,

@@ -419,3 +419,62 @@ fn a_model_target_reports_its_vocabulary_and_capacity() {
     assert_eq!(s.vocab_size(), 272);
     assert_eq!(Target::capacity(&s), 100);
 }
+
+/// Where the child run of [`every_kernel_level_gives_the_same_logits`] writes its logits.
+const LOGITS_OUT: &str = "SPECDEC_TEST_LOGITS_OUT";
+
+/// The fallback kernels, forced with `SPECDEC_KERNELS`, give the same logits bit for bit as the
+/// detected ones, for every type with a kernel of our own and for both architectures (attention and
+/// the f16 cache reads included). The kernel level is chosen once per process, so each level runs
+/// in a child process of this test binary.
+#[test]
+fn every_kernel_level_gives_the_same_logits() {
+    use specdec_kernels::{CpuLevel, Kernels};
+    use GgmlDType::*;
+    if let Ok(path) = std::env::var(LOGITS_OUT) {
+        // The child: the level asked for must be the one running.
+        let want = std::env::var(specdec_kernels::LEVEL_ENV).unwrap();
+        assert_eq!(Kernels::get().level().name(), want);
+        let mut bits: Vec<u8> = Vec::new();
+        for arch in [Arch::Llama, Arch::Qwen2] {
+            for dtype in [Q4K, Q6K, Q8_0, Q5_0, Q4_0] {
+                let model = tiny_model(&TinySpec::new(arch, dtype));
+                let vocab = model.config().vocab;
+                let mut s = Session::new(model, 64);
+                s.feed(&tokens(20, vocab, 3), 1).unwrap();
+                let logits = s.feed(&tokens(6, vocab, 4), 6).unwrap();
+                bits.extend(logits.iter().flat_map(|v| v.to_le_bytes()));
+            }
+        }
+        std::fs::write(path, bits).unwrap();
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let exe = std::env::current_exe().unwrap();
+    let mut outputs = Vec::new();
+    for level in CpuLevel::supported() {
+        let path = dir.path().join(level.name());
+        let status = std::process::Command::new(&exe)
+            .args(["every_kernel_level_gives_the_same_logits", "--exact"])
+            .env(specdec_kernels::LEVEL_ENV, level.name())
+            .env(LOGITS_OUT, &path)
+            .status()
+            .unwrap();
+        assert!(status.success(), "the {} run failed", level.name());
+        let bits = std::fs::read(&path).unwrap();
+        assert!(!bits.is_empty());
+        outputs.push((level, bits));
+    }
+    eprintln!(
+        "compared kernel levels: {:?}",
+        outputs.iter().map(|(l, _)| l.name()).collect::<Vec<_>>()
+    );
+    for (level, bits) in &outputs[1..] {
+        assert!(
+            *bits == outputs[0].1,
+            "{} logits differ from {}",
+            level.name(),
+            outputs[0].0.name()
+        );
+    }
+}

@@ -17,7 +17,7 @@ use crate::engine::{Loaded, Ui};
 /// Single-token steps timed per decode measurement.
 const DECODE_STEPS: usize = 24;
 /// Repetitions per block size of the r(m) curve (the median is kept).
-const BLOCK_REPS: usize = 5;
+const BLOCK_REPS: usize = 9;
 
 /// The cost figures of one model.
 #[derive(Clone, Debug, Serialize)]

@@ -47,11 +47,7 @@ impl Logits {
         if r.is_err() {
             self.data.clear();
         }
-        let whole = if vocab == 0 {
-            0
-        } else {
-            self.data.len() / vocab * vocab
-        };
+        let whole = self.data.len().checked_div(vocab).map_or(0, |r| r * vocab);
         debug_assert_eq!(whole, self.data.len(), "a partial row of logits");
         self.data.truncate(whole);
         r

@@ -140,6 +140,11 @@ impl Loaded {
         } else {
             None
         };
+        ui.note(format!(
+            "kernels: {}, {} threads",
+            specdec_kernels::Kernels::get().level().name(),
+            specdec_runtime::thread_pool(args.threads)?.threads()
+        ));
         let bar = ui.spinner(format!("loading {}", target_path.display()));
         let g = Gguf::open(&target_path)?;
         let tokenizer = Tokenizer::from_gguf(&g)?;

@@ -11,7 +11,7 @@ mod plot;
 
 use std::process::ExitCode;
 
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches};
 
 use crate::cli::{Cli, Command};
 use crate::engine::Ui;
@@ -19,8 +19,35 @@ use crate::engine::Ui;
 /// Exit code for a failure (bad arguments exit with clap's 2).
 const EXIT_FAILURE: u8 = 1;
 
+/// The version line: the crate version and the matrix kernels this CPU runs.
+fn version() -> String {
+    let kernels = match specdec_kernels::Kernels::from_env() {
+        Ok(k) => format!("kernels {}", k.level().name()),
+        Err(e) => format!(
+            "kernels {} ({}: {e})",
+            specdec_kernels::Kernels::get().level().name(),
+            specdec_kernels::LEVEL_ENV
+        ),
+    };
+    let supported: Vec<&str> = specdec_kernels::CpuLevel::supported()
+        .into_iter()
+        .map(|l| l.name())
+        .collect();
+    format!(
+        "{} ({kernels}; this CPU supports {})",
+        env!("CARGO_PKG_VERSION"),
+        supported.join(", ")
+    )
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    // clap takes a static string; the version is made once per process.
+    let version: &'static str = Box::leak(version().into_boxed_str());
+    let matches = Cli::command().version(version).get_matches();
+    let cli = match Cli::from_arg_matches(&matches) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
     let ui = Ui { quiet: cli.quiet };
     let result = match &cli.command {
         Command::Fetch { models } => fetch(models, ui),

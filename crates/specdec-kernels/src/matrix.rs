@@ -385,20 +385,56 @@ impl Kernels {
         out: &mut [f32],
         pool: &ThreadPool,
     ) -> Result<(), KernelError> {
-        self.check(w, x, 0..w.rows(), out.len())?;
-        let rows = w.rows();
+        self.matmul_threaded_columns(w, x, 0..w.rows(), out, w.rows(), pool)
+    }
+
+    /// The output columns (weight rows) `columns` only, spread over `pool`'s threads, written with a
+    /// row stride of `stride`: `out[r · stride + (n - columns.start)] = dot(weight row n, activation
+    /// row r)`; the other elements of `out` are left as they are. With `stride = w.rows()` and all
+    /// columns this is [`Kernels::matmul_threaded`].
+    ///
+    /// # Errors
+    /// As [`Kernels::matmul_columns`], with [`KernelError::OutputLength`] when `stride <
+    /// columns.len()` or `out` is shorter than `(x.rows() - 1) · stride + columns.len()`.
+    pub fn matmul_threaded_columns(
+        &self,
+        w: &QMatrix,
+        x: &QuantizedActivations,
+        columns: Range<usize>,
+        out: &mut [f32],
+        stride: usize,
+        pool: &ThreadPool,
+    ) -> Result<(), KernelError> {
+        let need = match x.rows() {
+            0 => 0,
+            rows => (rows - 1) * stride + columns.len(),
+        };
+        if stride < columns.len() || out.len() < need {
+            return Err(KernelError::OutputLength {
+                expected: need.max(x.rows() * columns.len()),
+                actual: out.len(),
+            });
+        }
+        // The shape checks, as for a dense output of the same columns.
+        self.check(w, x, columns.clone(), x.rows() * columns.len())?;
+        if columns.is_empty() {
+            return Ok(());
+        }
+        let base = columns.start;
         let out = SharedOut(Out {
             ptr: out.as_mut_ptr(),
-            stride: rows,
+            stride,
         });
         // Enough chunks per thread that a thread slowed by a busy core hands its share to the others,
         // few enough that claiming one costs nothing next to computing it.
-        let per = rows.div_ceil(8 * pool.threads()).clamp(16, 512);
-        pool.for_chunks(rows, per, &|cols| {
+        let n = columns.len();
+        let per = n.div_ceil(8 * pool.threads()).clamp(16, 512);
+        pool.for_chunks(n, per, &|cols| {
             let out = &out;
-            // SAFETY: `out` holds `x.rows() · rows` values (checked above) and outlives the call;
-            // chunks are disjoint column ranges, so no two threads write the same element.
-            unsafe { self.columns_into(w, x, cols, 0, out.0) };
+            let cols = base + cols.start..base + cols.end;
+            // SAFETY: `out` holds every element `(r, n - base)` of the call (checked above) and
+            // outlives it; chunks are disjoint column ranges, so no two threads write one element.
+            unsafe { self.columns_into(w, x, cols, base, out.0) };
         });
         Ok(())
     }

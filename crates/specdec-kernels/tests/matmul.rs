@@ -153,6 +153,20 @@ fn threaded_matmul_gives_the_single_threaded_bits() {
                 let mut want = vec![0.0; m * rows];
                 k.matmul(&w, &x, &mut want).unwrap();
                 for pool in &pools {
+                    // A column range written with a wider stride leaves the rest untouched.
+                    let (cols, stride) = (rows / 3..rows, rows + 5);
+                    let mut part = vec![-7.0; m * stride];
+                    k.matmul_threaded_columns(&w, &x, cols.clone(), &mut part, stride, pool)
+                        .unwrap();
+                    for r in 0..m {
+                        for i in 0..stride {
+                            let got = part[r * stride + i];
+                            match cols.clone().nth(i) {
+                                Some(n) => assert!(same_bits(got, want[r * rows + n])),
+                                None => assert_eq!(got, -7.0),
+                            }
+                        }
+                    }
                     let mut got = vec![f32::NAN; m * rows];
                     k.matmul_threaded(&w, &x, &mut got, pool).unwrap();
                     assert!(

@@ -193,6 +193,14 @@ pub enum Error {
         /// Given (input, output) lengths.
         actual: (usize, usize),
     },
+    /// A restricted logits vocabulary outside `1..=vocab`.
+    #[error("a logits vocabulary of {limit} tokens is not within 1..={vocab}")]
+    LogitsVocab {
+        /// The restriction asked for.
+        limit: usize,
+        /// The model's vocabulary size.
+        vocab: usize,
+    },
     /// The kernel thread pool could not start its threads.
     #[error("starting {threads} kernel threads: {source}")]
     Threads {

@@ -33,6 +33,12 @@ pub struct LoadOptions {
     /// Threads for the matrix kernels, the caller included; `None` means one per available core.
     /// Models loaded with the same count share one pool.
     pub threads: Option<usize>,
+    /// Score only tokens `0..N` and give the others the logit [`crate::weights::MASKED`] (probability
+    /// 0), skipping their rows of the output matrix. For a draft model: BPE vocabularies list their
+    /// tokens roughly from most to least frequent, so the first tens of thousands cover nearly all
+    /// text, and a draft restricted to them stays exact (the target still verifies every token; a
+    /// token the draft cannot propose is simply never drafted). `None` scores the whole vocabulary.
+    pub logits_vocab: Option<usize>,
 }
 
 impl Default for LoadOptions {
@@ -40,6 +46,7 @@ impl Default for LoadOptions {
         Self {
             requantize_q5: true,
             threads: None,
+            logits_vocab: None,
         }
     }
 }
@@ -92,6 +99,8 @@ pub struct Model {
     inv_freq: Vec<f64>,
     /// The threads the matrix kernels run on.
     pool: Arc<ThreadPool>,
+    /// Tokens `0..logits_vocab` are scored (the whole vocabulary unless restricted at load).
+    logits_vocab: usize,
 }
 
 impl Model {
@@ -159,8 +168,19 @@ impl Model {
         };
         let inv_freq = inv_freq(&c, rope_freqs.as_deref());
         let pool = thread_pool(options.threads)?;
+        let logits_vocab = match options.logits_vocab {
+            None => c.vocab,
+            Some(n) if (1..=c.vocab).contains(&n) => n,
+            Some(n) => {
+                return Err(Error::LogitsVocab {
+                    limit: n,
+                    vocab: c.vocab,
+                })
+            }
+        };
         Ok(Self {
             pool,
+            logits_vocab,
             norm: g.vector("output_norm.weight", c.n_embd)?,
             config: c,
             embd,
@@ -173,6 +193,12 @@ impl Model {
     /// The configuration.
     pub fn config(&self) -> &ModelConfig {
         &self.config
+    }
+
+    /// Tokens `0..n` get real logits ([`LoadOptions::logits_vocab`]); `n` is the vocabulary size
+    /// unless restricted.
+    pub fn logits_vocab(&self) -> usize {
+        self.logits_vocab
     }
 
     /// Bytes of weights held.
@@ -311,8 +337,9 @@ impl Model {
         logits.clear();
         logits.resize(logits_rows * c.vocab, 0.0);
         let out = self.output.as_ref().unwrap_or(&self.embd);
-        out.matmul(
+        out.matmul_prefix(
             &mut Activations::new(normed, logits_rows, acts),
+            self.logits_vocab,
             logits,
             pool,
         )?;

@@ -39,6 +39,10 @@ pub fn supported(dtype: GgmlDType) -> bool {
     )
 }
 
+/// The logit of a token a model was told not to score (see [`QWeight::matmul_prefix`]): the lowest
+/// finite `f32`, whose probability after a softmax is exactly 0.
+pub const MASKED: f32 = f32::MIN;
+
 /// The block format of our own kernels for a GGUF type, if they cover it.
 fn own_format(dtype: GgmlDType) -> Option<BlockFormat> {
     match dtype {
@@ -197,6 +201,38 @@ impl QWeight {
             Storage::Own(w) => w.size_bytes(),
             Storage::Candle(d) => d.storage_size_in_bytes(),
         }
+    }
+
+    /// The output features `0..limit` only: `out[i, r]` for `r < limit` as [`QWeight::matmul`] computes
+    /// it, and [`MASKED`] for `r >= limit` (`out` is `[m, rows]`). Our kernels skip the other rows'
+    /// weights; candle's compute them and overwrite them.
+    pub fn matmul_prefix(
+        &self,
+        x: &mut Activations<'_>,
+        limit: usize,
+        out: &mut [f32],
+        pool: &ThreadPool,
+    ) -> Result<()> {
+        let limit = limit.min(self.rows);
+        match &self.data {
+            Storage::Own(w) if limit < self.rows => {
+                let m = x.m;
+                if x.x.len() != m * self.cols || out.len() != m * self.rows {
+                    return Err(Error::Shape {
+                        what: "matmul",
+                        expected: (m * self.cols, m * self.rows),
+                        actual: (x.x.len(), out.len()),
+                    });
+                }
+                let q = x.quantized(w)?;
+                Kernels::get().matmul_threaded_columns(w, q, 0..limit, out, self.rows, pool)?;
+            }
+            _ => self.matmul(x, out, pool)?,
+        }
+        for row in out.chunks_exact_mut(self.rows.max(1)) {
+            row[limit..].fill(MASKED);
+        }
+        Ok(())
     }
 
     /// `out[i, r] = Σ_c x[i, c] w[r, c]` for `m` rows of `x` (`[m, cols]` in, `[m, rows]` out), on

@@ -73,6 +73,11 @@ pub struct ModelArgs {
     /// CPU threads for the matrix kernels [default: all cores].
     #[arg(long)]
     pub threads: Option<usize>,
+    /// Let the draft model score only the first N token ids of the vocabulary (roughly the N most
+    /// frequent; the others are never drafted), which skips most of its output matrix. Lossless: the
+    /// target still verifies every token [default: the whole vocabulary].
+    #[arg(long)]
+    pub draft_vocab: Option<usize>,
 }
 
 /// Sampling and speculation.

@@ -157,7 +157,11 @@ impl Loaded {
         let draft = match draft_path {
             Some(p) => {
                 let bar = ui.spinner(format!("loading {}", p.display()));
-                let d = Arc::new(Model::load(&p, &options)?);
+                let draft_options = LoadOptions {
+                    logits_vocab: args.draft_vocab,
+                    ..options.clone()
+                };
+                let d = Arc::new(Model::load(&p, &draft_options)?);
                 bar.finish_and_clear();
                 let (dv, tv) = (d.config().vocab, target.config().vocab);
                 if dv != tv {

@@ -1,0 +1,37 @@
+//! Median time of a single-token step of a model, optionally with a restricted logits vocabulary:
+//! `cargo run --release -p specdec-runtime --example step_time -- MODEL.gguf [LOGITS_VOCAB]`.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use specdec_runtime::{LoadOptions, Model, Session};
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let mut args = std::env::args().skip(1);
+    let path = args
+        .next()
+        .ok_or("usage: step_time MODEL.gguf [LOGITS_VOCAB]")?;
+    let logits_vocab = args.next().map(|s| s.parse::<usize>()).transpose()?;
+    let options = LoadOptions {
+        logits_vocab,
+        ..LoadOptions::default()
+    };
+    let model = Arc::new(Model::load(&path, &options)?);
+    let mut s = Session::new(model, 512);
+    let ctx: Vec<u32> = (0..64).map(|i| 1000 + 7 * i).collect();
+    s.feed(&ctx, 1)?;
+    let mut times = Vec::new();
+    for i in 0..64u32 {
+        let start = Instant::now();
+        s.feed(&[2000 + i], 1)?;
+        times.push(start.elapsed().as_secs_f64());
+    }
+    times.sort_by(f64::total_cmp);
+    println!(
+        "logits vocab {:?}: median step {:.2} ms, fastest {:.2} ms",
+        logits_vocab,
+        times[times.len() / 2] * 1e3,
+        times[0] * 1e3
+    );
+    Ok(())
+}

@@ -204,43 +204,17 @@ impl QuantizedActivations {
         cols: usize,
         x: &[f32],
     ) -> Result<Self, KernelError> {
-        let block_len = format.block_len();
-        if cols % block_len != 0 {
-            return Err(KernelError::RaggedActivations { cols, block_len });
-        }
-        if x.len() != rows * cols {
-            return Err(KernelError::InputLength {
-                expected: rows * cols,
-                actual: x.len(),
-            });
-        }
-        let n = x.len() / block_len;
         let blocks = match format {
-            ActivationFormat::Q8_0 => {
-                let mut out = vec![
-                    ActQ8_0 {
-                        d: 0.0,
-                        qs: [0; 32]
-                    };
-                    n
-                ];
-                quantize_row_q8_0(x, &mut out);
-                ActBlocks::Q8_0(out)
-            }
-            ActivationFormat::Q8K => {
-                let mut out = vec![
-                    BlockQ8K {
-                        d: 0.0,
-                        qs: [0; 256],
-                        bsums: [0; 16]
-                    };
-                    n
-                ];
-                quantize_row_q8_k(x, &mut out);
-                ActBlocks::Q8K(out)
-            }
+            ActivationFormat::Q8_0 => ActBlocks::Q8_0(Vec::new()),
+            ActivationFormat::Q8K => ActBlocks::Q8K(Vec::new()),
         };
-        Ok(QuantizedActivations { rows, cols, blocks })
+        let mut q = QuantizedActivations {
+            rows: 0,
+            cols: 0,
+            blocks,
+        };
+        q.requantize(rows, cols, x)?;
+        Ok(q)
     }
 
     /// Quantises `x` into `self`, keeping `self`'s format and reusing its buffer (no allocation once

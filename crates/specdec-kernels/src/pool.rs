@@ -40,6 +40,20 @@ struct Shared {
     shutdown: AtomicBool,
 }
 
+impl Shared {
+    fn new() -> Shared {
+        Shared {
+            state: AtomicU64::new(0),
+            done: AtomicUsize::new(0),
+            job: UnsafeCell::new(None),
+            sleepers: AtomicUsize::new(0),
+            lock: Mutex::new(()),
+            wake: Condvar::new(),
+            shutdown: AtomicBool::new(false),
+        }
+    }
+}
+
 // SAFETY: `job` is only written by the thread running `ThreadPool::run` while no worker reads it, and
 // read by workers only between entering a job (an acquire of `state`) and reporting `done`; the
 // pointee is `Sync`.
@@ -71,15 +85,7 @@ impl ThreadPool {
     /// The operating system's error if a worker thread cannot be started.
     pub fn new(threads: usize) -> std::io::Result<ThreadPool> {
         let threads = threads.max(1);
-        let shared = Arc::new(Shared {
-            state: AtomicU64::new(0),
-            done: AtomicUsize::new(0),
-            job: UnsafeCell::new(None),
-            sleepers: AtomicUsize::new(0),
-            lock: Mutex::new(()),
-            wake: Condvar::new(),
-            shutdown: AtomicBool::new(false),
-        });
+        let shared = Arc::new(Shared::new());
         let mut workers = Vec::with_capacity(threads - 1);
         for index in 1..threads {
             let mine = Arc::clone(&shared);
@@ -115,15 +121,7 @@ impl ThreadPool {
     /// A pool of the calling thread alone.
     pub fn single() -> ThreadPool {
         ThreadPool {
-            shared: Arc::new(Shared {
-                state: AtomicU64::new(0),
-                done: AtomicUsize::new(0),
-                job: UnsafeCell::new(None),
-                sleepers: AtomicUsize::new(0),
-                lock: Mutex::new(()),
-                wake: Condvar::new(),
-                shutdown: AtomicBool::new(false),
-            }),
+            shared: Arc::new(Shared::new()),
             workers: Vec::new(),
             threads: 1,
             running: Mutex::new(()),

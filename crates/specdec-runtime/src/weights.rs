@@ -203,6 +203,19 @@ impl QWeight {
         }
     }
 
+    /// Checks that `x` is `[m, cols]` and `out` is `[m, rows]`.
+    fn check_shape(&self, x: &Activations<'_>, out: &[f32]) -> Result<()> {
+        let m = x.m;
+        if x.x.len() != m * self.cols || out.len() != m * self.rows {
+            return Err(Error::Shape {
+                what: "matmul",
+                expected: (m * self.cols, m * self.rows),
+                actual: (x.x.len(), out.len()),
+            });
+        }
+        Ok(())
+    }
+
     /// The output features `0..limit` only: `out[i, r]` for `r < limit` as [`QWeight::matmul`] computes
     /// it, and [`MASKED`] for `r >= limit` (`out` is `[m, rows]`). Our kernels skip the other rows'
     /// weights; candle's compute them and overwrite them.
@@ -216,14 +229,7 @@ impl QWeight {
         let limit = limit.min(self.rows);
         match &self.data {
             Storage::Own(w) if limit < self.rows => {
-                let m = x.m;
-                if x.x.len() != m * self.cols || out.len() != m * self.rows {
-                    return Err(Error::Shape {
-                        what: "matmul",
-                        expected: (m * self.cols, m * self.rows),
-                        actual: (x.x.len(), out.len()),
-                    });
-                }
+                self.check_shape(x, out)?;
                 let q = x.quantized(w)?;
                 Kernels::get().matmul_threaded_columns(w, q, 0..limit, out, self.rows, pool)?;
             }
@@ -243,14 +249,8 @@ impl QWeight {
         out: &mut [f32],
         pool: &ThreadPool,
     ) -> Result<()> {
+        self.check_shape(x, out)?;
         let m = x.m;
-        if x.x.len() != m * self.cols || out.len() != m * self.rows {
-            return Err(Error::Shape {
-                what: "matmul",
-                expected: (m * self.cols, m * self.rows),
-                actual: (x.x.len(), out.len()),
-            });
-        }
         match &self.data {
             Storage::Own(w) => {
                 let q = x.quantized(w)?;

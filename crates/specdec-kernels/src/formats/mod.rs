@@ -18,6 +18,8 @@
 //! results agree with ours to rounding, not bit for bit. Quantisation of activations
 //! ([`quantize_row_q8_k`], [`quantize_row_q8_0`]) follows ggml's `_ref` functions exactly.
 
+use crate::f16::F16;
+
 pub(crate) mod q4_0;
 pub(crate) mod q4_k;
 pub(crate) mod q5_0;
@@ -154,6 +156,41 @@ pub fn hsum8(a: [f32; 8]) -> f32 {
 #[inline]
 fn lane4(w: &[i32; 32], y: &[i8], j: usize) -> i32 {
     (4 * j..4 * j + 4).map(|k| w[k] * i32::from(y[k])).sum()
+}
+
+/// A 32-value block whose values are `d · q` with signed integer quants (Q8_0, Q4_0, Q5_0).
+pub(crate) trait SignedBlock32 {
+    /// The scale.
+    fn scale(&self) -> F16;
+    /// The signed quants in value order.
+    fn signed_quants(&self) -> [i8; QK8_0];
+}
+
+/// `out[i] = q[i] · d`, as ggml's `dequantize_row_q{4,5,8}_0`.
+pub(crate) fn dequantize_signed<B: SignedBlock32>(block: &B, out: &mut [f32]) {
+    assert_eq!(out.len(), QK8_0, "a 32-value block holds 32 values");
+    let d = block.scale().to_f32();
+    for (o, q) in out.iter_mut().zip(block.signed_quants()) {
+        *o = f32::from(q) * d;
+    }
+}
+
+/// Reference dot product of a row of [`SignedBlock32`] weights with a Q8_0 activation row (lane
+/// arithmetic as in [`crate::formats`]).
+///
+/// # Panics
+/// If the rows differ in length.
+pub(crate) fn dot_signed_q8_0<B: SignedBlock32>(w: &[B], x: &[ActQ8_0]) -> f32 {
+    assert_eq!(w.len(), x.len(), "rows must have the same number of blocks");
+    let mut acc = [0f32; 8];
+    for (wb, xb) in w.iter().zip(x) {
+        let q = wb.signed_quants().map(i32::from);
+        let d = wb.scale().to_f32() * xb.d;
+        for (j, a) in acc.iter_mut().enumerate() {
+            *a += d * lane4(&q, &xb.qs, j) as f32;
+        }
+    }
+    hsum8(acc)
 }
 
 pub(crate) fn le_u16(bytes: &[u8], at: usize) -> u16 {

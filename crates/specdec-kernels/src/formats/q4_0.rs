@@ -1,6 +1,9 @@
 //! Q4_0: 32 values per block, `value = d · (q - 8)` with `q` a 4-bit quant.
 
-use super::{hsum8, lane4, le_u16, ActQ8_0, BlockFormat, WeightBlock, QK8_0};
+use super::{
+    dequantize_signed, dot_signed_q8_0, le_u16, ActQ8_0, BlockFormat, SignedBlock32, WeightBlock,
+    QK8_0,
+};
 use crate::f16::F16;
 
 /// A Q4_0 block, byte-identical to ggml's `block_q4_0` (18 bytes). Value `i < 16` is the low nibble of
@@ -28,6 +31,16 @@ impl BlockQ4_0 {
     }
 }
 
+impl SignedBlock32 for BlockQ4_0 {
+    fn scale(&self) -> F16 {
+        self.d
+    }
+
+    fn signed_quants(&self) -> [i8; QK8_0] {
+        self.quants()
+    }
+}
+
 impl WeightBlock for BlockQ4_0 {
     const FORMAT: BlockFormat = BlockFormat::Q4_0;
     const VALUES: usize = QK8_0;
@@ -50,11 +63,7 @@ impl WeightBlock for BlockQ4_0 {
     }
 
     fn dequantize(&self, out: &mut [f32]) {
-        assert_eq!(out.len(), QK8_0, "a Q4_0 block holds 32 values");
-        let d = self.d.to_f32();
-        for (o, q) in out.iter_mut().zip(self.quants()) {
-            *o = f32::from(q) * d;
-        }
+        dequantize_signed(self, out);
     }
 }
 
@@ -64,16 +73,7 @@ impl WeightBlock for BlockQ4_0 {
 /// # Panics
 /// If the rows differ in length.
 pub fn dot_q4_0_q8_0(w: &[BlockQ4_0], x: &[ActQ8_0]) -> f32 {
-    assert_eq!(w.len(), x.len(), "rows must have the same number of blocks");
-    let mut acc = [0f32; 8];
-    for (wb, xb) in w.iter().zip(x) {
-        let q = wb.quants().map(i32::from);
-        let d = wb.d.to_f32() * xb.d;
-        for (j, a) in acc.iter_mut().enumerate() {
-            *a += d * lane4(&q, &xb.qs, j) as f32;
-        }
-    }
-    hsum8(acc)
+    dot_signed_q8_0(w, x)
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -1,6 +1,9 @@
 //! Q5_0: 32 values per block, `value = d · (q - 16)` with `q` a 5-bit quant (a nibble plus one high bit).
 
-use super::{hsum8, lane4, le_u16, ActQ8_0, BlockFormat, WeightBlock, QK8_0};
+use super::{
+    dequantize_signed, dot_signed_q8_0, le_u16, ActQ8_0, BlockFormat, SignedBlock32, WeightBlock,
+    QK8_0,
+};
 use crate::f16::F16;
 
 /// A Q5_0 block, byte-identical to ggml's `block_q5_0` (22 bytes). Value `i < 16` is the low nibble of
@@ -32,6 +35,16 @@ impl BlockQ5_0 {
     }
 }
 
+impl SignedBlock32 for BlockQ5_0 {
+    fn scale(&self) -> F16 {
+        self.d
+    }
+
+    fn signed_quants(&self) -> [i8; QK8_0] {
+        self.quants()
+    }
+}
+
 impl WeightBlock for BlockQ5_0 {
     const FORMAT: BlockFormat = BlockFormat::Q5_0;
     const VALUES: usize = QK8_0;
@@ -57,11 +70,7 @@ impl WeightBlock for BlockQ5_0 {
 
     /// As ggml's `dequantize_row_q5_0`: `(q - 16) · d`.
     fn dequantize(&self, out: &mut [f32]) {
-        assert_eq!(out.len(), QK8_0, "a Q5_0 block holds 32 values");
-        let d = self.d.to_f32();
-        for (o, q) in out.iter_mut().zip(self.quants()) {
-            *o = f32::from(q) * d;
-        }
+        dequantize_signed(self, out);
     }
 }
 
@@ -71,16 +80,7 @@ impl WeightBlock for BlockQ5_0 {
 /// # Panics
 /// If the rows differ in length.
 pub fn dot_q5_0_q8_0(w: &[BlockQ5_0], x: &[ActQ8_0]) -> f32 {
-    assert_eq!(w.len(), x.len(), "rows must have the same number of blocks");
-    let mut acc = [0f32; 8];
-    for (wb, xb) in w.iter().zip(x) {
-        let q = wb.quants().map(i32::from);
-        let d = wb.d.to_f32() * xb.d;
-        for (j, a) in acc.iter_mut().enumerate() {
-            *a += d * lane4(&q, &xb.qs, j) as f32;
-        }
-    }
-    hsum8(acc)
+    dot_signed_q8_0(w, x)
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -78,38 +78,24 @@ pub fn dot_q4_0_q8_0(w: &[BlockQ4_0], x: &[ActQ8_0]) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
-    use super::{ActQ8_0, BlockQ4_0};
-    use crate::formats::q8_0::avx2::{accumulate_signed, SignedBlock};
-    use crate::simd::avx2::{f16_to_f32, Dequantizer};
+    use super::BlockQ4_0;
+    use crate::formats::q8_0::avx2::SignedQuants;
     use std::arch::x86_64::*;
 
     pub(crate) struct Q4_0;
 
-    impl Dequantizer for Q4_0 {
+    impl SignedQuants for Q4_0 {
         type Block = BlockQ4_0;
-        type Act = ActQ8_0;
-        type Unpacked = SignedBlock;
 
         #[inline]
         #[target_feature(enable = "avx2,f16c")]
-        unsafe fn unpack(block: &BlockQ4_0) -> SignedBlock {
+        unsafe fn quants(block: &BlockQ4_0) -> __m256i {
             // SAFETY: `block.qs` is 16 bytes, one unaligned 128-bit load.
             let v = unsafe { _mm_loadu_si128(block.qs.as_ptr().cast()) };
             let low = _mm_set1_epi8(0x0f);
             let lo = _mm_and_si128(v, low);
             let hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
-            let w = _mm256_sub_epi8(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(8));
-            SignedBlock {
-                w,
-                abs: _mm256_sign_epi8(w, w),
-                d: f16_to_f32(block.d),
-            }
-        }
-
-        #[inline]
-        #[target_feature(enable = "avx2,f16c")]
-        unsafe fn accumulate(w: &SignedBlock, x: &ActQ8_0, acc: __m256) -> __m256 {
-            accumulate_signed(w, x, acc)
+            _mm256_sub_epi8(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(8))
         }
     }
 }

@@ -85,23 +85,20 @@ pub fn dot_q5_0_q8_0(w: &[BlockQ5_0], x: &[ActQ8_0]) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
-    use super::{ActQ8_0, BlockQ5_0};
-    use crate::formats::q8_0::avx2::{accumulate_signed, SignedBlock};
-    use crate::simd::avx2::{f16_to_f32, Dequantizer};
+    use super::BlockQ5_0;
+    use crate::formats::q8_0::avx2::SignedQuants;
     use std::arch::x86_64::*;
 
     pub(crate) struct Q5_0;
 
-    impl Dequantizer for Q5_0 {
+    impl SignedQuants for Q5_0 {
         type Block = BlockQ5_0;
-        type Act = ActQ8_0;
-        type Unpacked = SignedBlock;
 
         /// Nibbles in value order, then `0xf0` or-ed into every byte whose fifth bit is clear: as an
         /// `i8` that is `nibble - 16`, and a set bit leaves `nibble = (nibble + 16) - 16`.
         #[inline]
         #[target_feature(enable = "avx2,f16c")]
-        unsafe fn unpack(block: &BlockQ5_0) -> SignedBlock {
+        unsafe fn quants(block: &BlockQ5_0) -> __m256i {
             // SAFETY: `block.qs` is 16 bytes, one unaligned 128-bit load.
             let v = unsafe { _mm_loadu_si128(block.qs.as_ptr().cast()) };
             let low = _mm_set1_epi8(0x0f);
@@ -120,21 +117,10 @@ pub(crate) mod avx2 {
             let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(qh), pick);
             let others = _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe);
             let set = _mm256_cmpeq_epi8(_mm256_or_si256(bytes, others), _mm256_set1_epi8(-1));
-            let w = _mm256_or_si256(
+            _mm256_or_si256(
                 nibbles,
                 _mm256_andnot_si256(set, _mm256_set1_epi8(0xf0_u8 as i8)),
-            );
-            SignedBlock {
-                w,
-                abs: _mm256_sign_epi8(w, w),
-                d: f16_to_f32(block.d),
-            }
-        }
-
-        #[inline]
-        #[target_feature(enable = "avx2,f16c")]
-        unsafe fn accumulate(w: &SignedBlock, x: &ActQ8_0, acc: __m256) -> __m256 {
-            accumulate_signed(w, x, acc)
+            )
         }
     }
 }

@@ -1,6 +1,8 @@
 //! Q8_0: 32 values per block, `value = d · q` with `q` an `i8` and `d` an f16 scale.
 
-use super::{hsum8, lane4, le_u16, BlockFormat, WeightBlock, QK8_0};
+use super::{
+    dequantize_signed, dot_signed_q8_0, le_u16, BlockFormat, SignedBlock32, WeightBlock, QK8_0,
+};
 use crate::f16::F16;
 
 /// A Q8_0 block, byte-identical to ggml's `block_q8_0` (34 bytes).
@@ -11,6 +13,16 @@ pub struct BlockQ8_0 {
     pub d: F16,
     /// Quants, in value order.
     pub qs: [i8; QK8_0],
+}
+
+impl SignedBlock32 for BlockQ8_0 {
+    fn scale(&self) -> F16 {
+        self.d
+    }
+
+    fn signed_quants(&self) -> [i8; QK8_0] {
+        self.qs
+    }
 }
 
 impl WeightBlock for BlockQ8_0 {
@@ -37,11 +49,7 @@ impl WeightBlock for BlockQ8_0 {
     }
 
     fn dequantize(&self, out: &mut [f32]) {
-        assert_eq!(out.len(), QK8_0, "a Q8_0 block holds 32 values");
-        let d = self.d.to_f32();
-        for (o, &q) in out.iter_mut().zip(&self.qs) {
-            *o = f32::from(q) * d;
-        }
+        dequantize_signed(self, out);
     }
 }
 
@@ -92,21 +100,13 @@ pub fn quantize_row_q8_0(x: &[f32], out: &mut [ActQ8_0]) {
 /// # Panics
 /// If the rows differ in length.
 pub fn dot_q8_0_q8_0(w: &[BlockQ8_0], x: &[ActQ8_0]) -> f32 {
-    assert_eq!(w.len(), x.len(), "rows must have the same number of blocks");
-    let mut acc = [0f32; 8];
-    for (wb, xb) in w.iter().zip(x) {
-        let q: [i32; 32] = std::array::from_fn(|k| i32::from(wb.qs[k]));
-        let d = wb.d.to_f32() * xb.d;
-        for (j, a) in acc.iter_mut().enumerate() {
-            *a += d * lane4(&q, &xb.qs, j) as f32;
-        }
-    }
-    hsum8(acc)
+    dot_signed_q8_0(w, x)
 }
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
     use super::{ActQ8_0, BlockQ8_0};
+    use crate::formats::SignedBlock32;
     use crate::simd::avx2::{f16_to_f32, Dequantizer};
     use std::arch::x86_64::*;
 
@@ -134,22 +134,31 @@ pub(crate) mod avx2 {
         )
     }
 
-    pub(crate) struct Q8_0;
+    /// The AVX2 half of a 32-value signed format (Q8_0, Q4_0, Q5_0): its quants as 32 `i8` lanes in
+    /// value order. Unpacking and accumulating are then the same for all of them.
+    pub(crate) trait SignedQuants {
+        /// The weight block.
+        type Block: SignedBlock32;
 
-    impl Dequantizer for Q8_0 {
-        type Block = BlockQ8_0;
+        /// # Safety
+        /// The CPU must support AVX2.
+        unsafe fn quants(block: &Self::Block) -> __m256i;
+    }
+
+    impl<T: SignedQuants> Dequantizer for T {
+        type Block = T::Block;
         type Act = ActQ8_0;
         type Unpacked = SignedBlock;
 
         #[inline]
         #[target_feature(enable = "avx2,f16c")]
-        unsafe fn unpack(block: &BlockQ8_0) -> SignedBlock {
-            // SAFETY: `block.qs` is 32 bytes, one unaligned 256-bit load.
-            let w = unsafe { _mm256_loadu_si256(block.qs.as_ptr().cast()) };
+        unsafe fn unpack(block: &T::Block) -> SignedBlock {
+            // SAFETY: AVX2 support is the caller's contract.
+            let w = unsafe { T::quants(block) };
             SignedBlock {
                 w,
                 abs: _mm256_sign_epi8(w, w),
-                d: f16_to_f32(block.d),
+                d: f16_to_f32(block.scale()),
             }
         }
 
@@ -157,6 +166,19 @@ pub(crate) mod avx2 {
         #[target_feature(enable = "avx2,f16c")]
         unsafe fn accumulate(w: &SignedBlock, x: &ActQ8_0, acc: __m256) -> __m256 {
             accumulate_signed(w, x, acc)
+        }
+    }
+
+    pub(crate) struct Q8_0;
+
+    impl SignedQuants for Q8_0 {
+        type Block = BlockQ8_0;
+
+        #[inline]
+        #[target_feature(enable = "avx2,f16c")]
+        unsafe fn quants(block: &BlockQ8_0) -> __m256i {
+            // SAFETY: `block.qs` is 32 bytes, one unaligned 256-bit load.
+            unsafe { _mm256_loadu_si256(block.qs.as_ptr().cast()) }
         }
     }
 }

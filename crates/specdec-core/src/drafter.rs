@@ -12,7 +12,8 @@ use crate::TokenId;
 #[derive(Debug)]
 pub struct ModelDrafter<M> {
     model: M,
-    sampler: Option<Sampler>,
+    /// One sampler per request of the batch (sequences may sample differently).
+    samplers: Vec<Sampler>,
     contexts: Vec<Vec<TokenId>>,
     logits: Vec<Logits>,
     scratch: Vec<f32>,
@@ -25,7 +26,7 @@ impl<M: Target> ModelDrafter<M> {
     pub fn new(model: M) -> Self {
         Self {
             model,
-            sampler: None,
+            samplers: Vec::new(),
             contexts: Vec::new(),
             logits: Vec::new(),
             scratch: Vec::new(),
@@ -68,13 +69,20 @@ impl<M: Target> Draft for ModelDrafter<M> {
                 Probs::OneHot(_) => None,
             }));
         }
-        let Some(first) = batch.first() else {
+        if batch.is_empty() {
             return Ok(());
-        };
-        // One sampler serves the batch; the decoder uses one parameter set per batch.
-        if self.sampler.as_ref().map(Sampler::params) != Some(first.sampling) {
-            first.sampling.validate().map_err(DraftError::Sampling)?;
-            self.sampler = Some(Sampler::new(first.sampling.clone()));
+        }
+        // A sampler per request, kept while the parameters stay the same.
+        self.samplers.truncate(batch.len());
+        for (b, req) in batch.iter().enumerate() {
+            if self.samplers.get(b).map(Sampler::params) != Some(req.sampling) {
+                req.sampling.validate().map_err(DraftError::Sampling)?;
+                let s = Sampler::new(req.sampling.clone());
+                match self.samplers.get_mut(b) {
+                    Some(slot) => *slot = s,
+                    None => self.samplers.push(s),
+                }
+            }
         }
         self.contexts.resize_with(batch.len(), Vec::new);
         for (ctx, req) in self.contexts.iter_mut().zip(batch) {
@@ -83,13 +91,12 @@ impl<M: Target> Draft for ModelDrafter<M> {
         }
         let Self {
             model,
-            sampler,
+            samplers,
             contexts,
             logits,
             scratch,
             spare,
         } = self;
-        let sampler = sampler.as_mut().ok_or(DraftError::NoSampler)?;
         let vocab = model.vocab_size();
         logits.resize_with(batch.len(), || Logits::new(vocab));
         let mut active: Vec<bool> = batch.iter().map(|r| r.max_len > 0).collect();
@@ -116,7 +123,7 @@ impl<M: Target> Draft for ModelDrafter<M> {
                 let req = &batch[b];
                 let row = logits[slot].row(0);
                 let mut q = spare.pop().map_or(Probs::OneHot(0), Probs::Dense);
-                sampler
+                samplers[b]
                     .probs(row, &contexts[b], &mut q)
                     .map_err(DraftError::Sampling)?;
                 if req.min_confidence > 0.0 {
@@ -188,7 +195,4 @@ pub enum DraftError<E: std::error::Error + 'static> {
     /// Forming the draft distribution failed (non-finite logits, invalid parameters).
     #[error(transparent)]
     Sampling(crate::Error),
-    /// Internal: the sampler was not set up before drafting.
-    #[error("the draft sampler was not initialised")]
-    NoSampler,
 }

@@ -15,7 +15,8 @@
 //! - [`rng`]: Philox4x32-10, a counter-based RNG keyed by (seed, position, stream).
 //! - [`policy`]: fixed, adaptive and cost-model draft lengths.
 //! - [`metrics`]: acceptance, mean accepted length, timings, the cost profile and predicted speedup.
-//! - [`decode`]: the loop that ties them together.
+//! - [`decode`]: the loop that ties them together; [`batch`]: the same for many sequences at once
+//!   (continuous batching).
 //!
 //! ```
 //! use specdec_core::mock::{MockLogits, MockModel};
@@ -49,6 +50,7 @@
 //! # Ok::<(), specdec_core::DecodeError>(())
 //! ```
 
+pub mod batch;
 pub mod decode;
 pub mod drafter;
 pub mod error;
@@ -66,6 +68,7 @@ pub mod verify;
 /// A token id.
 pub type TokenId = u32;
 
+pub use batch::{Batch, Emitted, Finished, TokenLogprob};
 pub use decode::{generate, DecodeError, GenerateConfig, Output, StopReason};
 pub use drafter::{DraftError, ModelDrafter};
 pub use error::{Error, Result, Side};

@@ -222,3 +222,55 @@ impl Draft for NoDraft {
         Ok(())
     }
 }
+
+impl<T: Target + ?Sized> Target for &mut T {
+    type Error = T::Error;
+
+    fn vocab_size(&self) -> usize {
+        (**self).vocab_size()
+    }
+
+    fn capacity(&self) -> usize {
+        (**self).capacity()
+    }
+
+    fn score(&mut self, batch: &[Score<'_>], out: &mut [Logits]) -> Result<(), Self::Error> {
+        (**self).score(batch, out)
+    }
+
+    fn commit(&mut self, seq: SeqId, committed: &[TokenId]) -> Result<(), Self::Error> {
+        (**self).commit(seq, committed)
+    }
+
+    fn release(&mut self, seq: SeqId) {
+        (**self).release(seq)
+    }
+}
+
+impl<D: Draft + ?Sized> Draft for &mut D {
+    type Error = D::Error;
+
+    fn vocab_size(&self) -> Option<usize> {
+        (**self).vocab_size()
+    }
+
+    fn propose(
+        &mut self,
+        batch: &[DraftRequest<'_>],
+        out: &mut [Proposal],
+    ) -> Result<(), Self::Error> {
+        (**self).propose(batch, out)
+    }
+
+    fn commit(&mut self, seq: SeqId, committed: &[TokenId]) -> Result<(), Self::Error> {
+        (**self).commit(seq, committed)
+    }
+
+    fn prefill(&mut self, seq: SeqId, context: &[TokenId]) -> Result<(), Self::Error> {
+        (**self).prefill(seq, context)
+    }
+
+    fn release(&mut self, seq: SeqId) {
+        (**self).release(seq)
+    }
+}

@@ -1,0 +1,683 @@
+//! Decoding several sequences together: one [`Batch::step`] drafts for every active sequence in one
+//! [`Draft::propose`] call, scores all of their blocks in one [`Target::score`] call, and verifies each
+//! sequence on its own. Sequences join ([`Batch::add`]) and leave ([`Batch::cancel`], or by finishing)
+//! between steps: continuous batching. [`crate::generate`] is a batch of one.
+//!
+//! Each sequence keeps its own configuration, sampler, draft-length controller, RNG and metrics, so its
+//! tokens are those it would get alone: the models see the same contexts and drafts, and a runtime whose
+//! rows are computed independently (the specdec runtime's) returns the same logits in a batch as alone.
+
+use std::ops::ControlFlow;
+use std::time::Instant;
+
+use crate::decode::{DecodeError, GenerateConfig, Output, StopReason};
+use crate::error::{Error, Result, Side};
+use crate::kernels;
+use crate::metrics::{Metrics, Round};
+use crate::model::{Draft, DraftRequest, Logits, Proposal, Score, SeqId, Target};
+use crate::policy::Controller;
+use crate::rng::{CounterRng, Stream};
+use crate::sampling::{Probs, Sampler};
+use crate::verify::{verify_greedy, verify_onehot, verify_rejection, Verdict, VerifyMode};
+use crate::TokenId;
+
+/// The most alternatives [`TokenLogprob::top`] may list (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// One committed token, as handed to the callback of [`Batch::step`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct Emitted {
+    /// The token.
+    pub token: TokenId,
+    /// True when it was drafted and accepted; false when the target chose it (the first token, and
+    /// the token after each round's accepted drafts).
+    pub drafted: bool,
+    /// The target's log-probability of the token and its most likely alternatives, when the
+    /// sequence asked for them.
+    pub logprob: Option<TokenLogprob>,
+}
+
+/// Log-probabilities from the target's logits (before temperature and truncation), natural log.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprob {
+    /// Of the committed token.
+    pub logprob: f32,
+    /// The most likely tokens with their log-probabilities, most likely first.
+    pub top: Vec<(TokenId, f32)>,
+}
+
+/// A sequence that left the batch.
+#[derive(Debug)]
+pub struct Finished {
+    /// Which.
+    pub seq: SeqId,
+    /// Its output, or the error that ended it with everything committed before.
+    pub result: std::result::Result<Output, DecodeError>,
+}
+
+/// Why a batched model call failed, as seen by the sequences other than the first in that call (the
+/// first gets the model's own error).
+#[derive(Debug, thiserror::Error)]
+#[error("a batched call failed: {0}")]
+pub struct BatchFailed(String);
+
+#[derive(Debug)]
+enum Phase {
+    /// The prompt has not been scored yet.
+    Prefill,
+    /// Rounds of draft, score and verify.
+    Decode,
+    /// Nothing to do: finished before any model call (`max_new_tokens` = 0).
+    Done(StopReason),
+}
+
+/// One sequence's state between steps.
+#[derive(Debug)]
+struct Sequence {
+    id: SeqId,
+    config: GenerateConfig,
+    logprobs: Option<usize>,
+    /// The committed sequence, prompt included.
+    tokens: Vec<TokenId>,
+    output: Output,
+    phase: Phase,
+    rng: CounterRng,
+    sampler: Sampler,
+    controller: Controller,
+    logits: Logits,
+    proposal: Proposal,
+    target_probs: Vec<Probs>,
+    residual: Vec<f32>,
+    history: Vec<TokenId>,
+    scratch: Vec<f32>,
+    /// The draft length of the step in progress.
+    k: usize,
+    decode_start: Option<Instant>,
+}
+
+/// Sequences decoded together on one target and one drafter.
+#[derive(Debug)]
+pub struct Batch<T, D> {
+    target: T,
+    drafter: D,
+    seqs: Vec<Sequence>,
+}
+
+impl<T: Target, D: Draft> Batch<T, D> {
+    /// An empty batch over `target` and `drafter`.
+    pub fn new(target: T, drafter: D) -> Self {
+        Self {
+            target,
+            drafter,
+            seqs: Vec::new(),
+        }
+    }
+
+    /// The target.
+    pub fn target(&self) -> &T {
+        &self.target
+    }
+
+    /// The drafter.
+    pub fn drafter(&self) -> &D {
+        &self.drafter
+    }
+
+    /// Gives the models back.
+    pub fn into_parts(self) -> (T, D) {
+        (self.target, self.drafter)
+    }
+
+    /// Active sequences.
+    pub fn len(&self) -> usize {
+        self.seqs.len()
+    }
+
+    /// True when no sequence is active.
+    pub fn is_empty(&self) -> bool {
+        self.seqs.is_empty()
+    }
+
+    /// The active sequences' ids.
+    pub fn ids(&self) -> impl Iterator<Item = SeqId> + '_ {
+        self.seqs.iter().map(|s| s.id)
+    }
+
+    /// Adds a sequence that generates from `prompt` with `config`; `logprobs` asks for the target's
+    /// log-probabilities of each token with that many alternatives (at most [`MAX_TOP_LOGPROBS`]).
+    /// Its first step scores the prompt.
+    ///
+    /// # Errors
+    /// An invalid configuration, an empty prompt, a token outside the vocabulary, a prompt that
+    /// fills the context, a drafter whose vocabulary differs from the target's, or an id already in
+    /// the batch. Nothing is added then.
+    pub fn add(
+        &mut self,
+        id: SeqId,
+        prompt: Vec<TokenId>,
+        config: GenerateConfig,
+        logprobs: Option<usize>,
+    ) -> Result<()> {
+        config.validate()?;
+        if let Some(n) = logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
+            return Err(Error::config(
+                "top_logprobs",
+                n,
+                "at most 20",
+            ));
+        }
+        if self.seqs.iter().any(|s| s.id == id) {
+            return Err(Error::config(
+                "sequence id",
+                id.0,
+                "an id not already in the batch",
+            ));
+        }
+        let vocab = self.target.vocab_size();
+        if let Some(draft) = self.drafter.vocab_size() {
+            if draft != vocab {
+                return Err(Error::VocabMismatch {
+                    draft,
+                    target: vocab,
+                });
+            }
+        }
+        if prompt.is_empty() {
+            return Err(Error::EmptyPrompt);
+        }
+        if let Some(&token) = prompt.iter().find(|&&t| t as usize >= vocab) {
+            return Err(Error::TokenOutOfRange {
+                side: Side::Target,
+                token,
+                vocab,
+            });
+        }
+        if prompt.len() >= self.target.capacity() {
+            return Err(Error::ContextOverflow {
+                len: prompt.len() + 1,
+                capacity: self.target.capacity(),
+            });
+        }
+        let phase = if config.max_new_tokens == 0 {
+            Phase::Done(StopReason::MaxTokens)
+        } else {
+            Phase::Prefill
+        };
+        self.seqs.push(Sequence {
+            id,
+            logprobs,
+            output: Output {
+                tokens: Vec::new(),
+                stop_reason: None,
+                metrics: Metrics {
+                    prompt_tokens: prompt.len(),
+                    ..Metrics::default()
+                },
+            },
+            tokens: prompt,
+            phase,
+            rng: CounterRng::new(config.seed),
+            sampler: Sampler::new(config.sampling.clone()),
+            controller: config.draft_len.controller(),
+            logits: Logits::new(vocab),
+            proposal: Proposal::default(),
+            target_probs: Vec::new(),
+            residual: Vec::new(),
+            history: Vec::new(),
+            scratch: Vec::new(),
+            k: 0,
+            decode_start: None,
+            config,
+        });
+        Ok(())
+    }
+
+    /// Removes a sequence before it finished; its output so far ends with
+    /// [`StopReason::Cancelled`]. `None` if it is not in the batch.
+    pub fn cancel(&mut self, id: SeqId) -> Option<Output> {
+        let i = self.seqs.iter().position(|s| s.id == id)?;
+        let mut s = self.seqs.swap_remove(i);
+        s.close();
+        s.output.stop_reason = Some(StopReason::Cancelled);
+        Some(s.output)
+    }
+
+    /// Frees the models' caches of a sequence that left the batch.
+    pub fn release(&mut self, id: SeqId) {
+        self.target.release(id);
+        self.drafter.release(id);
+    }
+
+    /// One step for every active sequence: the prompts of new ones are scored, the others draft and
+    /// verify one round. `on_token` sees each committed token (return [`ControlFlow::Break`] to stop
+    /// that sequence). Returns the sequences that finished; their caches are kept until
+    /// [`Batch::release`], so a caller may continue a sequence in a later [`Batch::add`] and reuse
+    /// its cached prefix.
+    pub fn step(
+        &mut self,
+        on_token: &mut dyn FnMut(SeqId, &Emitted) -> ControlFlow<()>,
+    ) -> Vec<Finished> {
+        let mut finished = Vec::new();
+        let mut failed: Vec<(usize, Error)> = Vec::new();
+
+        // Plan: the prompt's prefill, or this round's draft length.
+        let mut prefill_secs = vec![0.0; self.seqs.len()];
+        for (i, s) in self.seqs.iter_mut().enumerate() {
+            match s.phase {
+                Phase::Done(_) => {}
+                Phase::Prefill => {
+                    let t = Instant::now();
+                    if let Err(e) = self.drafter.prefill(s.id, &s.tokens) {
+                        failed.push((i, Error::model(Side::Draft, e)));
+                    }
+                    prefill_secs[i] = t.elapsed().as_secs_f64();
+                    s.k = 0;
+                }
+                Phase::Decode => {
+                    let room = (s.config.max_new_tokens - s.output.tokens.len())
+                        .min(self.target.capacity().saturating_sub(s.tokens.len()));
+                    if room == 0 {
+                        s.phase = Phase::Done(StopReason::ContextFull);
+                    } else {
+                        // Emitting at most k + 1 tokens must fit both the token limit and the
+                        // context.
+                        s.k = s.controller.next_draft_len().min(room - 1);
+                    }
+                }
+            }
+        }
+        self.take_failed(&mut failed, &mut finished);
+        self.take_done(&mut finished);
+
+        // Draft for every sequence in a decode round with k > 0, in one call.
+        let t0 = Instant::now();
+        let drafting: Vec<usize> = (0..self.seqs.len())
+            .filter(|&i| matches!(self.seqs[i].phase, Phase::Decode) && self.seqs[i].k > 0)
+            .collect();
+        for s in &mut self.seqs {
+            s.proposal.clear();
+        }
+        if !drafting.is_empty() {
+            let mut proposals: Vec<Proposal> = drafting
+                .iter()
+                .map(|&i| std::mem::take(&mut self.seqs[i].proposal))
+                .collect();
+            let requests: Vec<DraftRequest<'_>> = drafting
+                .iter()
+                .map(|&i| {
+                    let s = &self.seqs[i];
+                    DraftRequest {
+                        seq: s.id,
+                        context: &s.tokens,
+                        max_len: s.k,
+                        sampling: &s.config.sampling,
+                        rng: s.rng,
+                        min_confidence: s.config.min_confidence,
+                    }
+                })
+                .collect();
+            let r = self.drafter.propose(&requests, &mut proposals);
+            drop(requests);
+            for (&i, p) in drafting.iter().zip(proposals) {
+                self.seqs[i].proposal = p;
+            }
+            match r {
+                Ok(()) => {
+                    for &i in &drafting {
+                        let s = &self.seqs[i];
+                        if let Err(e) =
+                            check_proposal(&s.proposal, s.k, self.target.vocab_size())
+                        {
+                            failed.push((i, e));
+                        }
+                    }
+                }
+                Err(e) => spread(&drafting, Side::Draft, e, &mut failed),
+            }
+        }
+        let draft_secs = t0.elapsed().as_secs_f64();
+        self.take_failed(&mut failed, &mut finished);
+
+        // Score every sequence's block in one call.
+        let vocab = self.target.vocab_size();
+        let all: Vec<usize> = (0..self.seqs.len()).collect();
+        let t1 = Instant::now();
+        if !all.is_empty() {
+            let mut outs: Vec<Logits> = self
+                .seqs
+                .iter_mut()
+                .map(|s| {
+                    let mut l = std::mem::take(&mut s.logits);
+                    l.reset(vocab);
+                    l
+                })
+                .collect();
+            let requests: Vec<Score<'_>> = self
+                .seqs
+                .iter()
+                .map(|s| Score {
+                    seq: s.id,
+                    context: &s.tokens,
+                    draft: &s.proposal.tokens,
+                })
+                .collect();
+            let r = self.target.score(&requests, &mut outs);
+            drop(requests);
+            for (s, l) in self.seqs.iter_mut().zip(outs) {
+                s.logits = l;
+            }
+            match r {
+                Ok(()) => {
+                    for (i, s) in self.seqs.iter().enumerate() {
+                        if let Err(e) = check_logits(&s.logits, vocab, s.proposal.tokens.len() + 1)
+                        {
+                            failed.push((i, e));
+                        }
+                    }
+                }
+                Err(e) => spread(&all, Side::Target, e, &mut failed),
+            }
+        }
+        let verify_secs = t1.elapsed().as_secs_f64();
+        self.take_failed(&mut failed, &mut finished);
+
+        // Verify, emit and commit, each sequence on its own.
+        for (i, s) in self.seqs.iter_mut().enumerate() {
+            let r = match s.phase {
+                Phase::Prefill => s.finish_prefill(prefill_secs[i] + verify_secs, on_token),
+                _ => s.finish_round(draft_secs, verify_secs, on_token),
+            };
+            let r = r.and_then(|stop| {
+                s.commit(&mut self.target, &mut self.drafter)?;
+                Ok(stop)
+            });
+            match r {
+                Ok(Some(reason)) => s.phase = Phase::Done(reason),
+                Ok(None) => {}
+                Err(e) => failed.push((i, e)),
+            }
+        }
+        self.take_failed(&mut failed, &mut finished);
+        self.take_done(&mut finished);
+        finished
+    }
+
+    /// Removes the sequences that failed, highest index first so the others keep theirs.
+    fn take_failed(&mut self, failed: &mut Vec<(usize, Error)>, finished: &mut Vec<Finished>) {
+        failed.sort_by_key(|(i, _)| std::cmp::Reverse(*i));
+        failed.dedup_by_key(|(i, _)| *i);
+        for (i, error) in failed.drain(..) {
+            let mut s = self.seqs.remove(i);
+            s.close();
+            finished.push(Finished {
+                seq: s.id,
+                result: Err(DecodeError {
+                    output: Box::new(s.output),
+                    error,
+                }),
+            });
+        }
+    }
+
+    fn take_done(&mut self, finished: &mut Vec<Finished>) {
+        let mut i = 0;
+        while i < self.seqs.len() {
+            if let Phase::Done(reason) = self.seqs[i].phase {
+                let mut s = self.seqs.remove(i);
+                s.close();
+                s.output.stop_reason = Some(reason);
+                finished.push(Finished {
+                    seq: s.id,
+                    result: Ok(s.output),
+                });
+            } else {
+                i += 1;
+            }
+        }
+    }
+}
+
+/// One model error for every sequence of a call: the first gets it, the others its message.
+fn spread(
+    idx: &[usize],
+    side: Side,
+    e: impl std::error::Error + Send + Sync + 'static,
+    failed: &mut Vec<(usize, Error)>,
+) {
+    let msg = e.to_string();
+    let mut e = Some(e);
+    for &i in idx {
+        let err = match e.take() {
+            Some(e) => Error::model(side, e),
+            None => Error::model(side, BatchFailed(msg.clone())),
+        };
+        failed.push((i, err));
+    }
+}
+
+impl Sequence {
+    /// Stamps the decode time when the sequence leaves.
+    fn close(&mut self) {
+        if let Some(t) = self.decode_start.take() {
+            self.output.metrics.decode_secs = t.elapsed().as_secs_f64();
+        }
+    }
+
+    fn finish_prefill(
+        &mut self,
+        secs: f64,
+        on_token: &mut dyn FnMut(SeqId, &Emitted) -> ControlFlow<()>,
+    ) -> Result<Option<StopReason>> {
+        let t = Instant::now();
+        self.target_probs.resize_with(1, || Probs::OneHot(0));
+        self.sampler
+            .probs(self.logits.row(0), &self.tokens, &mut self.target_probs[0])?;
+        let pos = self.tokens.len();
+        let first = self.target_probs[0].sample(self.rng.uniform(pos, Stream::Target));
+        self.output.metrics.prefill_secs = secs + t.elapsed().as_secs_f64();
+        self.phase = Phase::Decode;
+        let stop = self.emit(&[first], 0, on_token);
+        if stop.is_none() {
+            self.decode_start = Some(Instant::now());
+        }
+        Ok(stop)
+    }
+
+    fn finish_round(
+        &mut self,
+        draft_secs: f64,
+        verify_secs: f64,
+        on_token: &mut dyn FnMut(SeqId, &Emitted) -> ControlFlow<()>,
+    ) -> Result<Option<StopReason>> {
+        let pos = self.tokens.len();
+        let draft = &self.proposal;
+        // Target distributions, each with the history plain decoding would have at its position.
+        let m = draft.tokens.len() + 1;
+        self.target_probs.resize_with(m, || Probs::OneHot(0));
+        self.history.clear();
+        let window = self.config.sampling.penalty_last_n;
+        self.history
+            .extend_from_slice(&self.tokens[self.tokens.len().saturating_sub(window)..]);
+        for (i, probs) in self.target_probs.iter_mut().enumerate() {
+            if i > 0 {
+                self.history.push(draft.tokens[i - 1]);
+            }
+            self.sampler
+                .probs(self.logits.row(i), &self.history, probs)?;
+        }
+        let verdict = if self.config.sampling.is_greedy() {
+            verify_greedy(&draft.tokens, &self.target_probs)
+        } else {
+            match self.config.verify_mode {
+                VerifyMode::OneHot => {
+                    verify_onehot(&draft.tokens, &self.target_probs, &self.rng, pos)
+                }
+                VerifyMode::Rejection => verify_rejection(
+                    &draft.tokens,
+                    &draft.probs,
+                    &self.target_probs,
+                    &self.rng,
+                    pos,
+                    &mut self.residual,
+                ),
+            }
+        };
+        let Verdict { accepted, next } = verdict;
+        let mut emitted: Vec<TokenId> = draft.tokens[..accepted].to_vec();
+        emitted.push(next);
+        let drafted = draft.tokens.len();
+        let before = self.output.tokens.len();
+        let stop = self.emit(&emitted, accepted, on_token);
+        let round = Round {
+            drafted,
+            accepted,
+            emitted: self.output.tokens.len() - before,
+            draft_secs,
+            verify_secs,
+            verified: m,
+        };
+        self.output.metrics.record(&round);
+        self.controller.observe(&round);
+        Ok(stop)
+    }
+
+    /// Appends tokens (the first `drafted` of which were drafted) until a stop condition; returns it
+    /// if one was met.
+    fn emit(
+        &mut self,
+        tokens: &[TokenId],
+        drafted: usize,
+        on_token: &mut dyn FnMut(SeqId, &Emitted) -> ControlFlow<()>,
+    ) -> Option<StopReason> {
+        for (i, &t) in tokens.iter().enumerate() {
+            if self.config.stop_tokens.contains(&t) {
+                return Some(StopReason::StopToken(t));
+            }
+            self.tokens.push(t);
+            self.output.tokens.push(t);
+            let logprob = self
+                .logprobs
+                .map(|n| token_logprob(self.logits.row(i), t, n, &mut self.scratch));
+            let e = Emitted {
+                token: t,
+                drafted: i < drafted,
+                logprob,
+            };
+            if on_token(self.id, &e).is_break() {
+                return Some(StopReason::Cancelled);
+            }
+            if self.output.tokens.len() >= self.config.max_new_tokens {
+                return Some(StopReason::MaxTokens);
+            }
+        }
+        None
+    }
+
+    fn commit<T: Target, D: Draft>(&self, target: &mut T, drafter: &mut D) -> Result<()> {
+        target
+            .commit(self.id, &self.tokens)
+            .map_err(|e| Error::model(Side::Target, e))?;
+        drafter
+            .commit(self.id, &self.tokens)
+            .map_err(|e| Error::model(Side::Draft, e))
+    }
+}
+
+/// The log-softmax of `logits` at `token`, and the `n` most likely tokens.
+fn token_logprob(logits: &[f32], token: TokenId, n: usize, scratch: &mut Vec<f32>) -> TokenLogprob {
+    scratch.clear();
+    scratch.extend_from_slice(logits);
+    let max = kernels::max(scratch);
+    let log_total = kernels::exp_shift_sum(scratch, max, 1.0).ln() as f32;
+    let lp = |x: f32| (x - max) - log_total;
+    let mut top: Vec<(TokenId, f32)> = Vec::with_capacity(n + 1);
+    if n > 0 {
+        for (i, &x) in logits.iter().enumerate() {
+            if top.len() < n || x > top[top.len() - 1].1 {
+                let at = top.partition_point(|&(_, y)| y >= x);
+                top.insert(at, (i as TokenId, x));
+                top.truncate(n);
+            }
+        }
+    }
+    TokenLogprob {
+        logprob: logits.get(token as usize).map_or(f32::NEG_INFINITY, |&x| lp(x)),
+        top: top.into_iter().map(|(t, x)| (t, lp(x))).collect(),
+    }
+}
+
+fn check_logits(got: &Logits, vocab: usize, rows: usize) -> Result<()> {
+    if got.vocab() != vocab {
+        return Err(Error::ShapeMismatch {
+            side: Side::Target,
+            what: "logits row length",
+            expected: vocab,
+            got: got.vocab(),
+        });
+    }
+    if got.rows() != rows {
+        return Err(Error::ShapeMismatch {
+            side: Side::Target,
+            what: "logits rows",
+            expected: rows,
+            got: got.rows(),
+        });
+    }
+    Ok(())
+}
+
+fn check_proposal(p: &Proposal, k: usize, vocab: usize) -> Result<()> {
+    if p.tokens.len() > k {
+        return Err(Error::ShapeMismatch {
+            side: Side::Draft,
+            what: "drafted tokens (at most the draft length)",
+            expected: k,
+            got: p.tokens.len(),
+        });
+    }
+    if p.probs.len() != p.tokens.len() {
+        return Err(Error::ShapeMismatch {
+            side: Side::Draft,
+            what: "draft distributions (one per drafted token)",
+            expected: p.tokens.len(),
+            got: p.probs.len(),
+        });
+    }
+    for (&token, q) in p.tokens.iter().zip(&p.probs) {
+        if token as usize >= vocab {
+            return Err(Error::TokenOutOfRange {
+                side: Side::Draft,
+                token,
+                vocab,
+            });
+        }
+        if let Probs::Dense(q) = q {
+            if q.len() != vocab {
+                return Err(Error::ShapeMismatch {
+                    side: Side::Draft,
+                    what: "draft distribution length",
+                    expected: vocab,
+                    got: q.len(),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_logprob_is_a_log_softmax_with_sorted_alternatives() {
+        let logits = [1.0f32, 3.0, 2.0, 0.5];
+        let mut scratch = Vec::new();
+        let lp = token_logprob(&logits, 2, 3, &mut scratch);
+        let z: f32 = logits.iter().map(|x| x.exp()).sum();
+        assert!((lp.logprob - (2.0f32.exp() / z).ln()).abs() < 1e-5);
+        let ids: Vec<TokenId> = lp.top.iter().map(|t| t.0).collect();
+        assert_eq!(ids, [1, 2, 0]);
+        assert!((lp.top[0].1 - (3.0f32.exp() / z).ln()).abs() < 1e-5);
+    }
+}

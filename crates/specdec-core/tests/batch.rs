@@ -1,0 +1,230 @@
+//! Continuous batching: sequences decoded together, joining and leaving between steps, each get exactly
+//! the tokens they get alone (greedy and sampled, every drafter), and one sequence's end or failure
+//! leaves the others running.
+
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
+use std::collections::HashMap;
+use std::ops::ControlFlow;
+
+use specdec_core::mock::{MockLogits, MockModel};
+use specdec_core::{
+    generate, Batch, Draft, DraftLenPolicy, Emitted, GenerateConfig, HybridDrafter, ModelDrafter,
+    NGramDrafter, NoDraft, SamplingParams, SeqId, StopReason, TokenId,
+};
+
+const VOCAB: usize = 40;
+
+fn target() -> MockModel {
+    MockModel::new(MockLogits::Hashed {
+        vocab: VOCAB,
+        seed: 5,
+        scale: 3.0,
+    })
+}
+
+fn draft_model() -> ModelDrafter<MockModel> {
+    ModelDrafter::new(MockModel::new(MockLogits::Perturbed {
+        base: Box::new(MockLogits::Hashed {
+            vocab: VOCAB,
+            seed: 5,
+            scale: 3.0,
+        }),
+        seed: 9,
+        noise: 1.0,
+    }))
+}
+
+/// Six requests with different prompts, lengths, sampling and draft lengths.
+fn requests() -> Vec<(Vec<TokenId>, GenerateConfig)> {
+    (0..6u32)
+        .map(|i| {
+            let prompt: Vec<TokenId> = (0..3 + i).map(|j| (i * 7 + j * 3) % VOCAB as u32).collect();
+            let sampling = if i % 2 == 0 {
+                SamplingParams::greedy()
+            } else {
+                SamplingParams {
+                    temperature: 0.8,
+                    top_p: 0.95,
+                    ..SamplingParams::default()
+                }
+            };
+            let config = GenerateConfig {
+                max_new_tokens: 10 + 3 * i as usize,
+                sampling,
+                seed: 100 + u64::from(i),
+                draft_len: DraftLenPolicy::Fixed {
+                    draft_len: 1 + i as usize % 4,
+                },
+                stop_tokens: vec![7],
+                ..GenerateConfig::default()
+            };
+            (prompt, config)
+        })
+        .collect()
+}
+
+fn alone<D: Draft>(mut make: impl FnMut() -> D) -> Vec<(Vec<TokenId>, Option<StopReason>)> {
+    requests()
+        .into_iter()
+        .map(|(prompt, config)| {
+            let out = generate(&mut target(), &mut make(), &prompt, &config, &mut |_| {
+                ControlFlow::Continue(())
+            })
+            .unwrap();
+            (out.tokens, out.stop_reason)
+        })
+        .collect()
+}
+
+/// Adds request `i` at step `2 * i`, so sequences join while others are mid-way.
+fn batched<D: Draft>(drafter: D) -> Vec<(Vec<TokenId>, Option<StopReason>)> {
+    let reqs = requests();
+    let mut batch = Batch::new(target(), drafter);
+    let mut streamed: HashMap<SeqId, Vec<TokenId>> = HashMap::new();
+    let mut results = vec![None; reqs.len()];
+    let mut step = 0;
+    while results.iter().any(Option::is_none) {
+        if step % 2 == 0 && step / 2 < reqs.len() {
+            let i = step / 2;
+            let (p, c) = reqs[i].clone();
+            batch.add(SeqId(i as u64), p, c, None).unwrap();
+        }
+        let done = batch.step(&mut |seq, e: &Emitted| {
+            streamed.entry(seq).or_default().push(e.token);
+            ControlFlow::Continue(())
+        });
+        for f in done {
+            let out = f.result.unwrap();
+            assert_eq!(streamed.get(&f.seq).cloned().unwrap_or_default(), out.tokens);
+            batch.release(f.seq);
+            results[f.seq.0 as usize] = Some((out.tokens, out.stop_reason));
+        }
+        step += 1;
+        assert!(step < 1000, "the batch never finished");
+    }
+    assert!(batch.is_empty());
+    results.into_iter().map(Option::unwrap).collect()
+}
+
+#[test]
+fn batched_sequences_get_the_tokens_they_get_alone() {
+    let expect = alone(|| NoDraft);
+    assert_eq!(batched(NoDraft), expect);
+    assert_eq!(batched(draft_model()), alone(draft_model));
+    assert_eq!(batched(NGramDrafter::default()), alone(NGramDrafter::default));
+    let hybrid = || HybridDrafter {
+        ngram: NGramDrafter::default(),
+        model: draft_model(),
+    };
+    assert_eq!(batched(hybrid()), alone(hybrid));
+    // Greedy sequences get the target's own greedy tokens whatever the drafter.
+    for (i, ((a, _), (b, _))) in batched(draft_model()).iter().zip(&expect).enumerate() {
+        if i % 2 == 0 {
+            assert_eq!(a, b, "greedy sequence {i}");
+        }
+    }
+}
+
+#[test]
+fn a_batch_step_makes_one_draft_and_one_target_call_per_position() {
+    let mut batch = Batch::new(target(), NoDraft);
+    for (i, (p, c)) in requests().into_iter().enumerate().take(4) {
+        batch.add(SeqId(i as u64), p, c, None).unwrap();
+    }
+    batch.step(&mut |_, _| ControlFlow::Continue(()));
+    batch.step(&mut |_, _| ControlFlow::Continue(()));
+    // One prefill call and one decode call for all four.
+    assert_eq!(batch.target().stats().calls, 2);
+}
+
+#[test]
+fn cancel_and_break_end_one_sequence_only() {
+    let reqs = requests();
+    let mut batch = Batch::new(target(), draft_model());
+    for (i, (p, c)) in reqs.iter().cloned().enumerate().take(3) {
+        batch.add(SeqId(i as u64), p, c, None).unwrap();
+    }
+    // Sequence 1 stops itself after its second token; sequence 2 is cancelled from outside.
+    let mut count = 0;
+    let mut finished = Vec::new();
+    let mut step = |batch: &mut Batch<MockModel, ModelDrafter<MockModel>>| {
+        batch.step(&mut |seq, _| {
+            if seq == SeqId(1) {
+                count += 1;
+                if count == 2 {
+                    return ControlFlow::Break(());
+                }
+            }
+            ControlFlow::Continue(())
+        })
+    };
+    finished.extend(step(&mut batch));
+    let cancelled = batch.cancel(SeqId(2)).unwrap();
+    assert_eq!(cancelled.stop_reason, Some(StopReason::Cancelled));
+    assert_eq!(cancelled.tokens.len(), 1, "the prefill's token is kept");
+    while !batch.is_empty() {
+        finished.extend(step(&mut batch));
+    }
+    let by_seq: HashMap<SeqId, _> = finished.into_iter().map(|f| (f.seq, f.result)).collect();
+    let one = by_seq[&SeqId(1)].as_ref().unwrap();
+    assert_eq!(one.stop_reason, Some(StopReason::Cancelled));
+    assert_eq!(one.tokens.len(), 2);
+    let zero = by_seq[&SeqId(0)].as_ref().unwrap();
+    assert_eq!(zero.tokens, alone(|| NoDraft)[0].0);
+}
+
+#[test]
+fn bad_requests_are_refused_and_a_duplicate_id_too() {
+    let mut batch = Batch::new(target(), NoDraft);
+    let config = GenerateConfig::default();
+    assert!(batch.add(SeqId(0), vec![], config.clone(), None).is_err());
+    assert!(batch
+        .add(SeqId(0), vec![VOCAB as u32], config.clone(), None)
+        .is_err());
+    assert!(batch.add(SeqId(0), vec![1], config.clone(), Some(21)).is_err());
+    batch.add(SeqId(0), vec![1], config.clone(), None).unwrap();
+    assert!(batch.add(SeqId(0), vec![2], config, None).is_err());
+    assert_eq!(batch.len(), 1);
+}
+
+#[test]
+fn a_target_failure_ends_every_sequence_of_the_call_with_its_tokens() {
+    let mut batch = Batch::new(target().fail_at_call(3), NoDraft);
+    for (i, (p, c)) in requests().into_iter().enumerate().take(2) {
+        batch.add(SeqId(i as u64), p, c, None).unwrap();
+    }
+    let mut finished = Vec::new();
+    for _ in 0..3 {
+        finished.extend(batch.step(&mut |_, _| ControlFlow::Continue(())));
+    }
+    assert_eq!(finished.len(), 2);
+    for f in finished {
+        let e = f.result.unwrap_err();
+        assert_eq!(e.output.tokens.len(), 2, "prefill's token and one round's");
+    }
+}
+
+#[test]
+fn logprobs_come_with_each_token_when_asked() {
+    let mut batch = Batch::new(target(), draft_model());
+    let (p, c) = requests()[0].clone();
+    batch.add(SeqId(0), p, c, Some(3)).unwrap();
+    let mut seen = Vec::new();
+    while !batch.is_empty() {
+        batch.step(&mut |_, e| {
+            seen.push(e.clone());
+            ControlFlow::Continue(())
+        });
+    }
+    assert!(!seen.is_empty());
+    for e in &seen {
+        let lp = e.logprob.as_ref().unwrap();
+        assert_eq!(lp.top.len(), 3);
+        assert!(lp.logprob <= 0.0);
+        // Greedy: the committed token is the most likely one.
+        assert_eq!(lp.top[0].0, e.token);
+        assert!((lp.top[0].1 - lp.logprob).abs() < 1e-6);
+    }
+    assert!(seen.iter().any(|e| e.drafted), "some tokens came from drafts");
+}

@@ -159,6 +159,15 @@ pub enum Error {
     /// A session was asked to score more than one sequence at once.
     #[error("a session holds one sequence; got a batch of {0}")]
     BatchUnsupported(usize),
+    /// More sequences at once than [`crate::Sessions`] was made for.
+    #[error("at most {max} sequences at a time")]
+    TooManySequences {
+        /// The limit.
+        max: usize,
+    },
+    /// The same sequence twice in one batch.
+    #[error("sequence {0} appears twice in one batch")]
+    DuplicateSequence(u64),
     /// Building or running the tokenizer failed.
     #[error("tokenizer: {0}")]
     Tokenizer(String),

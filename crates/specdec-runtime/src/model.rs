@@ -246,20 +246,41 @@ impl Model {
         logits_rows: usize,
         logits: &mut Vec<f32>,
     ) -> Result<()> {
+        // The buffers of the last pass, grown if this block is larger, and put back at the end.
+        let mut sc = std::mem::take(&mut cache.scratch);
+        let r = self.forward_parts(
+            &mut [Part {
+                cache: &mut *cache,
+                tokens,
+                logits_rows,
+                logits,
+            }],
+            &mut sc,
+        );
+        cache.scratch = sc;
+        r
+    }
+
+    /// [`Model::forward`] for several sequences at once: the rows of every part go through the
+    /// matrices together (one read of the weights for all of them), and each part's rows attend to
+    /// its own cache. Row-independence makes every part's logits exactly those of a pass of its own.
+    /// On an error no cache is marked longer.
+    pub(crate) fn forward_parts(&self, parts: &mut [Part<'_>], sc: &mut Scratch) -> Result<()> {
         let c = &self.config;
-        let m = tokens.len();
-        let pos = cache.len();
-        cache.reserve(pos, m)?;
-        if logits_rows > m {
-            return Err(Error::RowsOutOfRange {
-                rows: logits_rows,
-                tokens: m,
-            });
+        let mut m = 0;
+        let mut wanted = 0;
+        for p in parts.iter() {
+            p.cache.reserve(p.cache.len(), p.tokens.len())?;
+            if p.logits_rows > p.tokens.len() {
+                return Err(Error::RowsOutOfRange {
+                    rows: p.logits_rows,
+                    tokens: p.tokens.len(),
+                });
+            }
+            m += p.tokens.len();
+            wanted += p.logits_rows;
         }
         let d = c.n_embd;
-        // The buffers of the last pass, grown if this block is larger; put back at the end (an error
-        // drops them, and the next pass starts from empty ones).
-        let mut sc = std::mem::take(&mut cache.scratch);
         let Scratch {
             x,
             h,
@@ -273,7 +294,8 @@ impl Model {
             cos,
             sin,
             acts,
-        } = &mut sc;
+            logits: all_logits,
+        } = sc;
         for (buf, len) in [
             (&mut *x, m * d),
             (&mut *h, m * d),
@@ -288,6 +310,7 @@ impl Model {
             buf.clear();
             buf.resize(len, 0.0);
         }
+        let tokens = parts.iter().flat_map(|p| p.tokens.iter());
         for (row, &t) in x.chunks_exact_mut(d).zip(tokens) {
             if t as usize >= c.vocab {
                 return Err(Error::TokenOutOfRange {
@@ -297,8 +320,13 @@ impl Model {
             }
             self.embd.row_into(t as usize, row)?;
         }
-        self.rope_table(pos, m, cos, sin);
+        cos.clear();
+        sin.clear();
+        for p in parts.iter() {
+            self.rope_table(p.cache.len(), p.tokens.len(), cos, sin);
+        }
         let pool = &*self.pool;
+        let (q_dim, kv_dim) = (c.q_dim(), c.kv_dim());
         for (li, l) in self.layers.iter().enumerate() {
             let _span = tracing::trace_span!("layer", li).entered();
             rms_norm(x, &l.attn_norm, c.rms_eps, h);
@@ -313,9 +341,28 @@ impl Model {
             }
             self.apply_rope(q, c.n_head, cos, sin);
             self.apply_rope(k, c.n_head_kv, cos, sin);
-            cache.write(li, pos, k, v);
-            let (keys, values) = cache.layer(li, pos + m);
-            attention(c, q, keys, values, pos, attn, pool);
+            let mut row = 0;
+            for p in parts.iter_mut() {
+                let (pos, n) = (p.cache.len(), p.tokens.len());
+                let (a, b) = (row, row + n);
+                p.cache.write(
+                    li,
+                    pos,
+                    &k[a * kv_dim..b * kv_dim],
+                    &v[a * kv_dim..b * kv_dim],
+                );
+                let (keys, values) = p.cache.layer(li, pos + n);
+                attention(
+                    c,
+                    &q[a * q_dim..b * q_dim],
+                    keys,
+                    values,
+                    pos,
+                    &mut attn[a * q_dim..b * q_dim],
+                    pool,
+                );
+                row = b;
+            }
             l.wo.matmul(&mut Activations::new(attn, m, acts), o, pool)?;
             add(x, o);
             rms_norm(x, &l.ffn_norm, c.rms_eps, h);
@@ -329,28 +376,51 @@ impl Model {
                 .matmul(&mut Activations::new(gate, m, acts), o, pool)?;
             add(x, o);
         }
-        cache.set_len(pos + m);
         // The final norm of the rows whose logits are asked, into `h` (free now).
-        let last = &x[(m - logits_rows) * d..];
-        let normed = &mut h[..logits_rows * d];
-        rms_norm(last, &self.norm, c.rms_eps, normed);
-        logits.clear();
-        logits.resize(logits_rows * c.vocab, 0.0);
+        let mut row = 0;
+        let mut at = 0;
+        for p in parts.iter() {
+            let n = p.tokens.len();
+            let last = &x[(row + n - p.logits_rows) * d..(row + n) * d];
+            rms_norm(
+                last,
+                &self.norm,
+                c.rms_eps,
+                &mut h[at * d..(at + p.logits_rows) * d],
+            );
+            row += n;
+            at += p.logits_rows;
+        }
+        let normed = &mut h[..wanted * d];
         let out = self.output.as_ref().unwrap_or(&self.embd);
-        out.matmul_prefix(
-            &mut Activations::new(normed, logits_rows, acts),
-            self.logits_vocab,
-            logits,
-            pool,
-        )?;
-        cache.scratch = sc;
+        let mut acts = Activations::new(normed, wanted, acts);
+        if let [p] = parts {
+            // One part: straight into its buffer.
+            p.logits.clear();
+            p.logits.resize(wanted * c.vocab, 0.0);
+            out.matmul_prefix(&mut acts, self.logits_vocab, p.logits, pool)?;
+        } else {
+            all_logits.clear();
+            all_logits.resize(wanted * c.vocab, 0.0);
+            out.matmul_prefix(&mut acts, self.logits_vocab, all_logits, pool)?;
+            let mut at = 0;
+            for p in parts.iter_mut() {
+                let n = p.logits_rows * c.vocab;
+                p.logits.clear();
+                p.logits.extend_from_slice(&all_logits[at..at + n]);
+                at += n;
+            }
+        }
+        for p in parts.iter_mut() {
+            let len = p.cache.len() + p.tokens.len();
+            p.cache.set_len(len);
+        }
         Ok(())
     }
 
     /// `(cos, sin)` of every rope angle of positions `pos..pos + m`: `[m, rope_dim / 2]` each.
+    /// Appended to `cos` and `sin`.
     fn rope_table(&self, pos: usize, m: usize, cos: &mut Vec<f32>, sin: &mut Vec<f32>) {
-        cos.clear();
-        sin.clear();
         for p in pos..pos + m {
             for &f in &self.inv_freq {
                 let a = p as f64 * f;
@@ -399,6 +469,21 @@ pub(crate) struct Scratch {
     cos: Vec<f32>,
     sin: Vec<f32>,
     acts: ActivationBuffers,
+    /// The logits of every part of a multi-part pass, before they are split.
+    logits: Vec<f32>,
+}
+
+/// One sequence's share of [`Model::forward_parts`].
+#[derive(Debug)]
+pub(crate) struct Part<'a> {
+    /// Its cache: the tokens go at positions `cache.len()..`.
+    pub cache: &'a mut KvCache,
+    /// Its tokens.
+    pub tokens: &'a [u32],
+    /// Logits of this many last positions...
+    pub logits_rows: usize,
+    /// ...written here (`[logits_rows, vocab]`).
+    pub logits: &'a mut Vec<f32>,
 }
 
 /// Per-dimension-pair divisors of the rope frequencies (Llama 3.1 and later), `[rope_dim / 2]`.

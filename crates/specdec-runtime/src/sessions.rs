@@ -1,0 +1,248 @@
+//! Many sequences on one model: a KV cache per [`SeqId`], and a batched [`Target::score`] that runs the
+//! blocks of every sequence in the batch through one forward pass, so concurrent sequences share each
+//! read of the weights. A sequence's logits are those of a [`crate::Session`] of its own, bit for bit
+//! (see [`crate::model`]).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use specdec_core::{Logits, Score, SeqId, Target, TokenId};
+
+use crate::error::{Error, Result};
+use crate::kv::KvCache;
+use crate::model::{Model, Part, Scratch};
+use crate::session::PREFILL_CHUNK;
+
+/// Released caches kept for reuse, at most this many.
+const SPARE_CACHES: usize = 8;
+
+/// One sequence's cache and the tokens in it.
+#[derive(Debug)]
+struct Seq {
+    cache: KvCache,
+    tokens: Vec<TokenId>,
+}
+
+impl Seq {
+    fn common_prefix(&self, seq: &[TokenId]) -> usize {
+        self.tokens
+            .iter()
+            .zip(seq)
+            .take_while(|(a, b)| a == b)
+            .count()
+    }
+
+    fn rollback(&mut self, len: usize) -> Result<()> {
+        self.cache.truncate(len)?;
+        self.tokens.truncate(len);
+        Ok(())
+    }
+}
+
+/// Sequences on a shared model, each with its own KV cache of `capacity` positions, created on first
+/// use and freed by [`Target::release`].
+#[derive(Debug)]
+pub struct Sessions {
+    model: Arc<Model>,
+    capacity: usize,
+    max_seqs: usize,
+    seqs: HashMap<SeqId, Seq>,
+    spare: Vec<KvCache>,
+    scratch: Scratch,
+    /// The logits of each request, before they go into the caller's buffers.
+    logits: Vec<Vec<f32>>,
+}
+
+impl Sessions {
+    /// Room for `capacity` tokens per sequence (clamped to the model's trained context) and at most
+    /// `max_seqs` sequences at a time.
+    pub fn new(model: Arc<Model>, capacity: usize, max_seqs: usize) -> Self {
+        let capacity = capacity.min(model.config().ctx_train).max(1);
+        Self {
+            model,
+            capacity,
+            max_seqs: max_seqs.max(1),
+            seqs: HashMap::new(),
+            spare: Vec::new(),
+            scratch: Scratch::default(),
+            logits: Vec::new(),
+        }
+    }
+
+    /// The model.
+    pub fn model(&self) -> &Arc<Model> {
+        &self.model
+    }
+
+    /// Sequences holding a cache.
+    pub fn active(&self) -> usize {
+        self.seqs.len()
+    }
+
+    /// The tokens cached for `seq` (empty if none).
+    pub fn tokens(&self, seq: SeqId) -> &[TokenId] {
+        self.seqs.get(&seq).map_or(&[], |s| &s.tokens)
+    }
+
+    /// The cache of `id`, taken out of the map (`taken` others already are), or a new one.
+    fn take(&mut self, id: SeqId, taken: usize) -> Result<Seq> {
+        if let Some(s) = self.seqs.remove(&id) {
+            return Ok(s);
+        }
+        if self.seqs.len() + taken >= self.max_seqs {
+            return Err(Error::TooManySequences {
+                max: self.max_seqs,
+            });
+        }
+        let cache = match self.spare.pop() {
+            Some(mut c) => {
+                c.truncate(0)?;
+                c
+            }
+            None => self.model.cache(self.capacity),
+        };
+        Ok(Seq {
+            cache,
+            tokens: Vec::new(),
+        })
+    }
+
+    fn score_taken(
+        &mut self,
+        batch: &[Score<'_>],
+        seqs: &mut [Seq],
+        out: &mut [Logits],
+    ) -> Result<()> {
+        // What each sequence must feed: from the end of its cached prefix (at least the last context
+        // token, whose logits are the first row asked for) to the end of its draft.
+        let mut feeds = Vec::with_capacity(batch.len());
+        for (req, s) in batch.iter().zip(seqs.iter_mut()) {
+            let ctx = req.context;
+            if ctx.is_empty() {
+                return Err(Error::EmptyContext);
+            }
+            let total = ctx.len() + req.draft.len();
+            if total > self.capacity {
+                return Err(Error::ContextOverflow {
+                    len: total,
+                    capacity: self.capacity,
+                });
+            }
+            let keep = s.common_prefix(ctx).min(ctx.len() - 1);
+            s.rollback(keep)?;
+            let mut feed = Vec::with_capacity(total - keep);
+            feed.extend_from_slice(&ctx[keep..]);
+            feed.extend_from_slice(req.draft);
+            feeds.push(feed);
+        }
+        // Long prompts first, chunk by chunk and each on its own, up to the rows asked for.
+        let mut ignored = Vec::new();
+        for ((req, s), feed) in batch.iter().zip(seqs.iter_mut()).zip(&feeds) {
+            let rows = req.draft.len() + 1;
+            for chunk in feed[..feed.len() - rows].chunks(PREFILL_CHUNK) {
+                self.model.forward_parts(
+                    &mut [Part {
+                        cache: &mut s.cache,
+                        tokens: chunk,
+                        logits_rows: 0,
+                        logits: &mut ignored,
+                    }],
+                    &mut self.scratch,
+                )?;
+                s.tokens.extend_from_slice(chunk);
+            }
+        }
+        // Then the rows asked for, of every sequence, in one pass.
+        self.logits.resize_with(batch.len(), Vec::new);
+        let mut parts: Vec<Part<'_>> = batch
+            .iter()
+            .zip(seqs.iter_mut())
+            .zip(&feeds)
+            .zip(self.logits.iter_mut())
+            .map(|(((req, s), feed), logits)| {
+                let rows = req.draft.len() + 1;
+                Part {
+                    cache: &mut s.cache,
+                    tokens: &feed[feed.len() - rows..],
+                    logits_rows: rows,
+                    logits,
+                }
+            })
+            .collect();
+        self.model.forward_parts(&mut parts, &mut self.scratch)?;
+        drop(parts);
+        let vocab = self.model.config().vocab;
+        for (((req, s), feed), (out, logits)) in batch
+            .iter()
+            .zip(seqs.iter_mut())
+            .zip(&feeds)
+            .zip(out.iter_mut().zip(&self.logits))
+        {
+            s.tokens
+                .extend_from_slice(&feed[feed.len() - (req.draft.len() + 1)..]);
+            out.reset(vocab);
+            out.extend_rows(logits);
+        }
+        Ok(())
+    }
+}
+
+impl Target for Sessions {
+    type Error = Error;
+
+    fn vocab_size(&self) -> usize {
+        self.model.config().vocab
+    }
+
+    fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    fn score(&mut self, batch: &[Score<'_>], out: &mut [Logits]) -> Result<()> {
+        if out.len() < batch.len() {
+            return Err(Error::BatchUnsupported(batch.len()));
+        }
+        for (i, r) in batch.iter().enumerate() {
+            if batch[..i].iter().any(|o| o.seq == r.seq) {
+                return Err(Error::DuplicateSequence(r.seq.0));
+            }
+        }
+        let mut seqs = Vec::with_capacity(batch.len());
+        let mut r = Ok(());
+        for req in batch {
+            match self.take(req.seq, seqs.len()) {
+                Ok(s) => seqs.push(s),
+                Err(e) => {
+                    r = Err(e);
+                    break;
+                }
+            }
+        }
+        if r.is_ok() {
+            r = self.score_taken(batch, &mut seqs, out);
+        }
+        // Every cache goes back, whatever happened (a failed pass marks no position valid).
+        for (req, s) in batch.iter().zip(seqs) {
+            self.seqs.insert(req.seq, s);
+        }
+        r
+    }
+
+    fn commit(&mut self, seq: SeqId, committed: &[TokenId]) -> Result<()> {
+        match self.seqs.get_mut(&seq) {
+            Some(s) => {
+                let keep = s.common_prefix(committed);
+                s.rollback(keep)
+            }
+            None => Ok(()),
+        }
+    }
+
+    fn release(&mut self, seq: SeqId) {
+        if let Some(s) = self.seqs.remove(&seq) {
+            if self.spare.len() < SPARE_CACHES {
+                self.spare.push(s.cache);
+            }
+        }
+    }
+}

@@ -1,0 +1,151 @@
+//! Several sequences on one model: a batched forward pass gives every sequence the logits of a pass of
+//! its own, bit for bit, and continuous batching with the real runtime gives every sequence the tokens
+//! it gets alone.
+
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
+mod common;
+
+use std::collections::HashMap;
+use std::ops::ControlFlow;
+
+use candle_core::quantized::GgmlDType;
+use common::tiny_model;
+use specdec_core::{
+    generate, Batch, DraftLenPolicy, GenerateConfig, Logits, ModelDrafter, SamplingParams, Score,
+    SeqId, Target, TokenId,
+};
+use specdec_runtime::testing::TinySpec;
+use specdec_runtime::{Arch, Error, Session, Sessions};
+
+fn tokens(n: usize, seed: u32) -> Vec<u32> {
+    (0..n as u32).map(|i| (i * 37 + seed * 11 + 5) % 256).collect()
+}
+
+#[test]
+fn batched_scores_equal_separate_scores_bit_for_bit() {
+    for (arch, dtype) in [
+        (Arch::Llama, GgmlDType::Q4K),
+        (Arch::Qwen2, GgmlDType::Q8_0),
+        (Arch::Qwen2, GgmlDType::Q6K),
+    ] {
+        let model = tiny_model(&TinySpec::new(arch, dtype));
+        let mut batched = Sessions::new(model.clone(), 128, 4);
+        // Contexts of different lengths, drafts of different lengths, and a second round that
+        // rolls back part of a draft.
+        let contexts: Vec<Vec<u32>> = (0..4).map(|s| tokens(3 + 5 * s, s as u32)).collect();
+        let drafts: Vec<Vec<u32>> = (0..4).map(|s| tokens(s * 2, 7 + s as u32)).collect();
+        for round in 0..2 {
+            let reqs: Vec<Score<'_>> = (0..4)
+                .map(|s| Score {
+                    seq: SeqId(s as u64),
+                    context: &contexts[s][..contexts[s].len() - round],
+                    draft: &drafts[s],
+                })
+                .collect();
+            let mut out = vec![Logits::new(0); 4];
+            batched.score(&reqs, &mut out).unwrap();
+            for (s, req) in reqs.iter().enumerate() {
+                let mut alone = Session::new(model.clone(), 128);
+                let mut want = [Logits::new(0)];
+                alone
+                    .score(
+                        &[Score {
+                            seq: SeqId(0),
+                            ..*req
+                        }],
+                        &mut want,
+                    )
+                    .unwrap();
+                assert_eq!(out[s].rows(), req.draft.len() + 1);
+                for r in 0..out[s].rows() {
+                    let same = out[s]
+                        .row(r)
+                        .iter()
+                        .zip(want[0].row(r))
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{arch:?} {dtype:?} round {round} seq {s} row {r}");
+                }
+            }
+        }
+        assert_eq!(batched.active(), 4);
+        batched.release(SeqId(0));
+        assert_eq!(batched.active(), 3);
+    }
+}
+
+#[test]
+fn sessions_refuse_too_many_sequences_and_duplicates() {
+    let model = tiny_model(&TinySpec::new(Arch::Llama, GgmlDType::Q8_0));
+    let mut s = Sessions::new(model, 64, 2);
+    let ctx = tokens(4, 1);
+    let req = |i| Score {
+        seq: SeqId(i),
+        context: &ctx,
+        draft: &[],
+    };
+    let mut out = vec![Logits::new(0); 3];
+    let e = s.score(&[req(0), req(1), req(2)], &mut out).unwrap_err();
+    assert!(matches!(e, Error::TooManySequences { max: 2 }), "{e}");
+    let e = s.score(&[req(0), req(0)], &mut out).unwrap_err();
+    assert!(matches!(e, Error::DuplicateSequence(0)), "{e}");
+    // After the errors the sessions still work.
+    s.score(&[req(0), req(1)], &mut out).unwrap();
+    assert_eq!(out[1].rows(), 1);
+}
+
+#[test]
+fn continuous_batching_on_tiny_models_gives_each_sequence_its_own_tokens() {
+    let target = tiny_model(&TinySpec::new(Arch::Qwen2, GgmlDType::Q8_0));
+    let draft = tiny_model(&TinySpec::new(Arch::Qwen2, GgmlDType::Q4_0));
+    let configs: Vec<(Vec<TokenId>, GenerateConfig)> = (0..4)
+        .map(|i| {
+            let sampling = if i % 2 == 0 {
+                SamplingParams::greedy()
+            } else {
+                SamplingParams {
+                    temperature: 0.9,
+                    ..SamplingParams::default()
+                }
+            };
+            let config = GenerateConfig {
+                max_new_tokens: 12 + 4 * i,
+                sampling,
+                seed: i as u64,
+                draft_len: DraftLenPolicy::Fixed { draft_len: 1 + i },
+                ..GenerateConfig::default()
+            };
+            (tokens(4 + 3 * i, i as u32), config)
+        })
+        .collect();
+    let alone: Vec<Vec<TokenId>> = configs
+        .iter()
+        .map(|(p, c)| {
+            let mut t = Session::new(target.clone(), 128);
+            let mut d = ModelDrafter::new(Session::new(draft.clone(), 128));
+            generate(&mut t, &mut d, p, c, &mut |_| ControlFlow::Continue(()))
+                .unwrap()
+                .tokens
+        })
+        .collect();
+    let mut batch = Batch::new(
+        Sessions::new(target, 128, 4),
+        ModelDrafter::new(Sessions::new(draft, 128, 4)),
+    );
+    let mut got: HashMap<SeqId, Vec<TokenId>> = HashMap::new();
+    let mut step = 0;
+    while got.len() < configs.len() {
+        if step < configs.len() {
+            let (p, c) = configs[step].clone();
+            batch.add(SeqId(step as u64), p, c, None).unwrap();
+        }
+        for f in batch.step(&mut |_, _| ControlFlow::Continue(())) {
+            got.insert(f.seq, f.result.unwrap().tokens);
+            batch.release(f.seq);
+        }
+        step += 1;
+    }
+    for (i, want) in alone.iter().enumerate() {
+        assert_eq!(&got[&SeqId(i as u64)], want, "sequence {i}");
+    }
+}

@@ -123,6 +123,19 @@ impl<T: Target, D: Draft> Batch<T, D> {
         &self.drafter
     }
 
+    /// The drafter, mutably (to configure it per sequence).
+    pub fn drafter_mut(&mut self) -> &mut D {
+        &mut self.drafter
+    }
+
+    /// The counters so far of an active sequence.
+    pub fn metrics(&self, id: SeqId) -> Option<&Metrics> {
+        self.seqs
+            .iter()
+            .find(|s| s.id == id)
+            .map(|s| &s.output.metrics)
+    }
+
     /// Gives the models back.
     pub fn into_parts(self) -> (T, D) {
         (self.target, self.drafter)
@@ -160,11 +173,7 @@ impl<T: Target, D: Draft> Batch<T, D> {
     ) -> Result<()> {
         config.validate()?;
         if let Some(n) = logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
-            return Err(Error::config(
-                "top_logprobs",
-                n,
-                "at most 20",
-            ));
+            return Err(Error::config("top_logprobs", n, "at most 20"));
         }
         if self.seqs.iter().any(|s| s.id == id) {
             return Err(Error::config(
@@ -325,9 +334,7 @@ impl<T: Target, D: Draft> Batch<T, D> {
                 Ok(()) => {
                     for &i in &drafting {
                         let s = &self.seqs[i];
-                        if let Err(e) =
-                            check_proposal(&s.proposal, s.k, self.target.vocab_size())
-                        {
+                        if let Err(e) = check_proposal(&s.proposal, s.k, self.target.vocab_size()) {
                             failed.push((i, e));
                         }
                     }
@@ -601,7 +608,9 @@ fn token_logprob(logits: &[f32], token: TokenId, n: usize, scratch: &mut Vec<f32
         }
     }
     TokenLogprob {
-        logprob: logits.get(token as usize).map_or(f32::NEG_INFINITY, |&x| lp(x)),
+        logprob: logits
+            .get(token as usize)
+            .map_or(f32::NEG_INFINITY, |&x| lp(x)),
         top: top.into_iter().map(|(t, x)| (t, lp(x))).collect(),
     }
 }

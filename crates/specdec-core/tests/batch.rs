@@ -96,7 +96,10 @@ fn batched<D: Draft>(drafter: D) -> Vec<(Vec<TokenId>, Option<StopReason>)> {
         });
         for f in done {
             let out = f.result.unwrap();
-            assert_eq!(streamed.get(&f.seq).cloned().unwrap_or_default(), out.tokens);
+            assert_eq!(
+                streamed.get(&f.seq).cloned().unwrap_or_default(),
+                out.tokens
+            );
             batch.release(f.seq);
             results[f.seq.0 as usize] = Some((out.tokens, out.stop_reason));
         }
@@ -112,7 +115,10 @@ fn batched_sequences_get_the_tokens_they_get_alone() {
     let expect = alone(|| NoDraft);
     assert_eq!(batched(NoDraft), expect);
     assert_eq!(batched(draft_model()), alone(draft_model));
-    assert_eq!(batched(NGramDrafter::default()), alone(NGramDrafter::default));
+    assert_eq!(
+        batched(NGramDrafter::default()),
+        alone(NGramDrafter::default)
+    );
     let hybrid = || HybridDrafter {
         ngram: NGramDrafter::default(),
         model: draft_model(),
@@ -182,7 +188,9 @@ fn bad_requests_are_refused_and_a_duplicate_id_too() {
     assert!(batch
         .add(SeqId(0), vec![VOCAB as u32], config.clone(), None)
         .is_err());
-    assert!(batch.add(SeqId(0), vec![1], config.clone(), Some(21)).is_err());
+    assert!(batch
+        .add(SeqId(0), vec![1], config.clone(), Some(21))
+        .is_err());
     batch.add(SeqId(0), vec![1], config.clone(), None).unwrap();
     assert!(batch.add(SeqId(0), vec![2], config, None).is_err());
     assert_eq!(batch.len(), 1);
@@ -226,5 +234,8 @@ fn logprobs_come_with_each_token_when_asked() {
         assert_eq!(lp.top[0].0, e.token);
         assert!((lp.top[0].1 - lp.logprob).abs() < 1e-6);
     }
-    assert!(seen.iter().any(|e| e.drafted), "some tokens came from drafts");
+    assert!(
+        seen.iter().any(|e| e.drafted),
+        "some tokens came from drafts"
+    );
 }

@@ -90,9 +90,7 @@ impl Sessions {
             return Ok(s);
         }
         if self.seqs.len() + taken >= self.max_seqs {
-            return Err(Error::TooManySequences {
-                max: self.max_seqs,
-            });
+            return Err(Error::TooManySequences { max: self.max_seqs });
         }
         let cache = match self.spare.pop() {
             Some(mut c) => {

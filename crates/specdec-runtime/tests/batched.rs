@@ -19,7 +19,9 @@ use specdec_runtime::testing::TinySpec;
 use specdec_runtime::{Arch, Error, Session, Sessions};
 
 fn tokens(n: usize, seed: u32) -> Vec<u32> {
-    (0..n as u32).map(|i| (i * 37 + seed * 11 + 5) % 256).collect()
+    (0..n as u32)
+        .map(|i| (i * 37 + seed * 11 + 5) % 256)
+        .collect()
 }
 
 #[test]

@@ -268,7 +268,15 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
             };
             // Start each run with the target's cache holding nothing of this prompt.
             target.commit(specdec_core::SeqId(0), &[])?;
-            let g = run(&mut target, drafter, &loaded.tokenizer, &ids, &config, None)?;
+            let g = run(
+                &mut target,
+                drafter,
+                &loaded.tokenizer,
+                &ids,
+                &config,
+                &[],
+                None,
+            )?;
             if let Some(e) = g.error {
                 bail!("prompt {}: mode {}: {e}", p.id, mode_name(*kind));
             }

@@ -93,6 +93,7 @@ pub fn command(args: &ChatArgs, ui: Ui) -> Result<()> {
             &loaded.tokenizer,
             &prompt,
             &config,
+            &args.decode.stop,
         )?;
         ui.note(stats_line(&g));
         if let Some(e) = &g.error {

@@ -33,6 +33,9 @@ pub enum Command {
     Chat(ChatArgs),
     /// Compare plain and speculative decoding on a prompt set.
     Bench(BenchArgs),
+    /// Serve an OpenAI-compatible HTTP API (and a chat page at /) with speculative decoding and
+    /// continuous batching.
+    Serve(ServeArgs),
 }
 
 /// Which drafter proposes tokens.
@@ -127,6 +130,10 @@ pub struct DecodeArgs {
     /// Keep generating past end-of-turn and end-of-text tokens (fixed-length runs).
     #[arg(long)]
     pub ignore_eos: bool,
+    /// Stop at this text (not printed); repeat for several. Matched on the decoded text, also across
+    /// tokens.
+    #[arg(long, value_name = "TEXT")]
+    pub stop: Vec<String>,
 }
 
 /// `specdec generate`.
@@ -212,4 +219,40 @@ pub struct BenchArgs {
     /// --json, writes the same figures.
     #[arg(long)]
     pub cost_curve: bool,
+}
+
+/// `specdec serve`.
+#[derive(Clone, Debug, Args)]
+pub struct ServeArgs {
+    /// Models.
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Decoding defaults for requests that leave a field out (--drafter also decides whether the
+    /// draft model is loaded: requests may ask for `model` or `hybrid` only if it is).
+    #[command(flatten)]
+    pub decode: DecodeArgs,
+    /// Address to listen on (127.0.0.1: this machine only).
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port (0 picks a free one, printed at start).
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+    /// Sequences decoded together (continuous batching).
+    #[arg(long, default_value_t = 4)]
+    pub parallel: usize,
+    /// Requests that may wait for a slot beyond those; more are answered 429 with Retry-After.
+    #[arg(long, default_value_t = 64)]
+    pub queue: usize,
+    /// Require `Authorization: Bearer KEY` on /v1/* and /metrics [default: env SPECDEC_API_KEY, else none].
+    #[arg(long, env = "SPECDEC_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// Allow cross-origin requests (CORS) from any origin.
+    #[arg(long)]
+    pub cors: bool,
+    /// Largest request body in bytes (413 beyond).
+    #[arg(long, default_value_t = 1 << 20)]
+    pub max_body_bytes: usize,
+    /// On SIGINT/SIGTERM, seconds in-flight requests get to finish before they are cancelled.
+    #[arg(long, default_value_t = 10.0)]
+    pub shutdown_grace: f64,
 }

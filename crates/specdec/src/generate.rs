@@ -8,6 +8,7 @@ use anyhow::{Context, Result};
 use serde_json::json;
 use specdec_core::{generate, DraftLenPolicy, GenerateConfig, Output, StopReason, TokenId};
 use specdec_runtime::{Session, StreamDecoder, Tokenizer};
+use specdec_server::text::{Release, StopText};
 
 use crate::cli::GenerateArgs;
 use crate::engine::{Drafter, Loaded, Ui, INTERRUPTED};
@@ -20,29 +21,48 @@ pub struct Generation {
     pub text: String,
     /// The model failure that ended it, if any.
     pub error: Option<String>,
+    /// A stop string ended it (the text ends before it).
+    pub stopped_by_string: bool,
 }
 
-/// Generates, streaming text to `sink` as it is committed (when given).
+/// Generates, streaming text to `sink` as it is committed (when given). Generation ends at the first
+/// of `stops` in the decoded text, which is not printed; text that could start a stop string is held
+/// back until it is known not to.
 pub fn run(
     target: &mut Session,
     drafter: &mut Drafter,
     tokenizer: &Tokenizer,
     prompt: &[TokenId],
     config: &GenerateConfig,
+    stops: &[String],
     mut sink: Option<&mut dyn Write>,
 ) -> Result<Generation> {
     let mut stream = StreamDecoder::new();
+    let mut stop = StopText::new(stops.to_vec());
+    let mut stopped_by_string = false;
     let mut text = String::new();
     let mut io_error = None;
+    let mut write = |piece: &str, text: &mut String| -> std::io::Result<()> {
+        if let Some(w) = sink.as_mut() {
+            w.write_all(piece.as_bytes()).and_then(|_| w.flush())?;
+        }
+        text.push_str(piece);
+        Ok(())
+    };
     let mut on_token = |t: TokenId| {
         if let Ok(Some(piece)) = stream.push(tokenizer, t) {
-            if let Some(w) = sink.as_mut() {
-                if let Err(e) = w.write_all(piece.as_bytes()).and_then(|_| w.flush()) {
-                    io_error = Some(e);
-                    return ControlFlow::Break(());
-                }
+            let (out, end) = match stop.push(&piece) {
+                Release::Text(out) => (out, false),
+                Release::Stopped(out) => (out, true),
+            };
+            if let Err(e) = write(&out, &mut text) {
+                io_error = Some(e);
+                return ControlFlow::Break(());
             }
-            text.push_str(&piece);
+            if end {
+                stopped_by_string = true;
+                return ControlFlow::Break(());
+            }
         }
         if INTERRUPTED.load(Ordering::SeqCst) {
             ControlFlow::Break(())
@@ -62,16 +82,22 @@ pub fn run(
             (*e.output, Some(error))
         }
     };
-    if let Ok(Some(rest)) = stream.finish(tokenizer) {
-        if let Some(w) = sink.as_mut() {
-            w.write_all(rest.as_bytes())?;
-        }
-        text.push_str(&rest);
+    if !stopped_by_string {
+        let rest = stream.finish(tokenizer).ok().flatten().unwrap_or_default();
+        let out = match stop.push(&rest) {
+            Release::Text(out) => out + &stop.finish(),
+            Release::Stopped(out) => {
+                stopped_by_string = true;
+                out
+            }
+        };
+        write(&out, &mut text)?;
     }
     Ok(Generation {
         output,
         text,
         error,
+        stopped_by_string,
     })
 }
 
@@ -82,9 +108,18 @@ pub fn run_to_stdout(
     tokenizer: &Tokenizer,
     prompt: &[TokenId],
     config: &GenerateConfig,
+    stops: &[String],
 ) -> Result<Generation> {
     let mut out = std::io::stdout().lock();
-    let g = run(target, drafter, tokenizer, prompt, config, Some(&mut out))?;
+    let g = run(
+        target,
+        drafter,
+        tokenizer,
+        prompt,
+        config,
+        stops,
+        Some(&mut out),
+    )?;
     writeln!(out)?;
     Ok(g)
 }
@@ -93,6 +128,7 @@ pub fn run_to_stdout(
 pub fn stop_reason_name(g: &Generation) -> &'static str {
     match (g.error.as_ref(), g.output.stop_reason) {
         (Some(_), _) => "error",
+        (None, _) if g.stopped_by_string => "stop_string",
         (None, Some(StopReason::MaxTokens)) => "max_tokens",
         (None, Some(StopReason::StopToken(_))) => "stop_token",
         (None, Some(StopReason::ContextFull)) => "context_full",
@@ -185,6 +221,7 @@ pub fn command(args: &GenerateArgs, ui: Ui) -> Result<()> {
             &loaded.tokenizer,
             &prompt,
             &config,
+            &args.decode.stop,
             None,
         )?
     } else {
@@ -194,6 +231,7 @@ pub fn command(args: &GenerateArgs, ui: Ui) -> Result<()> {
             &loaded.tokenizer,
             &prompt,
             &config,
+            &args.decode.stop,
         )?
     };
     if args.json {
@@ -208,7 +246,7 @@ pub fn command(args: &GenerateArgs, ui: Ui) -> Result<()> {
     } else {
         ui.note(stats_line(&g));
     }
-    if g.output.stop_reason == Some(StopReason::Cancelled) {
+    if g.output.stop_reason == Some(StopReason::Cancelled) && !g.stopped_by_string {
         ui.note("interrupted");
     }
     match g.error {

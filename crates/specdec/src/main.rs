@@ -8,6 +8,7 @@ mod costcurve;
 mod engine;
 mod generate;
 mod plot;
+mod serve;
 
 use std::process::ExitCode;
 
@@ -54,6 +55,7 @@ fn main() -> ExitCode {
         Command::Generate(args) => generate::command(args, ui),
         Command::Chat(args) => chat::command(args, ui),
         Command::Bench(args) => bench::command(args, ui),
+        Command::Serve(args) => serve::command(args, ui),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

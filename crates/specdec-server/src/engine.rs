@@ -1,0 +1,786 @@
+//! The engine: one thread owns the models and decodes every active request together (continuous
+//! batching through [`specdec_core::Batch`]); HTTP handlers talk to it over channels.
+//!
+//! - Requests wait in a bounded queue ([`EngineHandle::submit`] answers 429 when it is full) and join
+//!   the batch between steps while fewer than `parallel` sequences are active.
+//! - Each step drafts for all active sequences in one call and scores all their blocks in one target
+//!   call, so concurrent requests share the weights' reads.
+//! - Tokens become text ([`crate::text`]), stop strings end a sequence at once, and events go back
+//!   to the handler; a handler that went away (client disconnected) ends its sequence before the
+//!   next step.
+
+use std::collections::HashMap;
+use std::ops::ControlFlow;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TryRecvError, TrySendError};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use specdec_core::{
+    Batch, Draft, DraftLenPolicy, DraftRequest, Emitted, GenerateConfig, Metrics, ModelDrafter,
+    NGramDrafter, Proposal, SeqId, StopReason, Target, TokenId, TokenLogprob,
+};
+use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
+
+use crate::error::ApiError;
+use crate::metrics::ServerMetrics;
+use crate::text::{Detokenizer, Release, StopText};
+
+/// Text in and out of the model's vocabulary.
+pub trait Codec: Send + Sync + 'static {
+    /// Encodes raw text (with the beginning-of-sequence token the model wants).
+    fn encode(&self, text: &str) -> Result<Vec<TokenId>, String>;
+    /// Encodes a conversation through the model's chat template, ready for the assistant's turn.
+    /// `messages` are `(role, content)` with roles `system`, `user` and `assistant`.
+    fn encode_chat(&self, messages: &[(String, String)]) -> Result<Vec<TokenId>, String>;
+    /// Decodes tokens (an incomplete UTF-8 character becomes U+FFFD).
+    fn decode(&self, ids: &[TokenId]) -> String;
+    /// The tokens that end generation (end of turn, end of text).
+    fn stop_tokens(&self) -> Vec<TokenId>;
+}
+
+impl Codec for specdec_runtime::Tokenizer {
+    fn encode(&self, text: &str) -> Result<Vec<TokenId>, String> {
+        specdec_runtime::Tokenizer::encode(self, text, true).map_err(|e| e.to_string())
+    }
+
+    fn encode_chat(&self, messages: &[(String, String)]) -> Result<Vec<TokenId>, String> {
+        let m: Vec<specdec_runtime::Message> = messages
+            .iter()
+            .map(|(r, c)| specdec_runtime::Message::new(r.as_str(), c.as_str()))
+            .collect();
+        specdec_runtime::Tokenizer::encode_chat(self, &m).map_err(|e| e.to_string())
+    }
+
+    fn decode(&self, ids: &[TokenId]) -> String {
+        specdec_runtime::Tokenizer::decode(self, ids).unwrap_or_default()
+    }
+
+    fn stop_tokens(&self) -> Vec<TokenId> {
+        specdec_runtime::Tokenizer::stop_tokens(self).to_vec()
+    }
+}
+
+/// The drafters a request can choose by name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DrafterKind {
+    /// Plain decoding.
+    None,
+    /// Prompt lookup.
+    Ngram,
+    /// The draft model.
+    Model,
+    /// Prompt lookup, else the draft model.
+    Hybrid,
+}
+
+impl DrafterKind {
+    /// The name in requests and responses.
+    pub fn name(self) -> &'static str {
+        match self {
+            DrafterKind::None => "none",
+            DrafterKind::Ngram => "ngram",
+            DrafterKind::Model => "model",
+            DrafterKind::Hybrid => "hybrid",
+        }
+    }
+
+    /// Parses a name.
+    pub fn parse(s: &str) -> Option<Self> {
+        [Self::None, Self::Ngram, Self::Model, Self::Hybrid]
+            .into_iter()
+            .find(|k| k.name() == s)
+    }
+
+    fn needs_model(self) -> bool {
+        matches!(self, DrafterKind::Model | DrafterKind::Hybrid)
+    }
+}
+
+/// A drafter per sequence: each request picks plain decoding, lookup, the draft model or the hybrid;
+/// the sequences that draft with the model do so in one batched call.
+#[derive(Debug)]
+pub struct MultiDrafter<M: Target> {
+    ngram: NGramDrafter,
+    model: Option<ModelDrafter<M>>,
+    choice: HashMap<SeqId, DrafterKind>,
+}
+
+impl<M: Target> MultiDrafter<M> {
+    /// Lookup always; the model kinds only with a draft model.
+    pub fn new(model: Option<ModelDrafter<M>>) -> Self {
+        Self {
+            ngram: NGramDrafter::default(),
+            model,
+            choice: HashMap::new(),
+        }
+    }
+
+    /// The kinds offered.
+    pub fn kinds(&self) -> Vec<DrafterKind> {
+        let mut k = vec![DrafterKind::None, DrafterKind::Ngram];
+        if self.model.is_some() {
+            k.extend([DrafterKind::Model, DrafterKind::Hybrid]);
+        }
+        k
+    }
+
+    /// Sets the drafter of `seq`; false if this kind is not offered.
+    pub fn select(&mut self, seq: SeqId, kind: DrafterKind) -> bool {
+        if kind.needs_model() && self.model.is_none() {
+            return false;
+        }
+        self.choice.insert(seq, kind);
+        true
+    }
+
+    fn kind(&self, seq: SeqId) -> DrafterKind {
+        self.choice.get(&seq).copied().unwrap_or(DrafterKind::None)
+    }
+}
+
+impl<M: Target> Draft for MultiDrafter<M> {
+    type Error = specdec_core::DraftError<M::Error>;
+
+    fn vocab_size(&self) -> Option<usize> {
+        self.model.as_ref().and_then(|m| m.vocab_size())
+    }
+
+    fn propose(
+        &mut self,
+        batch: &[DraftRequest<'_>],
+        out: &mut [Proposal],
+    ) -> Result<(), Self::Error> {
+        let mut to_model = Vec::new();
+        for (b, (req, out)) in batch.iter().zip(out.iter_mut()).enumerate() {
+            out.clear();
+            let kind = self.kind(req.seq);
+            if matches!(kind, DrafterKind::Ngram | DrafterKind::Hybrid) {
+                for &t in self.ngram.lookup(req.context, req.max_len) {
+                    out.push(t, specdec_core::Probs::OneHot(t));
+                }
+            }
+            if kind == DrafterKind::Model || (kind == DrafterKind::Hybrid && out.tokens.is_empty())
+            {
+                to_model.push(b);
+            }
+        }
+        let Some(model) = self.model.as_mut().filter(|_| !to_model.is_empty()) else {
+            return Ok(());
+        };
+        let requests: Vec<DraftRequest<'_>> = to_model.iter().map(|&b| batch[b]).collect();
+        let mut proposals: Vec<Proposal> = to_model
+            .iter()
+            .map(|&b| std::mem::take(&mut out[b]))
+            .collect();
+        let r = model.propose(&requests, &mut proposals);
+        for (&b, p) in to_model.iter().zip(proposals) {
+            out[b] = p;
+        }
+        r
+    }
+
+    fn commit(&mut self, seq: SeqId, committed: &[TokenId]) -> Result<(), Self::Error> {
+        match &mut self.model {
+            Some(m) if self.choice.get(&seq).is_some_and(|k| k.needs_model()) => {
+                m.commit(seq, committed)
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn prefill(&mut self, seq: SeqId, context: &[TokenId]) -> Result<(), Self::Error> {
+        let needs = self.kind(seq).needs_model();
+        match &mut self.model {
+            Some(m) if needs => m.prefill(seq, context),
+            _ => Ok(()),
+        }
+    }
+
+    fn release(&mut self, seq: SeqId) {
+        if let Some(m) = &mut self.model {
+            m.release(seq);
+        }
+        self.choice.remove(&seq);
+    }
+}
+
+/// A request for the engine, validated.
+#[derive(Debug)]
+pub struct Job {
+    /// Prompt tokens.
+    pub prompt: Vec<TokenId>,
+    /// How to generate (stop tokens included).
+    pub config: GenerateConfig,
+    /// Which drafter.
+    pub drafter: DrafterKind,
+    /// Log-probabilities with this many alternatives.
+    pub logprobs: Option<usize>,
+    /// Stop strings.
+    pub stop: Vec<String>,
+    /// Where events go.
+    pub events: UnboundedSender<Event>,
+    /// When the request arrived (time to first token counts from here).
+    pub submitted: Instant,
+}
+
+/// One generated token as reported to clients.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenOut {
+    /// Its id.
+    pub id: TokenId,
+    /// Its text alone (lossy for a piece of a character).
+    pub text: String,
+    /// Drafted and accepted, rather than chosen by the target.
+    pub drafted: bool,
+    /// The target's log-probabilities, when asked.
+    pub logprob: Option<TokenLogprob>,
+}
+
+/// Running speculation counters of a request.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Live {
+    /// Rounds so far.
+    pub rounds: u64,
+    /// Drafted tokens so far.
+    pub drafted: u64,
+    /// Accepted drafted tokens so far.
+    pub accepted: u64,
+}
+
+/// Why a request ended, as OpenAI's `finish_reason`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Finish {
+    /// A stop token or stop string.
+    Stop,
+    /// The token limit or the context.
+    Length,
+    /// The client left or the server shut down.
+    Cancelled,
+}
+
+impl Finish {
+    /// OpenAI's spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Finish::Stop => "stop",
+            Finish::Length => "length",
+            Finish::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// What the engine reports about a finished request.
+#[derive(Clone, Debug)]
+pub struct Summary {
+    /// Why it ended.
+    pub finish: Finish,
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Generated tokens (those after a stop string's end are never generated).
+    pub completion_tokens: usize,
+    /// The core's counters and timings.
+    pub metrics: Metrics,
+    /// Which drafter.
+    pub drafter: DrafterKind,
+    /// The draft-length policy.
+    pub draft_len: String,
+}
+
+/// From the engine to a handler.
+#[derive(Clone, Debug)]
+pub enum Event {
+    /// New text and the tokens it completes.
+    Chunk {
+        /// Text (never ends inside a character, never contains a stop string).
+        text: String,
+        /// The tokens whose text is now complete.
+        tokens: Vec<TokenOut>,
+        /// Counters as of the last step.
+        live: Live,
+    },
+    /// The end.
+    Done(Box<Summary>),
+    /// A failure; the text sent before stands.
+    Failed(String),
+}
+
+/// What the handlers need to know once the models are loaded.
+pub struct Info {
+    /// The served model's name.
+    pub model: String,
+    /// Tokens per sequence (prompt + generated).
+    pub ctx: usize,
+    /// Text in and out.
+    pub codec: Arc<dyn Codec>,
+    /// The drafters a request may ask for.
+    pub drafters: Vec<DrafterKind>,
+    /// Unix time the models were loaded.
+    pub created: u64,
+}
+
+impl std::fmt::Debug for Info {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Info")
+            .field("model", &self.model)
+            .field("ctx", &self.ctx)
+            .field("drafters", &self.drafters)
+            .finish_non_exhaustive()
+    }
+}
+
+/// State shared by the engine thread and the handlers.
+#[derive(Debug, Default)]
+pub struct Shared {
+    /// Set once the models are loaded.
+    pub info: OnceLock<Info>,
+    /// Set if loading failed.
+    pub load_error: OnceLock<String>,
+    /// Requests waiting for a slot.
+    pub queued: AtomicUsize,
+    /// Sequences being decoded.
+    pub active: AtomicUsize,
+    /// No new requests (shutdown began).
+    pub closing: AtomicBool,
+    /// End every request now (the shutdown timeout passed).
+    pub cancel_all: AtomicBool,
+    /// Counters and histograms for `/metrics`.
+    pub metrics: Mutex<ServerMetrics>,
+}
+
+/// The handlers' side of the engine.
+#[derive(Clone, Debug)]
+pub struct EngineHandle {
+    tx: SyncSender<Job>,
+    /// Shared state.
+    pub shared: Arc<Shared>,
+    queue: usize,
+}
+
+impl EngineHandle {
+    /// The model information, or 503 while loading.
+    pub fn info(&self) -> Result<&Info, ApiError> {
+        if let Some(e) = self.shared.load_error.get() {
+            return Err(ApiError::unavailable(format!(
+                "the models failed to load: {e}"
+            )));
+        }
+        self.shared
+            .info
+            .get()
+            .ok_or_else(|| ApiError::unavailable("the models are still loading"))
+    }
+
+    /// Queues a job; 429 when the queue is full, 503 when shutting down.
+    pub fn submit(&self, job: Job) -> Result<(), ApiError> {
+        if self.shared.closing.load(Ordering::SeqCst) {
+            return Err(ApiError::unavailable("the server is shutting down"));
+        }
+        self.shared.queued.fetch_add(1, Ordering::SeqCst);
+        match self.tx.try_send(job) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                self.shared.queued.fetch_sub(1, Ordering::SeqCst);
+                Err(match e {
+                    TrySendError::Full(_) => ApiError::overloaded(self.queue),
+                    TrySendError::Disconnected(_) => {
+                        ApiError::unavailable("the engine has stopped")
+                    }
+                })
+            }
+        }
+    }
+}
+
+/// What the loader returns: the models, as a target and a per-request drafter, and the codec.
+pub struct Loaded<M: Target, T: Target> {
+    /// The target (a batched one, such as [`specdec_runtime::Sessions`]).
+    pub target: T,
+    /// The drafters.
+    pub drafter: MultiDrafter<M>,
+    /// Text in and out.
+    pub codec: Arc<dyn Codec>,
+    /// The model's name.
+    pub model: String,
+}
+
+/// Engine settings.
+#[derive(Clone, Debug)]
+pub struct EngineOptions {
+    /// Sequences decoded together.
+    pub parallel: usize,
+    /// Requests that may wait beyond those.
+    pub queue: usize,
+}
+
+/// Starts the engine thread, which first runs `load` (so `/health` answers 503 until it returns)
+/// and then serves jobs until every handle is dropped.
+pub fn start<M, T, F>(options: &EngineOptions, load: F) -> EngineHandle
+where
+    M: Target + 'static,
+    T: Target + 'static,
+    F: FnOnce() -> Result<Loaded<M, T>, String> + Send + 'static,
+{
+    let (tx, rx) = std::sync::mpsc::sync_channel(options.queue);
+    let shared = Arc::new(Shared::default());
+    let handle = EngineHandle {
+        tx,
+        shared: shared.clone(),
+        queue: options.queue,
+    };
+    let parallel = options.parallel.max(1);
+    let spawned = std::thread::Builder::new()
+        .name("specdec-engine".into())
+        .spawn(move || {
+            let loaded = match load() {
+                Ok(l) => l,
+                Err(e) => {
+                    tracing::error!("loading failed: {e}");
+                    let _ = shared.load_error.set(e);
+                    return;
+                }
+            };
+            let Loaded {
+                target,
+                drafter,
+                codec,
+                model,
+            } = loaded;
+            let info = Info {
+                model,
+                ctx: target.capacity(),
+                codec: codec.clone(),
+                drafters: drafter.kinds(),
+                created: std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_secs()),
+            };
+            let _ = shared.info.set(info);
+            tracing::info!("models loaded; serving up to {parallel} sequences at a time");
+            Engine {
+                batch: Batch::new(target, drafter),
+                jobs: HashMap::new(),
+                codec,
+                shared,
+                parallel,
+                next_id: 0,
+            }
+            .run(&rx);
+        });
+    if let Err(e) = spawned {
+        let _ = handle
+            .shared
+            .load_error
+            .set(format!("could not start the engine thread: {e}"));
+    }
+    handle
+}
+
+/// A request being decoded.
+struct Active {
+    events: UnboundedSender<Event>,
+    detok: Detokenizer,
+    stop: StopText,
+    /// Tokens whose text is held back (an incomplete character or a possible stop string).
+    pending: Vec<TokenOut>,
+    stopped_by_text: bool,
+    live: Live,
+    drafter: DrafterKind,
+    draft_len: String,
+    submitted: Instant,
+    last_token: Option<Instant>,
+    prompt_tokens: usize,
+}
+
+struct Engine<M: Target, T: Target> {
+    batch: Batch<T, MultiDrafter<M>>,
+    jobs: HashMap<SeqId, Active>,
+    codec: Arc<dyn Codec>,
+    shared: Arc<Shared>,
+    parallel: usize,
+    next_id: u64,
+}
+
+impl<M: Target, T: Target> Engine<M, T> {
+    fn run(&mut self, rx: &Receiver<Job>) {
+        loop {
+            if self.shared.cancel_all.load(Ordering::SeqCst) {
+                self.cancel_everything(rx);
+            }
+            // New requests join between steps.
+            while self.batch.len() < self.parallel {
+                let job = if self.batch.is_empty() {
+                    match rx.recv_timeout(Duration::from_millis(100)) {
+                        Ok(j) => j,
+                        Err(RecvTimeoutError::Timeout) => break,
+                        Err(RecvTimeoutError::Disconnected) => return,
+                    }
+                } else {
+                    match rx.try_recv() {
+                        Ok(j) => j,
+                        Err(TryRecvError::Empty) => break,
+                        Err(TryRecvError::Disconnected) => return,
+                    }
+                };
+                self.shared.queued.fetch_sub(1, Ordering::SeqCst);
+                self.admit(job);
+            }
+            // Clients that left free their slots before the step.
+            let gone: Vec<SeqId> = self
+                .jobs
+                .iter()
+                .filter(|(_, a)| a.events.is_closed())
+                .map(|(&id, _)| id)
+                .collect();
+            for id in gone {
+                if let Some(out) = self.batch.cancel(id) {
+                    self.finish(id, Ok(out));
+                }
+            }
+            self.shared.active.store(self.batch.len(), Ordering::SeqCst);
+            if self.batch.is_empty() {
+                continue;
+            }
+            self.step();
+        }
+    }
+
+    fn admit(&mut self, job: Job) {
+        if job.events.is_closed() {
+            return;
+        }
+        let id = SeqId(self.next_id);
+        self.next_id += 1;
+        let draft_len = describe(&job.config.draft_len, job.drafter);
+        if !self.batch.drafter_mut().select(id, job.drafter) {
+            let _ = job.events.send(Event::Failed(format!(
+                "drafter `{}` is not available on this server",
+                job.drafter.name()
+            )));
+            return;
+        }
+        let prompt_tokens = job.prompt.len();
+        if let Err(e) = self.batch.add(id, job.prompt, job.config, job.logprobs) {
+            self.batch.release(id);
+            let _ = job.events.send(Event::Failed(e.to_string()));
+            return;
+        }
+        self.jobs.insert(
+            id,
+            Active {
+                events: job.events,
+                detok: Detokenizer::default(),
+                stop: StopText::new(job.stop),
+                pending: Vec::new(),
+                stopped_by_text: false,
+                live: Live::default(),
+                drafter: job.drafter,
+                draft_len,
+                submitted: job.submitted,
+                last_token: None,
+                prompt_tokens,
+            },
+        );
+        if let Ok(mut m) = self.shared.metrics.lock() {
+            m.prompt_tokens += prompt_tokens as u64;
+        }
+    }
+
+    fn step(&mut self) {
+        let Self {
+            batch,
+            jobs,
+            codec,
+            shared,
+            ..
+        } = self;
+        let codec = &**codec;
+        let mut latencies: Vec<(bool, f64)> = Vec::new();
+        let finished = batch.step(&mut |seq, e: &Emitted| {
+            let Some(a) = jobs.get_mut(&seq) else {
+                return ControlFlow::Break(());
+            };
+            let now = Instant::now();
+            match a.last_token {
+                None => latencies.push((true, (now - a.submitted).as_secs_f64())),
+                Some(t) => latencies.push((false, (now - t).as_secs_f64())),
+            }
+            a.last_token = Some(now);
+            a.on_token(codec, e)
+        });
+        for id in batch.ids().collect::<Vec<_>>() {
+            if let (Some(a), Some(m)) = (jobs.get_mut(&id), batch.metrics(id)) {
+                a.live = Live {
+                    rounds: m.rounds,
+                    drafted: m.drafted,
+                    accepted: m.accepted,
+                };
+            }
+        }
+        if let Ok(mut m) = shared.metrics.lock() {
+            m.steps += 1;
+            for (first, secs) in latencies {
+                if first {
+                    m.ttft.observe(secs);
+                } else {
+                    m.itl.observe(secs);
+                }
+            }
+        }
+        for f in finished {
+            self.finish(f.seq, f.result);
+        }
+        self.shared.active.store(self.batch.len(), Ordering::SeqCst);
+    }
+
+    fn finish(
+        &mut self,
+        id: SeqId,
+        result: Result<specdec_core::Output, specdec_core::DecodeError>,
+    ) {
+        self.batch.release(id);
+        // Before the client hears of the end, so `/metrics` never shows it active afterwards.
+        self.shared.active.store(self.batch.len(), Ordering::SeqCst);
+        let Some(mut a) = self.jobs.remove(&id) else {
+            return;
+        };
+        let (output, error) = match result {
+            Ok(o) => (o, None),
+            Err(e) => (*e.output, Some(e.error.to_string())),
+        };
+        if let Ok(mut m) = self.shared.metrics.lock() {
+            m.record_output(&output.metrics, output.tokens.len());
+        }
+        if !a.stopped_by_text {
+            // The text still held back: an incomplete character, or the start of a stop string
+            // that never came.
+            let tail = a.detok.finish(&*self.codec);
+            match a.stop.push(&tail) {
+                Release::Text(t) => {
+                    let rest = a.stop.finish();
+                    a.send_text(t + &rest);
+                }
+                Release::Stopped(t) => {
+                    a.stopped_by_text = true;
+                    a.send_text(t);
+                }
+            }
+            if !a.pending.is_empty() {
+                a.send_text(String::new());
+            }
+        }
+        if let Some(e) = error {
+            let _ = a.events.send(Event::Failed(e));
+            return;
+        }
+        let finish = if a.stopped_by_text {
+            Finish::Stop
+        } else {
+            match output.stop_reason {
+                Some(StopReason::StopToken(_)) => Finish::Stop,
+                Some(StopReason::MaxTokens) | Some(StopReason::ContextFull) => Finish::Length,
+                Some(StopReason::Cancelled) | None => Finish::Cancelled,
+            }
+        };
+        let _ = a.events.send(Event::Done(Box::new(Summary {
+            finish,
+            prompt_tokens: a.prompt_tokens,
+            completion_tokens: output.tokens.len(),
+            metrics: output.metrics,
+            drafter: a.drafter,
+            draft_len: a.draft_len,
+        })));
+    }
+
+    fn cancel_everything(&mut self, rx: &Receiver<Job>) {
+        let ids: Vec<SeqId> = self.batch.ids().collect();
+        for id in ids {
+            if let Some(out) = self.batch.cancel(id) {
+                self.finish(id, Ok(out));
+            }
+        }
+        while let Ok(job) = rx.try_recv() {
+            self.shared.queued.fetch_sub(1, Ordering::SeqCst);
+            let _ = job
+                .events
+                .send(Event::Failed("the server is shutting down".into()));
+        }
+    }
+}
+
+impl Active {
+    fn on_token(&mut self, codec: &dyn Codec, e: &Emitted) -> ControlFlow<()> {
+        let piece = self.detok.push(codec, e.token);
+        self.pending.push(TokenOut {
+            id: e.token,
+            text: codec.decode(&[e.token]),
+            drafted: e.drafted,
+            logprob: e.logprob.clone(),
+        });
+        if piece.is_empty() {
+            return ControlFlow::Continue(());
+        }
+        let sent = match self.stop.push(&piece) {
+            Release::Text(t) if t.is_empty() => true,
+            Release::Text(t) => self.send_text(t),
+            Release::Stopped(t) => {
+                self.stopped_by_text = true;
+                self.send_text(t);
+                return ControlFlow::Break(());
+            }
+        };
+        if sent {
+            ControlFlow::Continue(())
+        } else {
+            ControlFlow::Break(())
+        }
+    }
+
+    /// Sends text with the tokens waiting for it; false if the client is gone.
+    fn send_text(&mut self, text: String) -> bool {
+        let tokens = std::mem::take(&mut self.pending);
+        if text.is_empty() && tokens.is_empty() {
+            return true;
+        }
+        self.events
+            .send(Event::Chunk {
+                text,
+                tokens,
+                live: self.live,
+            })
+            .is_ok()
+    }
+}
+
+/// The draft-length policy as reported to clients.
+fn describe(p: &DraftLenPolicy, drafter: DrafterKind) -> String {
+    if drafter == DrafterKind::None {
+        return "none".into();
+    }
+    match p {
+        DraftLenPolicy::Fixed { draft_len } => draft_len.to_string(),
+        DraftLenPolicy::Adaptive { .. } => "adaptive".into(),
+        DraftLenPolicy::CostModel { .. } => "auto".into(),
+    }
+}
+
+/// Collects a job's events until the end: the text, the tokens, and the summary or error.
+pub async fn collect(
+    rx: &mut UnboundedReceiver<Event>,
+) -> (String, Vec<TokenOut>, Result<Summary, String>) {
+    let mut text = String::new();
+    let mut tokens = Vec::new();
+    while let Some(e) = rx.recv().await {
+        match e {
+            Event::Chunk {
+                text: t, tokens: k, ..
+            } => {
+                text.push_str(&t);
+                tokens.extend(k);
+            }
+            Event::Done(s) => return (text, tokens, Ok(*s)),
+            Event::Failed(e) => return (text, tokens, Err(e)),
+        }
+    }
+    (text, tokens, Err("the engine stopped".into()))
+}

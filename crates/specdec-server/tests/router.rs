@@ -1,0 +1,634 @@
+//! The HTTP API without a socket (`oneshot`), on mock models and a byte-level codec: response
+//! schemas, SSE framing, validation errors, stop strings across tokens, the API key, the body limit,
+//! the bounded queue, disconnects, random bodies, and concurrent requests getting their solo answers.
+
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use axum::Router;
+use http_body_util::BodyExt;
+use serde_json::{json, Value};
+use specdec_core::mock::{MockLogits, MockModel};
+use specdec_core::{Logits, ModelDrafter, Score, SeqId, Target, TokenId};
+use specdec_server::{
+    router, start, Codec, Defaults, DrafterKind, EngineHandle, EngineOptions, Loaded, MultiDrafter,
+    ServerOptions,
+};
+use tower::ServiceExt;
+
+/// 256 byte tokens, then an end-of-turn token.
+const VOCAB: usize = 260;
+const EOT: TokenId = 256;
+
+/// Bytes are tokens; text decodes as UTF-8 (lossy).
+struct ByteCodec;
+
+impl Codec for ByteCodec {
+    fn encode(&self, text: &str) -> Result<Vec<TokenId>, String> {
+        Ok(text.bytes().map(TokenId::from).collect())
+    }
+
+    fn encode_chat(&self, messages: &[(String, String)]) -> Result<Vec<TokenId>, String> {
+        let mut s = String::new();
+        for (r, c) in messages {
+            s.push_str(&format!("{r}: {c}\n"));
+        }
+        s.push_str("assistant: ");
+        self.encode(&s)
+    }
+
+    fn decode(&self, ids: &[TokenId]) -> String {
+        let bytes: Vec<u8> = ids.iter().filter(|&&t| t < 256).map(|&t| t as u8).collect();
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+
+    fn stop_tokens(&self) -> Vec<TokenId> {
+        vec![EOT]
+    }
+}
+
+/// Logits that favour printable ASCII, so the text is readable and splits into characters.
+fn target_logits() -> MockLogits {
+    MockLogits::Hashed {
+        vocab: VOCAB,
+        seed: 3,
+        scale: 6.0,
+    }
+}
+
+/// A target that sleeps in every call, so requests stay active long enough to fill the slots.
+struct Slow(MockModel, Duration);
+
+impl Target for Slow {
+    type Error = <MockModel as Target>::Error;
+    fn vocab_size(&self) -> usize {
+        self.0.vocab_size()
+    }
+    fn capacity(&self) -> usize {
+        self.0.capacity()
+    }
+    fn score(&mut self, b: &[Score<'_>], out: &mut [Logits]) -> Result<(), Self::Error> {
+        std::thread::sleep(self.1);
+        self.0.score(b, out)
+    }
+    fn commit(&mut self, seq: SeqId, c: &[TokenId]) -> Result<(), Self::Error> {
+        self.0.commit(seq, c)
+    }
+    fn release(&mut self, seq: SeqId) {
+        self.0.release(seq)
+    }
+}
+
+fn engine(parallel: usize, queue: usize, delay: Duration) -> EngineHandle {
+    let h = start(&EngineOptions { parallel, queue }, move || {
+        let draft = MockModel::new(MockLogits::Perturbed {
+            base: Box::new(target_logits()),
+            seed: 8,
+            noise: 1.5,
+        });
+        Ok(Loaded {
+            target: Slow(MockModel::new(target_logits()).with_capacity(512), delay),
+            drafter: MultiDrafter::new(Some(ModelDrafter::new(draft))),
+            codec: Arc::new(ByteCodec),
+            model: "mock".into(),
+        })
+    });
+    wait(|| h.shared.info.get().is_some());
+    h
+}
+
+fn wait(mut ok: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !ok() {
+        assert!(t.elapsed() < Duration::from_secs(20), "timed out waiting");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn app_with(
+    options: ServerOptions,
+    parallel: usize,
+    queue: usize,
+    delay: Duration,
+) -> (Router, EngineHandle) {
+    let h = engine(parallel, queue, delay);
+    (router(h.clone(), options), h)
+}
+
+fn app() -> Router {
+    let options = ServerOptions {
+        defaults: Defaults {
+            drafter: DrafterKind::Model,
+            ..Defaults::default()
+        },
+        ..ServerOptions::default()
+    };
+    app_with(options, 4, 16, Duration::ZERO).0
+}
+
+async fn call(
+    app: &Router,
+    method: &str,
+    uri: &str,
+    body: impl Into<Body>,
+) -> (StatusCode, Vec<u8>) {
+    let req = Request::builder()
+        .method(method)
+        .uri(uri)
+        .body(body.into())
+        .unwrap();
+    let r = app.clone().oneshot(req).await.unwrap();
+    let status = r.status();
+    let bytes = r.into_body().collect().await.unwrap().to_bytes().to_vec();
+    (status, bytes)
+}
+
+async fn post(app: &Router, uri: &str, body: Value) -> (StatusCode, Value) {
+    let (s, b) = call(app, "POST", uri, body.to_string()).await;
+    (s, serde_json::from_slice(&b).unwrap_or(Value::Null))
+}
+
+/// The `data:` payloads of an SSE body, checking the framing.
+fn sse_events(body: &[u8]) -> Vec<String> {
+    let text = std::str::from_utf8(body).unwrap();
+    let mut out = Vec::new();
+    for block in text.split("\n\n").filter(|b| !b.is_empty()) {
+        let data: Vec<&str> = block
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .collect();
+        assert_eq!(data.len(), 1, "one data line per event: {block:?}");
+        out.push(data[0].to_string());
+    }
+    assert_eq!(out.last().map(String::as_str), Some("[DONE]"));
+    out
+}
+
+fn chat_body(extra: Value) -> Value {
+    let mut b = json!({
+        "model": "mock",
+        "messages": [{"role": "user", "content": "hello there"}],
+        "max_tokens": 24,
+    });
+    for (k, v) in extra.as_object().unwrap() {
+        b[k] = v.clone();
+    }
+    b
+}
+
+#[tokio::test]
+async fn health_models_and_page() {
+    let app = app();
+    let (s, b) = call(&app, "GET", "/health", Body::empty()).await;
+    assert_eq!(s, StatusCode::OK, "{}", String::from_utf8_lossy(&b));
+    let (s, b) = call(&app, "GET", "/v1/models", Body::empty()).await;
+    assert_eq!(s, StatusCode::OK);
+    let v: Value = serde_json::from_slice(&b).unwrap();
+    assert_eq!(v["object"], "list");
+    assert_eq!(v["data"][0]["id"], "mock");
+    let (s, b) = call(&app, "GET", "/", Body::empty()).await;
+    assert_eq!(s, StatusCode::OK);
+    assert!(String::from_utf8_lossy(&b).contains("<title>specdec chat</title>"));
+    let (s, b) = call(&app, "GET", "/nope", Body::empty()).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    let v: Value = serde_json::from_slice(&b).unwrap();
+    assert!(v["error"]["message"].is_string());
+}
+
+#[tokio::test]
+async fn health_is_503_until_the_models_are_loaded() {
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let h = start(
+        &EngineOptions {
+            parallel: 1,
+            queue: 1,
+        },
+        move || {
+            let _ = go_rx.recv();
+            Ok(Loaded {
+                target: MockModel::new(target_logits()),
+                drafter: MultiDrafter::<MockModel>::new(None),
+                codec: Arc::new(ByteCodec),
+                model: "mock".into(),
+            })
+        },
+    );
+    let app = router(h.clone(), ServerOptions::default());
+    let (s, _) = call(&app, "GET", "/health", Body::empty()).await;
+    assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE);
+    let (s, v) = post(&app, "/v1/chat/completions", chat_body(json!({}))).await;
+    assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE, "{v}");
+    go_tx.send(()).unwrap();
+    wait(|| h.shared.info.get().is_some());
+    let (s, _) = call(&app, "GET", "/health", Body::empty()).await;
+    assert_eq!(s, StatusCode::OK);
+    // Without a draft model, the model drafters are refused.
+    let (s, v) = post(
+        &app,
+        "/v1/chat/completions",
+        chat_body(json!({"drafter": "model"})),
+    )
+    .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    assert_eq!(v["error"]["param"], "drafter");
+}
+
+#[tokio::test]
+async fn chat_and_completion_responses_have_openai_shapes() {
+    let app = app();
+    let (s, v) = post(&app, "/v1/chat/completions", chat_body(json!({}))).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["object"], "chat.completion");
+    assert!(v["id"].as_str().unwrap().starts_with("chatcmpl-"));
+    assert!(v["created"].is_u64());
+    let c = &v["choices"][0];
+    assert_eq!(c["index"], 0);
+    assert_eq!(c["message"]["role"], "assistant");
+    assert!(c["message"]["content"].is_string());
+    let finish = c["finish_reason"].as_str().unwrap();
+    assert!(finish == "stop" || finish == "length");
+    let u = &v["usage"];
+    assert_eq!(
+        u["total_tokens"].as_u64().unwrap(),
+        u["prompt_tokens"].as_u64().unwrap() + u["completion_tokens"].as_u64().unwrap()
+    );
+    assert!(u["completion_tokens"].as_u64().unwrap() <= 24);
+    if finish == "length" {
+        assert_eq!(u["completion_tokens"], 24);
+    }
+    let sp = &v["speculative"];
+    for k in [
+        "rounds",
+        "drafted",
+        "accepted",
+        "acceptance_rate",
+        "mean_accepted_len",
+        "drafter",
+        "draft_len",
+    ] {
+        assert!(!sp[k].is_null(), "speculative.{k}");
+    }
+    assert_eq!(sp["drafter"], "model");
+    assert!(sp["drafted"].as_u64().unwrap() > 0);
+
+    let (s, v) = post(
+        &app,
+        "/v1/completions",
+        json!({"prompt": "abc", "max_tokens": 5, "logprobs": 2, "temperature": 0}),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["object"], "text_completion");
+    assert!(v["choices"][0]["text"].is_string());
+    let lp = &v["choices"][0]["logprobs"];
+    let n = lp["tokens"].as_array().unwrap().len();
+    assert_eq!(n as u64, v["usage"]["completion_tokens"].as_u64().unwrap());
+    assert_eq!(lp["token_logprobs"].as_array().unwrap().len(), n);
+    assert_eq!(lp["top_logprobs"][0].as_object().unwrap().len(), 2);
+}
+
+#[tokio::test]
+async fn streaming_frames_match_the_non_streaming_answer() {
+    let app = app();
+    let (_, whole) = post(&app, "/v1/chat/completions", chat_body(json!({"seed": 1}))).await;
+    let body =
+        chat_body(json!({"stream": true, "stream_options": {"include_usage": true}, "seed": 1}));
+    let (s, raw) = call(&app, "POST", "/v1/chat/completions", body.to_string()).await;
+    assert_eq!(s, StatusCode::OK);
+    let events = sse_events(&raw);
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let mut text = String::new();
+    let mut finish = None;
+    for c in &chunks {
+        assert_eq!(c["object"], "chat.completion.chunk");
+        if let Some(choice) = c["choices"].as_array().and_then(|a| a.first()) {
+            if let Some(t) = choice["delta"]["content"].as_str() {
+                text.push_str(t);
+            }
+            if let Some(f) = choice["finish_reason"].as_str() {
+                assert!(finish.is_none(), "one finish_reason");
+                finish = Some(f.to_string());
+            }
+        }
+    }
+    let usage = chunks.last().unwrap();
+    assert_eq!(
+        usage["choices"].as_array().unwrap().len(),
+        0,
+        "the usage chunk has no choices"
+    );
+    assert_eq!(usage["usage"], whole["usage"]);
+    assert_eq!(
+        text,
+        whole["choices"][0]["message"]["content"].as_str().unwrap()
+    );
+    assert_eq!(
+        finish.as_deref(),
+        whole["choices"][0]["finish_reason"].as_str()
+    );
+}
+
+#[tokio::test]
+async fn stop_strings_end_the_text_before_them_also_across_tokens_and_when_streaming() {
+    let app = app();
+    let base = json!({"max_tokens": 40, "seed": 5});
+    let (_, full) = post(&app, "/v1/chat/completions", chat_body(base.clone())).await;
+    let text = full["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    // A two-character stop string from the middle spans two tokens (one byte per token).
+    let chars: Vec<char> = text.chars().collect();
+    assert!(chars.len() >= 10, "{text:?}");
+    let stop: String = chars[6..8].iter().collect();
+    let cut = &text[..text.find(&stop).unwrap()];
+    let mut b = base.clone();
+    b["stop"] = json!([stop, "\u{1}never"]);
+    let (s, v) = post(&app, "/v1/chat/completions", chat_body(b.clone())).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(v["choices"][0]["message"]["content"], cut);
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    b["stream"] = json!(true);
+    let (_, raw) = call(
+        &app,
+        "POST",
+        "/v1/chat/completions",
+        chat_body(b).to_string(),
+    )
+    .await;
+    let mut streamed = String::new();
+    for e in sse_events(&raw) {
+        if e == "[DONE]" {
+            break;
+        }
+        let c: Value = serde_json::from_str(&e).unwrap();
+        if let Some(t) = c["choices"][0]["delta"]["content"].as_str() {
+            streamed.push_str(t);
+        }
+    }
+    assert_eq!(streamed, cut);
+}
+
+#[tokio::test]
+async fn bad_requests_get_openai_errors_naming_the_field() {
+    let app = app();
+    let cases: Vec<(Value, &str)> = vec![
+        (json!({"messages": []}), "messages"),
+        (json!({"messages": "hi"}), "messages"),
+        (json!({"max_tokens": 5}), "messages"),
+        (
+            json!({"messages": [{"role": "wizard", "content": "x"}]}),
+            "messages[0].role",
+        ),
+        (
+            json!({"messages": [{"role": "user"}]}),
+            "messages[0].content",
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": ""}]}),
+            "messages[0].content",
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+            "messages[0].content",
+        ),
+        (chat_body(json!({"max_tokens": -1})), "max_tokens"),
+        (chat_body(json!({"max_tokens": 0})), "max_tokens"),
+        (chat_body(json!({"max_tokens": 100000000})), "max_tokens"),
+        (
+            chat_body(json!({"max_completion_tokens": 1e12})),
+            "max_completion_tokens",
+        ),
+        (chat_body(json!({"max_tokens": "ten"})), "max_tokens"),
+        (chat_body(json!({"temperature": 3})), "temperature"),
+        (chat_body(json!({"temperature": -0.5})), "temperature"),
+        (chat_body(json!({"top_p": 0})), "top_p"),
+        (chat_body(json!({"top_p": 1.5})), "top_p"),
+        (chat_body(json!({"min_p": 2})), "min_p"),
+        (chat_body(json!({"top_k": -3})), "top_k"),
+        (
+            chat_body(json!({"presence_penalty": 9})),
+            "presence_penalty",
+        ),
+        (chat_body(json!({"n": 2})), "n"),
+        (chat_body(json!({"stop": 5})), "stop"),
+        (chat_body(json!({"stop": [""]})), "stop"),
+        (
+            chat_body(
+                json!({"stop": ["a","b","c","d","e","f","g","h","i","j","k","l","m","n","o","p","q"]}),
+            ),
+            "stop",
+        ),
+        (chat_body(json!({"top_logprobs": 3})), "top_logprobs"),
+        (
+            chat_body(json!({"logprobs": true, "top_logprobs": 50})),
+            "top_logprobs",
+        ),
+        (chat_body(json!({"drafter": "oracle"})), "drafter"),
+        (chat_body(json!({"draft_len": 0})), "draft_len"),
+        (chat_body(json!({"draft_len": "lots"})), "draft_len"),
+        (chat_body(json!({"verify_mode": "trust"})), "verify_mode"),
+        (chat_body(json!({"seed": "x"})), "seed"),
+        (chat_body(json!({"stream": "yes"})), "stream"),
+        (chat_body(json!({"stream_options": 1})), "stream_options"),
+        (chat_body(json!({"model": 7})), "model"),
+    ];
+    for (body, param) in cases {
+        let (s, v) = post(&app, "/v1/chat/completions", body.clone()).await;
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{body} -> {v}");
+        let e = &v["error"];
+        assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
+        assert_eq!(e["type"], "invalid_request_error", "{v}");
+        assert_eq!(e["param"], param, "{body} -> {v}");
+        assert!(e.as_object().unwrap().contains_key("code"));
+    }
+    // A prompt that fills the context (512 tokens here).
+    let long = "x".repeat(600);
+    let (s, v) = post(&app, "/v1/completions", json!({"prompt": long})).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert_eq!(v["error"]["code"], "context_length_exceeded");
+    for raw in ["{", "[1,2]", "null", "\"text\"", ""] {
+        let (s, b) = call(&app, "POST", "/v1/completions", raw).await;
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{raw:?}");
+        let v: Value = serde_json::from_slice(&b).unwrap();
+        assert!(v["error"]["message"].is_string());
+    }
+    // The server still answers.
+    let (s, _) = post(
+        &app,
+        "/v1/chat/completions",
+        chat_body(json!({"max_tokens": 3})),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn random_bodies_never_break_the_server() {
+    let app = app();
+    let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+    for i in 0..300 {
+        let len = (i * 7) % 200;
+        let body: Vec<u8> = (0..len)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect();
+        let uri = if i % 2 == 0 {
+            "/v1/chat/completions"
+        } else {
+            "/v1/completions"
+        };
+        let (s, b) = call(&app, "POST", uri, body).await;
+        assert!(s.is_client_error(), "{s}");
+        let v: Value = serde_json::from_slice(&b).unwrap();
+        assert!(v["error"]["message"].is_string());
+    }
+    let (s, _) = post(
+        &app,
+        "/v1/chat/completions",
+        chat_body(json!({"max_tokens": 3})),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn oversize_bodies_are_413_and_the_api_key_is_checked() {
+    let options = ServerOptions {
+        api_key: Some("sekret".into()),
+        max_body_bytes: 1000,
+        ..ServerOptions::default()
+    };
+    let (app, _) = app_with(options, 1, 4, Duration::ZERO);
+    let (s, _) = call(&app, "GET", "/v1/models", Body::empty()).await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+    let (s, _) = call(&app, "GET", "/metrics", Body::empty()).await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+    let (s, _) = call(&app, "GET", "/health", Body::empty()).await;
+    assert_eq!(s, StatusCode::OK, "health needs no key");
+    let authed = |uri: &str, key: &str, body: String| {
+        Request::builder()
+            .method("POST")
+            .uri(uri)
+            .header("authorization", format!("Bearer {key}"))
+            .body(Body::from(body))
+            .unwrap()
+    };
+    let ok = chat_body(json!({"max_tokens": 2})).to_string();
+    let r = app
+        .clone()
+        .oneshot(authed("/v1/chat/completions", "wrong!", ok.clone()))
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
+    let r = app
+        .clone()
+        .oneshot(authed("/v1/chat/completions", "sekret", ok))
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    let big = json!({"prompt": "y".repeat(5000)}).to_string();
+    let r = app
+        .clone()
+        .oneshot(authed("/v1/completions", "sekret", big))
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::PAYLOAD_TOO_LARGE);
+    let v: Value =
+        serde_json::from_slice(&r.into_body().collect().await.unwrap().to_bytes()).unwrap();
+    assert!(v["error"]["message"].as_str().unwrap().contains("1000"));
+}
+
+#[tokio::test]
+async fn a_full_queue_is_429_and_a_client_that_leaves_frees_its_slot() {
+    let (app, h) = app_with(ServerOptions::default(), 1, 1, Duration::from_millis(20));
+    let stream = |n: u32| {
+        Request::builder()
+            .method("POST")
+            .uri("/v1/completions")
+            .body(Body::from(
+                json!({"prompt": format!("p{n}"), "max_tokens": 400, "stream": true}).to_string(),
+            ))
+            .unwrap()
+    };
+    // One active, one queued, then 429.
+    let first = app.clone().oneshot(stream(1)).await.unwrap();
+    assert_eq!(first.status(), StatusCode::OK);
+    wait(|| h.shared.active.load(Ordering::SeqCst) == 1);
+    let second = app.clone().oneshot(stream(2)).await.unwrap();
+    assert_eq!(second.status(), StatusCode::OK);
+    let third = app.clone().oneshot(stream(3)).await.unwrap();
+    assert_eq!(third.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert!(third.headers().contains_key("retry-after"));
+    let v: Value =
+        serde_json::from_slice(&third.into_body().collect().await.unwrap().to_bytes()).unwrap();
+    assert_eq!(v["error"]["type"], "rate_limit_error");
+    // Both clients leave: their sequences end and the slots free up.
+    drop(first);
+    drop(second);
+    wait(|| {
+        h.shared.active.load(Ordering::SeqCst) == 0 && h.shared.queued.load(Ordering::SeqCst) == 0
+    });
+    let (s, _) = post(
+        &app,
+        "/v1/completions",
+        json!({"prompt": "again", "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK);
+    let (_, m) = call(&app, "GET", "/metrics", Body::empty()).await;
+    let m = String::from_utf8(m).unwrap();
+    assert!(
+        m.contains("specdec_requests_total{status=\"429\"} 1"),
+        "{m}"
+    );
+    assert!(m.contains("specdec_time_to_first_token_seconds_count"));
+    assert!(m.contains("specdec_active_sequences 0"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_requests_get_their_solo_answers() {
+    let app = app();
+    let bodies: Vec<Value> = (0..6)
+        .map(|i| {
+            let drafter = ["model", "ngram", "hybrid", "none", "model", "hybrid"][i];
+            json!({
+                "messages": [{"role": "user", "content": format!("question number {i}")}],
+                "max_tokens": 16 + 4 * i,
+                "temperature": if i % 2 == 0 { 0.0 } else { 0.8 },
+                "seed": i,
+                "drafter": drafter,
+                "draft_len": 1 + i % 4,
+            })
+        })
+        .collect();
+    let mut solo = Vec::new();
+    for b in &bodies {
+        let (s, v) = post(&app, "/v1/chat/completions", b.clone()).await;
+        assert_eq!(s, StatusCode::OK);
+        solo.push(v["choices"][0]["message"]["content"].clone());
+    }
+    let together = futures_util::future::join_all(bodies.iter().map(|b| {
+        let app = app.clone();
+        let b = b.clone();
+        async move { post(&app, "/v1/chat/completions", b).await }
+    }))
+    .await;
+    for (i, ((s, v), want)) in together.iter().zip(&solo).enumerate() {
+        assert_eq!(*s, StatusCode::OK);
+        assert_eq!(&v["choices"][0]["message"]["content"], want, "request {i}");
+    }
+}

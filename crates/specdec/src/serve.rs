@@ -1,0 +1,141 @@
+//! `specdec serve`: fetch the models (with progress), bind, then load them on the engine thread while
+//! `/health` answers 503, and serve until SIGINT or SIGTERM.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use specdec_core::ModelDrafter;
+use specdec_runtime::Sessions;
+use specdec_server::{DrafterKind, EngineOptions, MultiDrafter, ServerOptions};
+
+use crate::cli::{DrafterKind as CliDrafter, ServeArgs};
+use crate::engine::{Loaded, Ui};
+
+/// `specdec serve`.
+pub fn command(args: &ServeArgs, ui: Ui) -> Result<()> {
+    if args.parallel == 0 {
+        bail!("--parallel must be at least 1");
+    }
+    if !(args.shutdown_grace.is_finite() && args.shutdown_grace >= 0.0) {
+        bail!("--shutdown-grace must be a number of seconds >= 0");
+    }
+    let drafter = match args.decode.drafter {
+        CliDrafter::None => DrafterKind::None,
+        CliDrafter::Ngram => DrafterKind::Ngram,
+        CliDrafter::Model => DrafterKind::Model,
+        CliDrafter::Hybrid => DrafterKind::Hybrid,
+    };
+    // Fetch before binding, so download progress shows and a failure is reported at once.
+    ui.model_path(&args.model.target)?;
+    if matches!(drafter, DrafterKind::Model | DrafterKind::Hybrid) {
+        ui.model_path(&args.model.draft)?;
+    }
+    // The alias when the target is a known model, else the file name without `.gguf`.
+    let model_name = if specdec_runtime::fetch::known(&args.model.target).is_some() {
+        args.model.target.clone()
+    } else {
+        let name = std::path::Path::new(&args.model.target)
+            .file_name()
+            .map_or_else(
+                || args.model.target.clone(),
+                |s| s.to_string_lossy().into_owned(),
+            );
+        name.strip_suffix(".gguf")
+            .map(str::to_string)
+            .unwrap_or(name)
+    };
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    let addr = format!("{}:{}", args.host, args.port);
+    let listener = runtime
+        .block_on(tokio::net::TcpListener::bind(&addr))
+        .with_context(|| format!("binding {addr}"))?;
+    let local = listener.local_addr()?;
+
+    let (model_args, parallel) = (args.model.clone(), args.parallel);
+    let cli_drafter = args.decode.drafter;
+    let engine = specdec_server::start(
+        &EngineOptions {
+            parallel,
+            queue: args.queue,
+        },
+        move || {
+            let loaded =
+                Loaded::load(&model_args, &[cli_drafter], ui).map_err(|e| format!("{e:#}"))?;
+            let ctx = loaded.ctx;
+            let target = Sessions::new(loaded.target.clone(), ctx, parallel);
+            let draft = loaded
+                .draft
+                .clone()
+                .map(|d| ModelDrafter::new(Sessions::new(d, ctx, parallel)));
+            ui.note(format!(
+                "ready: {ctx} tokens of context per sequence, {parallel} sequences at a time"
+            ));
+            Ok(specdec_server::Loaded {
+                target,
+                drafter: MultiDrafter::new(draft),
+                codec: Arc::new(loaded.tokenizer),
+                model: model_name,
+            })
+        },
+    );
+    let defaults = {
+        let d = &args.decode;
+        specdec_server::Defaults {
+            sampling: specdec_core::SamplingParams {
+                temperature: d.temperature,
+                top_k: d.top_k,
+                top_p: d.top_p,
+                min_p: d.min_p,
+                repetition_penalty: d.repetition_penalty,
+                presence_penalty: d.presence_penalty,
+                frequency_penalty: d.frequency_penalty,
+                ..specdec_core::SamplingParams::default()
+            },
+            max_tokens: d.max_tokens,
+            drafter,
+            draft_len: crate::engine::draft_len_policy(&d.draft_len)?,
+            verify_mode: match d.verify_mode {
+                crate::cli::VerifyModeArg::Rejection => specdec_core::VerifyMode::Rejection,
+                crate::cli::VerifyModeArg::Onehot => specdec_core::VerifyMode::OneHot,
+            },
+            min_confidence: d.min_confidence,
+            ignore_eos: d.ignore_eos,
+        }
+    };
+    defaults
+        .sampling
+        .validate()
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let shared = engine.shared.clone();
+    let app = specdec_server::router(
+        engine,
+        ServerOptions {
+            api_key: args.api_key.clone(),
+            cors: args.cors,
+            max_body_bytes: args.max_body_bytes,
+            defaults,
+        },
+    );
+    ui.note(format!(
+        "listening on http://{local} (chat page at /, OpenAI API at /v1); loading the models…"
+    ));
+    runtime
+        .block_on(specdec_server::serve(
+            listener,
+            app,
+            shared.clone(),
+            Duration::from_secs_f64(args.shutdown_grace),
+        ))
+        .context("serving")?;
+    if let Some(e) = shared.load_error.get() {
+        bail!("the models failed to load: {e}");
+    }
+    ui.note("stopped");
+    Ok(())
+}

@@ -101,6 +101,7 @@ pub struct Batch<T, D> {
     target: T,
     drafter: D,
     seqs: Vec<Sequence>,
+    batch_draft_cap: Option<usize>,
 }
 
 impl<T: Target, D: Draft> Batch<T, D> {
@@ -110,7 +111,17 @@ impl<T: Target, D: Draft> Batch<T, D> {
             target,
             drafter,
             seqs: Vec::new(),
+            batch_draft_cap: None,
         }
+    }
+
+    /// While more than one sequence is decoding, draft at most `cap` tokens per sequence and round
+    /// (`None`: no cap). Drafted rows add to every step of a batch, where the target's cost per row
+    /// no longer stays flat; on a small CPU plain batching can beat speculation once several
+    /// sequences share a step. Greedy output does not change; sampled output keeps its distribution,
+    /// though a seed then fixes the tokens only for the same schedule of draft lengths.
+    pub fn set_batch_draft_cap(&mut self, cap: Option<usize>) {
+        self.batch_draft_cap = cap;
     }
 
     /// The target.
@@ -271,6 +282,12 @@ impl<T: Target, D: Draft> Batch<T, D> {
 
         // Plan: the prompt's prefill, or this round's draft length.
         let mut prefill_secs = vec![0.0; self.seqs.len()];
+        let decoding = self
+            .seqs
+            .iter()
+            .filter(|s| matches!(s.phase, Phase::Decode))
+            .count();
+        let cap = self.batch_draft_cap.filter(|_| decoding > 1);
         for (i, s) in self.seqs.iter_mut().enumerate() {
             match s.phase {
                 Phase::Done(_) => {}
@@ -291,6 +308,9 @@ impl<T: Target, D: Draft> Batch<T, D> {
                         // Emitting at most k + 1 tokens must fit both the token limit and the
                         // context.
                         s.k = s.controller.next_draft_len().min(room - 1);
+                        if let Some(cap) = cap {
+                            s.k = s.k.min(cap);
+                        }
                     }
                 }
             }

@@ -239,3 +239,41 @@ fn logprobs_come_with_each_token_when_asked() {
         "some tokens came from drafts"
     );
 }
+
+#[test]
+fn a_batch_draft_cap_stops_drafting_while_several_sequences_decode() {
+    let reqs = requests();
+    let greedy: Vec<_> = reqs
+        .iter()
+        .filter(|(_, c)| c.sampling.is_greedy())
+        .cloned()
+        .collect();
+    let mut batch = Batch::new(target(), draft_model());
+    batch.set_batch_draft_cap(Some(0));
+    for (i, (p, c)) in greedy.iter().cloned().enumerate() {
+        batch.add(SeqId(i as u64), p, c, None).unwrap();
+    }
+    let mut outs = HashMap::new();
+    while !batch.is_empty() {
+        for f in batch.step(&mut |_, _| ControlFlow::Continue(())) {
+            outs.insert(f.seq, f.result.unwrap());
+        }
+    }
+    for (i, (p, c)) in greedy.iter().enumerate() {
+        let alone = generate(&mut target(), &mut NoDraft, p, c, &mut |_| {
+            ControlFlow::Continue(())
+        })
+        .unwrap();
+        assert_eq!(
+            outs[&SeqId(i as u64)].tokens,
+            alone.tokens,
+            "greedy sequence {i}"
+        );
+    }
+    // The longest sequence decoded alone at the end and drafted then; the others never drafted
+    // while it was still running.
+    let drafted: Vec<u64> = (0..greedy.len())
+        .map(|i| outs[&SeqId(i as u64)].metrics.drafted)
+        .collect();
+    assert_eq!(drafted.iter().filter(|&&d| d > 0).count(), 1, "{drafted:?}");
+}

@@ -2,6 +2,12 @@
 //! blocks of every sequence in the batch through one forward pass, so concurrent sequences share each
 //! read of the weights. A sequence's logits are those of a [`crate::Session`] of its own, bit for bit
 //! (see [`crate::model`]).
+//!
+//! Prefix caching: a released sequence's cache is kept (up to [`SPARE_CACHES`], least recently
+//! released dropped first) with its tokens, and a new sequence starts from the kept cache that shares
+//! the longest prefix with its context, so a shared system prompt or the history of a chat is not
+//! computed again. Keys and values of a token prefix do not depend on how they were computed (blocks,
+//! batches and single steps give the same bits), so this changes no output.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -13,8 +19,8 @@ use crate::kv::KvCache;
 use crate::model::{Model, Part, Scratch};
 use crate::session::PREFILL_CHUNK;
 
-/// Released caches kept for reuse, at most this many.
-const SPARE_CACHES: usize = 8;
+/// Released caches kept for reuse (and their prefixes), at most this many.
+pub const SPARE_CACHES: usize = 8;
 
 /// One sequence's cache and the tokens in it.
 #[derive(Debug)]
@@ -47,10 +53,12 @@ pub struct Sessions {
     capacity: usize,
     max_seqs: usize,
     seqs: HashMap<SeqId, Seq>,
-    spare: Vec<KvCache>,
+    /// Released sequences, oldest first.
+    spare: Vec<Seq>,
     scratch: Scratch,
     /// The logits of each request, before they go into the caller's buffers.
     logits: Vec<Vec<f32>>,
+    reused_tokens: u64,
 }
 
 impl Sessions {
@@ -66,6 +74,7 @@ impl Sessions {
             spare: Vec::new(),
             scratch: Scratch::default(),
             logits: Vec::new(),
+            reused_tokens: 0,
         }
     }
 
@@ -84,25 +93,41 @@ impl Sessions {
         self.seqs.get(&seq).map_or(&[], |s| &s.tokens)
     }
 
-    /// The cache of `id`, taken out of the map (`taken` others already are), or a new one.
-    fn take(&mut self, id: SeqId, taken: usize) -> Result<Seq> {
+    /// The cache of `id`, taken out of the map (`taken` others already are); for a new sequence, the
+    /// kept cache sharing the longest prefix with `context`, else the oldest kept one, else a new one.
+    fn take(&mut self, id: SeqId, taken: usize, context: &[TokenId]) -> Result<Seq> {
         if let Some(s) = self.seqs.remove(&id) {
             return Ok(s);
         }
         if self.seqs.len() + taken >= self.max_seqs {
             return Err(Error::TooManySequences { max: self.max_seqs });
         }
-        let cache = match self.spare.pop() {
-            Some(mut c) => {
-                c.truncate(0)?;
-                c
+        // Longest shared prefix first; among equals the oldest, the first to be dropped anyway.
+        let best = self
+            .spare
+            .iter()
+            .enumerate()
+            .max_by_key(|(i, s)| (s.common_prefix(context), usize::MAX - i))
+            .map(|(i, _)| i);
+        match best {
+            Some(i) => {
+                let mut s = self.spare.remove(i);
+                let keep = s.common_prefix(context);
+                s.rollback(keep)?;
+                self.reused_tokens += keep as u64;
+                Ok(s)
             }
-            None => self.model.cache(self.capacity),
-        };
-        Ok(Seq {
-            cache,
-            tokens: Vec::new(),
-        })
+            None => Ok(Seq {
+                cache: self.model.cache(self.capacity),
+                tokens: Vec::new(),
+            }),
+        }
+    }
+
+    /// Context tokens whose keys and values came from a released sequence's cache instead of being
+    /// computed, since the sessions were made.
+    pub fn reused_tokens(&self) -> u64 {
+        self.reused_tokens
     }
 
     fn score_taken(
@@ -133,21 +158,48 @@ impl Sessions {
             feed.extend_from_slice(req.draft);
             feeds.push(feed);
         }
-        // Long prompts first, chunk by chunk and each on its own, up to the rows asked for.
-        let mut ignored = Vec::new();
-        for ((req, s), feed) in batch.iter().zip(seqs.iter_mut()).zip(&feeds) {
-            let rows = req.draft.len() + 1;
-            for chunk in feed[..feed.len() - rows].chunks(PREFILL_CHUNK) {
-                self.model.forward_parts(
-                    &mut [Part {
+        // Long prompts first, up to the rows asked for: in rounds of one chunk per sequence, all
+        // sequences' chunks of a round in one pass, at most `PREFILL_CHUNK` rows per pass.
+        let heads: Vec<&[TokenId]> = batch
+            .iter()
+            .zip(&feeds)
+            .map(|(req, feed)| &feed[..feed.len() - (req.draft.len() + 1)])
+            .collect();
+        let mut done = vec![0; heads.len()];
+        let mut ignored: Vec<Vec<f32>> = vec![Vec::new(); heads.len()];
+        loop {
+            let mut budget = PREFILL_CHUNK;
+            let mut parts = Vec::new();
+            for (((s, head), at), logits) in seqs
+                .iter_mut()
+                .zip(&heads)
+                .zip(done.iter_mut())
+                .zip(ignored.iter_mut())
+            {
+                let n = (head.len() - *at).min(budget);
+                if n == 0 {
+                    continue;
+                }
+                budget -= n;
+                parts.push((
+                    Part {
                         cache: &mut s.cache,
-                        tokens: chunk,
+                        tokens: &head[*at..*at + n],
                         logits_rows: 0,
-                        logits: &mut ignored,
-                    }],
-                    &mut self.scratch,
-                )?;
-                s.tokens.extend_from_slice(chunk);
+                        logits,
+                    },
+                    &mut s.tokens,
+                ));
+                *at += n;
+            }
+            if parts.is_empty() {
+                break;
+            }
+            let (mut passes, tokens): (Vec<Part<'_>>, Vec<&mut Vec<TokenId>>) =
+                parts.into_iter().unzip();
+            self.model.forward_parts(&mut passes, &mut self.scratch)?;
+            for (p, t) in passes.iter().zip(tokens) {
+                t.extend_from_slice(p.tokens);
             }
         }
         // Then the rows asked for, of every sequence, in one pass.
@@ -208,7 +260,7 @@ impl Target for Sessions {
         let mut seqs = Vec::with_capacity(batch.len());
         let mut r = Ok(());
         for req in batch {
-            match self.take(req.seq, seqs.len()) {
+            match self.take(req.seq, seqs.len(), req.context) {
                 Ok(s) => seqs.push(s),
                 Err(e) => {
                     r = Err(e);
@@ -238,9 +290,10 @@ impl Target for Sessions {
 
     fn release(&mut self, seq: SeqId) {
         if let Some(s) = self.seqs.remove(&seq) {
-            if self.spare.len() < SPARE_CACHES {
-                self.spare.push(s.cache);
+            if self.spare.len() >= SPARE_CACHES {
+                self.spare.remove(0);
             }
+            self.spare.push(s);
         }
     }
 }

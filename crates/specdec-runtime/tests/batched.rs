@@ -151,3 +151,60 @@ fn continuous_batching_on_tiny_models_gives_each_sequence_its_own_tokens() {
         assert_eq!(&got[&SeqId(i as u64)], want, "sequence {i}");
     }
 }
+
+#[test]
+fn a_new_sequence_reuses_the_longest_released_prefix_with_the_same_logits() {
+    let model = tiny_model(&TinySpec::new(Arch::Qwen2, GgmlDType::Q4K));
+    let mut s = Sessions::new(model.clone(), 128, 2);
+    let shared = tokens(20, 3);
+    let mut a = shared.clone();
+    a.extend(tokens(5, 8));
+    let mut b = shared.clone();
+    b.extend(tokens(7, 9));
+    let mut out = vec![Logits::new(0)];
+    s.score(
+        &[Score {
+            seq: SeqId(1),
+            context: &a,
+            draft: &[],
+        }],
+        &mut out,
+    )
+    .unwrap();
+    s.release(SeqId(1));
+    assert_eq!(s.reused_tokens(), 0);
+    s.score(
+        &[Score {
+            seq: SeqId(2),
+            context: &b,
+            draft: &[4, 5],
+        }],
+        &mut out,
+    )
+    .unwrap();
+    assert_eq!(
+        s.reused_tokens(),
+        20,
+        "the shared prompt came from the released cache"
+    );
+    let mut fresh = Session::new(model, 128);
+    let mut want = [Logits::new(0)];
+    fresh
+        .score(
+            &[Score {
+                seq: SeqId(0),
+                context: &b,
+                draft: &[4, 5],
+            }],
+            &mut want,
+        )
+        .unwrap();
+    for r in 0..3 {
+        let same = out[0]
+            .row(r)
+            .iter()
+            .zip(want[0].row(r))
+            .all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(same, "row {r}");
+    }
+}

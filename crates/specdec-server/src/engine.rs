@@ -189,12 +189,11 @@ impl<M: Target> Draft for MultiDrafter<M> {
         }
     }
 
-    fn prefill(&mut self, seq: SeqId, context: &[TokenId]) -> Result<(), Self::Error> {
-        let needs = self.kind(seq).needs_model();
-        match &mut self.model {
-            Some(m) if needs => m.prefill(seq, context),
-            _ => Ok(()),
-        }
+    /// Nothing: the draft model reads the prompt at the sequence's first drafting round instead.
+    /// A sequence that never drafts (plain decoding, lookup hits only, or a batch under a draft cap)
+    /// then never costs a draft-model prefill; one that drafts does the same work a round later.
+    fn prefill(&mut self, _seq: SeqId, _context: &[TokenId]) -> Result<(), Self::Error> {
+        Ok(())
     }
 
     fn release(&mut self, seq: SeqId) {
@@ -411,6 +410,9 @@ pub struct EngineOptions {
     pub parallel: usize,
     /// Requests that may wait beyond those.
     pub queue: usize,
+    /// While more than one sequence is decoding, draft at most this many tokens per sequence and
+    /// round (`None`: no cap); see [`specdec_core::Batch::set_batch_draft_cap`].
+    pub batch_draft_len: Option<usize>,
 }
 
 /// Starts the engine thread, which first runs `load` (so `/health` answers 503 until it returns)
@@ -429,6 +431,7 @@ where
         queue: options.queue,
     };
     let parallel = options.parallel.max(1);
+    let batch_draft_len = options.batch_draft_len;
     let spawned = std::thread::Builder::new()
         .name("specdec-engine".into())
         .spawn(move || {
@@ -457,8 +460,10 @@ where
             };
             let _ = shared.info.set(info);
             tracing::info!("models loaded; serving up to {parallel} sequences at a time");
+            let mut batch = Batch::new(target, drafter);
+            batch.set_batch_draft_cap(batch_draft_len);
             Engine {
-                batch: Batch::new(target, drafter),
+                batch,
                 jobs: HashMap::new(),
                 codec,
                 shared,

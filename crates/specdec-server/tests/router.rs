@@ -85,7 +85,21 @@ impl Target for Slow {
 }
 
 fn engine(parallel: usize, queue: usize, delay: Duration) -> EngineHandle {
-    let h = start(&EngineOptions { parallel, queue }, move || {
+    engine_capped(parallel, queue, delay, None)
+}
+
+fn engine_capped(
+    parallel: usize,
+    queue: usize,
+    delay: Duration,
+    cap: Option<usize>,
+) -> EngineHandle {
+    let options = EngineOptions {
+        parallel,
+        queue,
+        batch_draft_len: cap,
+    };
+    let h = start(&options, move || {
         let draft = MockModel::new(MockLogits::Perturbed {
             base: Box::new(target_logits()),
             seed: 8,
@@ -207,6 +221,7 @@ async fn health_is_503_until_the_models_are_loaded() {
         &EngineOptions {
             parallel: 1,
             queue: 1,
+            batch_draft_len: None,
         },
         move || {
             let _ = go_rx.recv();
@@ -601,14 +616,30 @@ async fn a_full_queue_is_429_and_a_client_that_leaves_frees_its_slot() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_requests_get_their_solo_answers() {
+    // Without a cap on drafting in batches, the drafts are those of a solo run, so even sampled
+    // requests get their solo tokens.
     let app = app();
+    concurrent_equals_solo(&app, false).await;
+    // With drafting turned off while several sequences decode, greedy answers are still the same.
+    let options = ServerOptions {
+        defaults: Defaults {
+            drafter: DrafterKind::Model,
+            ..Defaults::default()
+        },
+        ..ServerOptions::default()
+    };
+    let capped = router(engine_capped(4, 16, Duration::ZERO, Some(0)), options);
+    concurrent_equals_solo(&capped, true).await;
+}
+
+async fn concurrent_equals_solo(app: &Router, greedy_only: bool) {
     let bodies: Vec<Value> = (0..6)
         .map(|i| {
             let drafter = ["model", "ngram", "hybrid", "none", "model", "hybrid"][i];
             json!({
                 "messages": [{"role": "user", "content": format!("question number {i}")}],
                 "max_tokens": 16 + 4 * i,
-                "temperature": if i % 2 == 0 { 0.0 } else { 0.8 },
+                "temperature": if i % 2 == 0 || greedy_only { 0.0 } else { 0.8 },
                 "seed": i,
                 "drafter": drafter,
                 "draft_len": 1 + i % 4,
@@ -617,7 +648,7 @@ async fn concurrent_requests_get_their_solo_answers() {
         .collect();
     let mut solo = Vec::new();
     for b in &bodies {
-        let (s, v) = post(&app, "/v1/chat/completions", b.clone()).await;
+        let (s, v) = post(app, "/v1/chat/completions", b.clone()).await;
         assert_eq!(s, StatusCode::OK);
         solo.push(v["choices"][0]["message"]["content"].clone());
     }

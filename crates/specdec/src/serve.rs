@@ -63,6 +63,7 @@ pub fn command(args: &ServeArgs, ui: Ui) -> Result<()> {
         &EngineOptions {
             parallel,
             queue: args.queue,
+            batch_draft_len: Some(args.batch_draft_len),
         },
         move || {
             let loaded =

@@ -104,7 +104,7 @@ fn assert_clean_error(out: &Output, needle: &str) {
 #[test]
 fn help_documents_every_subcommand() {
     let f = fixture();
-    for sub in ["generate", "chat", "bench", "fetch"] {
+    for sub in ["generate", "chat", "bench", "fetch", "serve"] {
         let out = specdec(&f, &[sub, "--help"]);
         assert!(out.status.success());
         let text = String::from_utf8_lossy(&out.stdout);
@@ -585,4 +585,36 @@ fn special_token_text_in_prompts_is_text_unless_parse_special() {
         ],
     );
     assert_clean_error(&out, "--parse-special");
+}
+
+#[test]
+fn stop_strings_end_generate_before_them() {
+    let f = fixture();
+    let base = ["--drafter", "model", "--max-tokens", "40", "--ignore-eos"];
+    let full = generate_json(&f, &base);
+    let text = full["text"].as_str().unwrap().to_string();
+    let chars: Vec<char> = text.chars().collect();
+    assert!(chars.len() >= 12, "{text:?}");
+    let stop: String = chars[8..10].iter().collect();
+    let want = &text[..text.find(&stop).unwrap()];
+    let mut args = base.to_vec();
+    args.extend(["--stop", &stop, "--stop", "\u{1}never"]);
+    let cut = generate_json(&f, &args);
+    assert_eq!(cut["text"], want);
+    assert_eq!(cut["stop_reason"], "stop_string");
+    // Streaming prints the same text.
+    let mut streamed = vec![
+        "generate",
+        "--quiet",
+        "--target",
+        s(&f.target),
+        "--draft",
+        s(&f.draft),
+        "--prompt",
+        "Hello there, tiny model",
+    ];
+    streamed.extend_from_slice(&args);
+    let out = specdec(&f, &streamed);
+    assert!(out.status.success());
+    assert_eq!(String::from_utf8_lossy(&out.stdout), format!("{want}\n"));
 }

@@ -92,6 +92,12 @@ struct Sequence {
     scratch: Vec<f32>,
     /// The draft length of the step in progress.
     k: usize,
+    /// Prompt tokens scored so far by partial prefill steps.
+    prefilled: usize,
+    /// This step scores only the first this-many prompt tokens (a partial prefill).
+    partial: Option<usize>,
+    /// Seconds spent in partial prefill steps.
+    prefill_secs: f64,
     decode_start: Option<Instant>,
 }
 
@@ -102,6 +108,7 @@ pub struct Batch<T, D> {
     drafter: D,
     seqs: Vec<Sequence>,
     batch_draft_cap: Option<usize>,
+    prefill_chunk: Option<usize>,
 }
 
 impl<T: Target, D: Draft> Batch<T, D> {
@@ -112,7 +119,15 @@ impl<T: Target, D: Draft> Batch<T, D> {
             drafter,
             seqs: Vec::new(),
             batch_draft_cap: None,
+            prefill_chunk: None,
         }
+    }
+
+    /// Scores a new prompt at most `chunk` tokens per step (`None`: the whole prompt in its first
+    /// step), so a long prompt does not hold up the other sequences' tokens for its whole prefill.
+    /// Changes no output: the model keeps the prefix it has scored.
+    pub fn set_prefill_chunk(&mut self, chunk: Option<usize>) {
+        self.prefill_chunk = chunk.map(|c| c.max(1));
     }
 
     /// While more than one sequence is decoding, draft at most `cap` tokens per sequence and round
@@ -246,6 +261,9 @@ impl<T: Target, D: Draft> Batch<T, D> {
             history: Vec::new(),
             scratch: Vec::new(),
             k: 0,
+            prefilled: 0,
+            partial: None,
+            prefill_secs: 0.0,
             decode_start: None,
             config,
         });
@@ -292,12 +310,18 @@ impl<T: Target, D: Draft> Batch<T, D> {
             match s.phase {
                 Phase::Done(_) => {}
                 Phase::Prefill => {
-                    let t = Instant::now();
-                    if let Err(e) = self.drafter.prefill(s.id, &s.tokens) {
-                        failed.push((i, Error::model(Side::Draft, e)));
-                    }
-                    prefill_secs[i] = t.elapsed().as_secs_f64();
                     s.k = 0;
+                    s.partial = self
+                        .prefill_chunk
+                        .map(|c| s.prefilled + c)
+                        .filter(|&n| n < s.tokens.len());
+                    if s.partial.is_none() {
+                        let t = Instant::now();
+                        if let Err(e) = self.drafter.prefill(s.id, &s.tokens) {
+                            failed.push((i, Error::model(Side::Draft, e)));
+                        }
+                        prefill_secs[i] = t.elapsed().as_secs_f64();
+                    }
                 }
                 Phase::Decode => {
                     let room = (s.config.max_new_tokens - s.output.tokens.len())
@@ -384,7 +408,7 @@ impl<T: Target, D: Draft> Batch<T, D> {
                 .iter()
                 .map(|s| Score {
                     seq: s.id,
-                    context: &s.tokens,
+                    context: &s.tokens[..s.partial.unwrap_or(s.tokens.len())],
                     draft: &s.proposal.tokens,
                 })
                 .collect();
@@ -406,13 +430,23 @@ impl<T: Target, D: Draft> Batch<T, D> {
             }
         }
         let verify_secs = t1.elapsed().as_secs_f64();
+        // Timings shared with other sequences are not one sequence's costs.
+        let timed = self.seqs.len() == 1;
         self.take_failed(&mut failed, &mut finished);
 
         // Verify, emit and commit, each sequence on its own.
         for (i, s) in self.seqs.iter_mut().enumerate() {
+            if let (Phase::Prefill, Some(n)) = (&s.phase, s.partial.take()) {
+                s.prefilled = n;
+                s.prefill_secs += verify_secs;
+                continue;
+            }
             let r = match s.phase {
-                Phase::Prefill => s.finish_prefill(prefill_secs[i] + verify_secs, on_token),
-                _ => s.finish_round(draft_secs, verify_secs, on_token),
+                Phase::Prefill => {
+                    let secs = s.prefill_secs + prefill_secs[i] + verify_secs;
+                    s.finish_prefill(secs, on_token)
+                }
+                _ => s.finish_round(draft_secs, verify_secs, timed, on_token),
             };
             let r = r.and_then(|stop| {
                 s.commit(&mut self.target, &mut self.drafter)?;
@@ -514,6 +548,7 @@ impl Sequence {
         &mut self,
         draft_secs: f64,
         verify_secs: f64,
+        timed: bool,
         on_token: &mut dyn FnMut(SeqId, &Emitted) -> ControlFlow<()>,
     ) -> Result<Option<StopReason>> {
         let pos = self.tokens.len();
@@ -564,7 +599,11 @@ impl Sequence {
             verified: m,
         };
         self.output.metrics.record(&round);
-        self.controller.observe(&round);
+        if timed {
+            self.controller.observe(&round);
+        } else {
+            self.controller.observe_untimed(&round);
+        }
         Ok(stop)
     }
 

@@ -356,6 +356,16 @@ impl Controller {
 
     /// Learns from a finished round.
     pub fn observe(&mut self, round: &Round) {
+        self.observe_inner(round, true);
+    }
+
+    /// [`Controller::observe`] for a round whose timings are not this sequence's own (its model calls
+    /// were shared with other sequences in a batch): acceptance counts, timings do not.
+    pub fn observe_untimed(&mut self, round: &Round) {
+        self.observe_inner(round, false);
+    }
+
+    fn observe_inner(&mut self, round: &Round, timed: bool) {
         self.rounds += 1;
         match &self.policy {
             DraftLenPolicy::Fixed { .. } => {}
@@ -395,14 +405,15 @@ impl Controller {
                 }
                 // c counts drafting only: a round right after one without drafting also paid for the
                 // drafter catching up on the tokens it missed, which steady speculation does not.
-                if round.drafted > 0 && self.after_draft {
+                if timed && round.drafted > 0 && self.after_draft {
                     push_window(
                         &mut self.draft_costs,
                         round.draft_secs / round.drafted as f64,
                     );
                 }
-                self.after_draft = round.drafted > 0;
-                if round.verified > 0 {
+                // A round without its own timing gives the next one no clean draft cost either.
+                self.after_draft = timed && round.drafted > 0;
+                if timed && round.verified > 0 {
                     if self.verify_times.len() < round.verified {
                         self.verify_times.resize(round.verified, Vec::new());
                     }

@@ -12,6 +12,13 @@ use crate::error::{Error, Result};
 use crate::kernels;
 use crate::TokenId;
 
+/// The smallest temperature above 0 (greedy) that [`SamplingParams::validate`] accepts.
+pub const MIN_TEMPERATURE: f32 = 1e-3;
+/// The range of repetition penalties [`SamplingParams::validate`] accepts.
+pub const MIN_REPETITION_PENALTY: f32 = 1e-3;
+/// See [`MIN_REPETITION_PENALTY`].
+pub const MAX_REPETITION_PENALTY: f32 = 1e3;
+
 /// How logits become a distribution. The defaults change nothing: temperature 1, no truncation, no
 /// penalty.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -74,11 +81,12 @@ impl SamplingParams {
     /// Checks every value's range.
     pub fn validate(&self) -> Result<()> {
         let t = self.temperature;
-        if !(t.is_finite() && t >= 0.0) {
+        // Below 1e-3 (but above 0) 1/t overflows the softmax's arithmetic on real logits.
+        if !(t.is_finite() && (t == 0.0 || t >= MIN_TEMPERATURE)) {
             return Err(Error::config(
                 "temperature",
                 t,
-                "a finite number >= 0 (0 = greedy)",
+                "0 (greedy) or a finite number >= 0.001",
             ));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
@@ -88,11 +96,11 @@ impl SamplingParams {
             return Err(Error::config("min_p", self.min_p, "a number in [0, 1]"));
         }
         let r = self.repetition_penalty;
-        if !(r.is_finite() && r > 0.0) {
+        if !((MIN_REPETITION_PENALTY..=MAX_REPETITION_PENALTY).contains(&r)) {
             return Err(Error::config(
                 "repetition_penalty",
                 r,
-                "a finite number > 0 (1 = off)",
+                "a number in [0.001, 1000] (1 = off)",
             ));
         }
         if !self.presence_penalty.is_finite() {

@@ -277,3 +277,55 @@ fn a_batch_draft_cap_stops_drafting_while_several_sequences_decode() {
         .collect();
     assert_eq!(drafted.iter().filter(|&&d| d > 0).count(), 1, "{drafted:?}");
 }
+
+#[test]
+fn a_long_prompt_is_prefilled_in_chunks_while_others_keep_decoding() {
+    let mut batch = Batch::new(target(), draft_model());
+    batch.set_prefill_chunk(Some(4));
+    let (p0, c0) = requests()[0].clone();
+    batch.add(SeqId(0), p0, c0, None).unwrap();
+    // Let sequence 0 start decoding, then add a 30-token prompt.
+    batch.step(&mut |_, _| ControlFlow::Continue(()));
+    let long: Vec<TokenId> = (0..30).map(|i| (i * 5 + 1) % VOCAB as u32).collect();
+    let config = GenerateConfig {
+        max_new_tokens: 6,
+        sampling: SamplingParams::greedy(),
+        draft_len: DraftLenPolicy::Fixed { draft_len: 2 },
+        ..GenerateConfig::default()
+    };
+    batch
+        .add(SeqId(1), long.clone(), config.clone(), None)
+        .unwrap();
+    let mut first_long_token_step = None;
+    let mut zero_tokens_during_prefill = 0;
+    let mut outs = HashMap::new();
+    let mut step = 0;
+    while !batch.is_empty() {
+        let mut saw = (false, false);
+        for f in batch.step(&mut |seq, _| {
+            if seq == SeqId(0) {
+                saw.0 = true;
+            } else {
+                saw.1 = true;
+            }
+            ControlFlow::Continue(())
+        }) {
+            outs.insert(f.seq, f.result.unwrap());
+        }
+        if saw.1 && first_long_token_step.is_none() {
+            first_long_token_step = Some(step);
+        }
+        if first_long_token_step.is_none() && saw.0 {
+            zero_tokens_during_prefill += 1;
+        }
+        step += 1;
+    }
+    // 30 tokens in chunks of 4: seven partial steps, then the last one gives the first token.
+    assert_eq!(first_long_token_step, Some(7));
+    assert!(zero_tokens_during_prefill >= 3, "sequence 0 kept decoding");
+    let alone = generate(&mut target(), &mut NoDraft, &long, &config, &mut |_| {
+        ControlFlow::Continue(())
+    })
+    .unwrap();
+    assert_eq!(outs[&SeqId(1)].tokens, alone.tokens);
+}

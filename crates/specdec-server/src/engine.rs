@@ -354,6 +354,7 @@ pub struct EngineHandle {
     /// Shared state.
     pub shared: Arc<Shared>,
     queue: usize,
+    parallel: usize,
 }
 
 impl EngineHandle {
@@ -370,12 +371,20 @@ impl EngineHandle {
             .ok_or_else(|| ApiError::unavailable("the models are still loading"))
     }
 
-    /// Queues a job; 429 when the queue is full, 503 when shutting down.
+    /// Queues a job; 429 when the free slots and the queue are taken, 503 when shutting down.
     pub fn submit(&self, job: Job) -> Result<(), ApiError> {
         if self.shared.closing.load(Ordering::SeqCst) {
             return Err(ApiError::unavailable("the server is shutting down"));
         }
-        self.shared.queued.fetch_add(1, Ordering::SeqCst);
+        // Waiting jobs may fill the queue plus the slots that are free now.
+        let free = self
+            .parallel
+            .saturating_sub(self.shared.active.load(Ordering::SeqCst));
+        let waiting = self.shared.queued.fetch_add(1, Ordering::SeqCst);
+        if waiting >= self.queue + free {
+            self.shared.queued.fetch_sub(1, Ordering::SeqCst);
+            return Err(ApiError::overloaded(self.queue));
+        }
         match self.tx.try_send(job) {
             Ok(()) => Ok(()),
             Err(e) => {
@@ -413,6 +422,9 @@ pub struct EngineOptions {
     /// While more than one sequence is decoding, draft at most this many tokens per sequence and
     /// round (`None`: no cap); see [`specdec_core::Batch::set_batch_draft_cap`].
     pub batch_draft_len: Option<usize>,
+    /// Prompt tokens scored per step for a new request (`None`: all at once); see
+    /// [`specdec_core::Batch::set_prefill_chunk`].
+    pub prefill_chunk: Option<usize>,
 }
 
 /// Starts the engine thread, which first runs `load` (so `/health` answers 503 until it returns)
@@ -423,15 +435,18 @@ where
     T: Target + 'static,
     F: FnOnce() -> Result<Loaded<M, T>, String> + Send + 'static,
 {
-    let (tx, rx) = std::sync::mpsc::sync_channel(options.queue);
+    let parallel = options.parallel.max(1);
+    // Room for the queue and for jobs that free slots are about to take; `submit` keeps the count.
+    let (tx, rx) = std::sync::mpsc::sync_channel(options.queue + parallel);
     let shared = Arc::new(Shared::default());
     let handle = EngineHandle {
         tx,
         shared: shared.clone(),
         queue: options.queue,
+        parallel,
     };
-    let parallel = options.parallel.max(1);
     let batch_draft_len = options.batch_draft_len;
+    let prefill_chunk = options.prefill_chunk;
     let spawned = std::thread::Builder::new()
         .name("specdec-engine".into())
         .spawn(move || {
@@ -462,6 +477,7 @@ where
             tracing::info!("models loaded; serving up to {parallel} sequences at a time");
             let mut batch = Batch::new(target, drafter);
             batch.set_batch_draft_cap(batch_draft_len);
+            batch.set_prefill_chunk(prefill_chunk);
             Engine {
                 batch,
                 jobs: HashMap::new(),
@@ -512,6 +528,18 @@ impl<M: Target, T: Target> Engine<M, T> {
             if self.shared.cancel_all.load(Ordering::SeqCst) {
                 self.cancel_everything(rx);
             }
+            // Clients that left free their slots before the step.
+            let gone: Vec<SeqId> = self
+                .jobs
+                .iter()
+                .filter(|(_, a)| a.events.is_closed())
+                .map(|(&id, _)| id)
+                .collect();
+            for id in gone {
+                if let Some(out) = self.batch.cancel(id) {
+                    self.finish(id, Ok(out));
+                }
+            }
             // New requests join between steps.
             while self.batch.len() < self.parallel {
                 let job = if self.batch.is_empty() {
@@ -529,18 +557,6 @@ impl<M: Target, T: Target> Engine<M, T> {
                 };
                 self.shared.queued.fetch_sub(1, Ordering::SeqCst);
                 self.admit(job);
-            }
-            // Clients that left free their slots before the step.
-            let gone: Vec<SeqId> = self
-                .jobs
-                .iter()
-                .filter(|(_, a)| a.events.is_closed())
-                .map(|(&id, _)| id)
-                .collect();
-            for id in gone {
-                if let Some(out) = self.batch.cancel(id) {
-                    self.finish(id, Ok(out));
-                }
             }
             self.shared.active.store(self.batch.len(), Ordering::SeqCst);
             if self.batch.is_empty() {

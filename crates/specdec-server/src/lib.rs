@@ -275,9 +275,21 @@ async fn complete(s: AppState, kind: Kind, body: Result<Bytes, BytesRejection>) 
         Ok(i) => i,
         Err(e) => return e.into_response(),
     };
-    let req = match api::parse(kind, &body, info, &s.options.defaults) {
-        Ok(r) => r,
-        Err(e) => return e.into_response(),
+    // Templating and tokenising a large body takes a while: off the async workers.
+    let parsed = {
+        let (engine, options) = (s.engine.clone(), s.options.clone());
+        tokio::task::spawn_blocking(move || {
+            let info = engine.info()?;
+            api::parse(kind, &body, info, &options.defaults)
+        })
+        .await
+    };
+    let req = match parsed {
+        Ok(Ok(r)) => r,
+        Ok(Err(e)) => return e.into_response(),
+        Err(e) => {
+            return ApiError::internal(format!("parsing the request failed: {e}")).into_response()
+        }
     };
     let (tx, mut rx) = unbounded_channel();
     if let Err(e) = s.engine.submit(req.job(tx)) {

@@ -98,6 +98,7 @@ fn engine_capped(
         parallel,
         queue,
         batch_draft_len: cap,
+        prefill_chunk: Some(16),
     };
     let h = start(&options, move || {
         let draft = MockModel::new(MockLogits::Perturbed {
@@ -222,6 +223,7 @@ async fn health_is_503_until_the_models_are_loaded() {
             parallel: 1,
             queue: 1,
             batch_draft_len: None,
+            prefill_chunk: None,
         },
         move || {
             let _ = go_rx.recv();
@@ -426,6 +428,11 @@ async fn bad_requests_get_openai_errors_naming_the_field() {
         (chat_body(json!({"max_tokens": "ten"})), "max_tokens"),
         (chat_body(json!({"temperature": 3})), "temperature"),
         (chat_body(json!({"temperature": -0.5})), "temperature"),
+        (chat_body(json!({"temperature": 1e-40})), "temperature"),
+        (
+            chat_body(json!({"repetition_penalty": 1e-40})),
+            "repetition_penalty",
+        ),
         (chat_body(json!({"top_p": 0})), "top_p"),
         (chat_body(json!({"top_p": 1.5})), "top_p"),
         (chat_body(json!({"min_p": 2})), "min_p"),
@@ -662,4 +669,26 @@ async fn concurrent_equals_solo(app: &Router, greedy_only: bool) {
         assert_eq!(*s, StatusCode::OK);
         assert_eq!(&v["choices"][0]["message"]["content"], want, "request {i}");
     }
+}
+
+#[tokio::test]
+async fn free_slots_take_requests_even_with_no_queue() {
+    let (app, h) = app_with(ServerOptions::default(), 2, 0, Duration::from_millis(20));
+    let stream = |n: u32| {
+        Request::builder()
+            .method("POST")
+            .uri("/v1/completions")
+            .body(Body::from(
+                json!({"prompt": format!("q{n}"), "max_tokens": 400, "stream": true}).to_string(),
+            ))
+            .unwrap()
+    };
+    let a = app.clone().oneshot(stream(1)).await.unwrap();
+    let b = app.clone().oneshot(stream(2)).await.unwrap();
+    assert_eq!(a.status(), StatusCode::OK);
+    assert_eq!(b.status(), StatusCode::OK, "a free slot, not a 429");
+    wait(|| h.shared.active.load(Ordering::SeqCst) == 2);
+    let c = app.clone().oneshot(stream(3)).await.unwrap();
+    assert_eq!(c.status(), StatusCode::TOO_MANY_REQUESTS);
+    drop((a, b));
 }

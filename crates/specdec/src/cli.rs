@@ -246,6 +246,10 @@ pub struct ServeArgs {
     /// lone sequence. Greedy text is the same either way; 64 lifts the cap.
     #[arg(long, default_value_t = 0)]
     pub batch_draft_len: usize,
+    /// Prompt tokens scored per engine step for a new request, so a long prompt holds up the other
+    /// sequences' tokens for one chunk at a time, not for its whole prefill.
+    #[arg(long, default_value_t = 64)]
+    pub prefill_chunk: usize,
     /// Requests that may wait for a slot beyond those; more are answered 429 with Retry-After.
     #[arg(long, default_value_t = 64)]
     pub queue: usize,

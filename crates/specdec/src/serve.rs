@@ -14,6 +14,9 @@ use crate::engine::{Loaded, Ui};
 
 /// `specdec serve`.
 pub fn command(args: &ServeArgs, ui: Ui) -> Result<()> {
+    if args.prefill_chunk == 0 {
+        bail!("--prefill-chunk must be at least 1");
+    }
     if args.parallel == 0 {
         bail!("--parallel must be at least 1");
     }
@@ -64,6 +67,7 @@ pub fn command(args: &ServeArgs, ui: Ui) -> Result<()> {
             parallel,
             queue: args.queue,
             batch_draft_len: Some(args.batch_draft_len),
+            prefill_chunk: Some(args.prefill_chunk),
         },
         move || {
             let loaded =

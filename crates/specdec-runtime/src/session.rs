@@ -109,12 +109,13 @@ impl Session {
     }
 
     fn common_prefix(&self, seq: &[TokenId]) -> usize {
-        self.tokens
-            .iter()
-            .zip(seq)
-            .take_while(|(a, b)| a == b)
-            .count()
+        common_prefix(&self.tokens, seq)
     }
+}
+
+/// How many leading tokens `a` and `b` share.
+pub(crate) fn common_prefix(a: &[TokenId], b: &[TokenId]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
 impl Target for Session {

@@ -17,7 +17,7 @@ use specdec_core::{Logits, Score, SeqId, Target, TokenId};
 use crate::error::{Error, Result};
 use crate::kv::KvCache;
 use crate::model::{Model, Part, Scratch};
-use crate::session::PREFILL_CHUNK;
+use crate::session::{common_prefix, PREFILL_CHUNK};
 
 /// Released caches kept for reuse (and their prefixes), at most this many.
 pub const SPARE_CACHES: usize = 8;
@@ -31,11 +31,7 @@ struct Seq {
 
 impl Seq {
     fn common_prefix(&self, seq: &[TokenId]) -> usize {
-        self.tokens
-            .iter()
-            .zip(seq)
-            .take_while(|(a, b)| a == b)
-            .count()
+        common_prefix(&self.tokens, seq)
     }
 
     fn rollback(&mut self, len: usize) -> Result<()> {

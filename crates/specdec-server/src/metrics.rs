@@ -158,47 +158,39 @@ impl ServerMetrics {
             "Engine steps (one batched target call each).",
             self.steps,
         );
-        let _ = writeln!(
-            o,
-            "# HELP specdec_position_reached_total Rounds that drafted this position (1 = first) with every earlier drafted token accepted.\n\
-             # TYPE specdec_position_reached_total counter"
-        );
-        for (i, (reached, _)) in self.positions.iter().enumerate() {
-            let _ = writeln!(
-                o,
-                "specdec_position_reached_total{{position=\"{}\"}} {reached}",
-                i + 1
-            );
-        }
-        let _ = writeln!(
-            o,
-            "# HELP specdec_position_accepted_total Drafted tokens accepted at this position.\n\
-             # TYPE specdec_position_accepted_total counter"
-        );
-        for (i, (_, accepted)) in self.positions.iter().enumerate() {
-            let _ = writeln!(
-                o,
-                "specdec_position_accepted_total{{position=\"{}\"}} {accepted}",
-                i + 1
-            );
-        }
-        let _ = writeln!(
-            o,
-            "# HELP specdec_position_acceptance Acceptance rate at this draft position.\n\
-             # TYPE specdec_position_acceptance gauge"
-        );
-        for (i, (reached, accepted)) in self.positions.iter().enumerate() {
-            let rate = if *reached > 0 {
-                *accepted as f64 / *reached as f64
-            } else {
-                0.0
+        let per_position =
+            |o: &mut String, name: &str, kind: &str, help: &str, v: &dyn Fn(u64, u64) -> f64| {
+                let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} {kind}");
+                for (i, &(reached, accepted)) in self.positions.iter().enumerate() {
+                    let _ = writeln!(
+                        o,
+                        "{name}{{position=\"{}\"}} {}",
+                        i + 1,
+                        v(reached, accepted)
+                    );
+                }
             };
-            let _ = writeln!(
-                o,
-                "specdec_position_acceptance{{position=\"{}\"}} {rate}",
-                i + 1
-            );
-        }
+        per_position(
+            &mut o,
+            "specdec_position_reached_total",
+            "counter",
+            "Rounds that drafted this position (1 = first) with every earlier drafted token accepted.",
+            &|r, _| r as f64,
+        );
+        per_position(
+            &mut o,
+            "specdec_position_accepted_total",
+            "counter",
+            "Drafted tokens accepted at this position.",
+            &|_, a| a as f64,
+        );
+        per_position(
+            &mut o,
+            "specdec_position_acceptance",
+            "gauge",
+            "Acceptance rate at this draft position.",
+            &|r, a| if r > 0 { a as f64 / r as f64 } else { 0.0 },
+        );
         self.ttft.render(
             &mut o,
             "specdec_time_to_first_token_seconds",

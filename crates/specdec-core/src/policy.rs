@@ -80,6 +80,16 @@ impl FixedCost {
 }
 
 impl DraftLenPolicy {
+    /// The adaptive policy of `--draft-len adaptive`: start at 4, between 1 and 8, holding an
+    /// acceptance rate of 0.7 with an EWMA of weight 0.3.
+    pub const ADAPTIVE: DraftLenPolicy = DraftLenPolicy::Adaptive {
+        initial: 4,
+        min: 1,
+        max: 8,
+        target_acceptance: 0.7,
+        smoothing: 0.3,
+    };
+
     /// Checks the ranges.
     pub fn validate(&self) -> Result<()> {
         let len_ok = |v: usize| (1..=MAX_DRAFT_LEN).contains(&v);

@@ -342,6 +342,7 @@ pub fn parse(
             cost: None,
             probe_every: 16,
         },
+        Some(Value::String(s)) if s == "adaptive" => DraftLenPolicy::ADAPTIVE,
         Some(_) => DraftLenPolicy::Fixed {
             draft_len: integer(&obj, "draft_len", 1..=64)?.unwrap_or(4) as usize,
         },

@@ -117,7 +117,8 @@ pub struct DecodeArgs {
     #[arg(long)]
     pub seed: Option<u64>,
     /// Tokens drafted per round, 1..=64, or `auto`: the cost model picks the length (0 included)
-    /// that maximises expected tokens per second from measured acceptance and timings.
+    /// that maximises expected tokens per second from measured acceptance and timings, or `adaptive`:
+    /// one longer while the smoothed acceptance rate is at least 0.7, one shorter below 0.6 (1..=8).
     #[arg(long, default_value = "4")]
     pub draft_len: String,
     /// Verification of sampled drafts.

@@ -306,7 +306,7 @@ impl Draft for Drafter {
     }
 }
 
-/// Parses `--draft-len`: `auto` or a number.
+/// Parses `--draft-len`: `auto`, `adaptive` or a number.
 pub fn draft_len_policy(arg: &str) -> Result<DraftLenPolicy> {
     let policy = if arg == "auto" {
         DraftLenPolicy::CostModel {
@@ -314,10 +314,12 @@ pub fn draft_len_policy(arg: &str) -> Result<DraftLenPolicy> {
             cost: None,
             probe_every: 16,
         }
+    } else if arg == "adaptive" {
+        DraftLenPolicy::ADAPTIVE
     } else {
-        let k: usize = arg
-            .parse()
-            .with_context(|| format!("--draft-len {arg}: expected a number 1..=64 or `auto`"))?;
+        let k: usize = arg.parse().with_context(|| {
+            format!("--draft-len {arg}: expected a number 1..=64, `auto` or `adaptive`")
+        })?;
         DraftLenPolicy::Fixed { draft_len: k }
     };
     policy

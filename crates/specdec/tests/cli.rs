@@ -265,7 +265,7 @@ fn greedy_output_is_identical_for_every_drafter() {
     let reference = tokens("none", "4");
     assert_eq!(reference.as_array().unwrap().len(), 40);
     for drafter in ["model", "ngram", "hybrid"] {
-        for k in ["1", "3", "8", "auto"] {
+        for k in ["1", "3", "8", "auto", "adaptive"] {
             assert_eq!(
                 tokens(drafter, k),
                 reference,

@@ -53,6 +53,14 @@ impl Logits {
         r
     }
 
+    /// Clears the rows, sets the vocabulary size and returns the buffer for a model to write whole
+    /// rows into (`[rows, vocab]`, row-major), for callers that fill several `Logits` at once, where
+    /// [`Logits::fill_with`] takes one at a time. A trailing partial row is a bug in the caller.
+    pub fn buffer(&mut self, vocab: usize) -> &mut Vec<f32> {
+        self.reset(vocab);
+        &mut self.data
+    }
+
     /// Clears the rows and sets the vocabulary size, keeping the buffer.
     pub fn reset(&mut self, vocab: usize) {
         self.vocab = vocab;

@@ -52,8 +52,6 @@ pub struct Sessions {
     /// Released sequences, oldest first.
     spare: Vec<Seq>,
     scratch: Scratch,
-    /// The logits of each request, before they go into the caller's buffers.
-    logits: Vec<Vec<f32>>,
     reused_tokens: u64,
 }
 
@@ -69,7 +67,6 @@ impl Sessions {
             seqs: HashMap::new(),
             spare: Vec::new(),
             scratch: Scratch::default(),
-            logits: Vec::new(),
             reused_tokens: 0,
         }
     }
@@ -198,36 +195,32 @@ impl Sessions {
                 t.extend_from_slice(p.tokens);
             }
         }
-        // Then the rows asked for, of every sequence, in one pass.
-        self.logits.resize_with(batch.len(), Vec::new);
+        // Then the rows asked for, of every sequence, in one pass, straight into the callers' buffers.
+        let vocab = self.model.config().vocab;
         let mut parts: Vec<Part<'_>> = batch
             .iter()
             .zip(seqs.iter_mut())
             .zip(&feeds)
-            .zip(self.logits.iter_mut())
-            .map(|(((req, s), feed), logits)| {
+            .zip(out.iter_mut())
+            .map(|(((req, s), feed), out)| {
                 let rows = req.draft.len() + 1;
                 Part {
                     cache: &mut s.cache,
                     tokens: &feed[feed.len() - rows..],
                     logits_rows: rows,
-                    logits,
+                    logits: out.buffer(vocab),
                 }
             })
             .collect();
-        self.model.forward_parts(&mut parts, &mut self.scratch)?;
+        let r = self.model.forward_parts(&mut parts, &mut self.scratch);
         drop(parts);
-        let vocab = self.model.config().vocab;
-        for (((req, s), feed), (out, logits)) in batch
-            .iter()
-            .zip(seqs.iter_mut())
-            .zip(&feeds)
-            .zip(out.iter_mut().zip(&self.logits))
-        {
+        if let Err(e) = r {
+            out.iter_mut().for_each(|o| o.reset(vocab));
+            return Err(e);
+        }
+        for ((req, s), feed) in batch.iter().zip(seqs.iter_mut()).zip(&feeds) {
             s.tokens
                 .extend_from_slice(&feed[feed.len() - (req.draft.len() + 1)..]);
-            out.reset(vocab);
-            out.extend_rows(logits);
         }
         Ok(())
     }

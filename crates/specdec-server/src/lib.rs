@@ -296,7 +296,7 @@ async fn complete(s: AppState, kind: Kind, body: Result<Bytes, BytesRejection>) 
         return e.into_response();
     }
     if req.stream {
-        return Sse::new(sse_stream(s.engine.clone(), req, rx))
+        return Sse::new(sse_stream(info, req, rx))
             .keep_alive(KeepAlive::default())
             .into_response();
     }
@@ -309,7 +309,8 @@ async fn complete(s: AppState, kind: Kind, body: Result<Bytes, BytesRejection>) 
 
 /// State of a response stream.
 struct Streaming {
-    engine: EngineHandle,
+    model: String,
+    codec: Arc<dyn Codec>,
     req: api::Request,
     rx: UnboundedReceiver<Event>,
     id: String,
@@ -323,12 +324,13 @@ struct Streaming {
 }
 
 fn sse_stream(
-    engine: EngineHandle,
+    info: &engine::Info,
     req: api::Request,
     rx: UnboundedReceiver<Event>,
 ) -> impl Stream<Item = Result<SseEvent, Infallible>> {
     let st = Streaming {
-        engine,
+        model: info.model.clone(),
+        codec: info.codec.clone(),
         id: api::response_id(req.kind),
         created: api::now(),
         req,
@@ -353,11 +355,6 @@ fn sse_stream(
 
 impl Streaming {
     fn chunk(&self, choice: Value, extra: Option<(&str, Value)>) -> SseEvent {
-        let model = self
-            .engine
-            .info()
-            .map(|i| i.model.clone())
-            .unwrap_or_default();
         let object = match self.req.kind {
             Kind::Chat => "chat.completion.chunk",
             Kind::Completion => "text_completion",
@@ -366,7 +363,7 @@ impl Streaming {
             "id": self.id,
             "object": object,
             "created": self.created,
-            "model": model,
+            "model": self.model,
             "choices": if choice.is_null() { json!([]) } else { json!([choice]) },
         });
         if let (Some((k, x)), Some(o)) = (extra, v.as_object_mut()) {
@@ -390,13 +387,7 @@ impl Streaming {
             self.fail("the engine stopped");
             return;
         };
-        let codec = match self.engine.info() {
-            Ok(i) => i.codec.clone(),
-            Err(e) => {
-                self.fail(&e.message);
-                return;
-            }
-        };
+        let codec = self.codec.clone();
         match event {
             Event::Chunk { text, tokens, live } => {
                 let lp = self.req.logprobs.map(|_| match self.req.kind {

@@ -18,8 +18,14 @@ use crate::model::{Draft, DraftRequest, Logits, Proposal, Score, SeqId, Target};
 use crate::policy::Controller;
 use crate::rng::{CounterRng, Stream};
 use crate::sampling::{Probs, Sampler};
-use crate::verify::{verify_greedy, verify_onehot, verify_rejection, Verdict, VerifyMode};
+use crate::verify::{
+    expected_tokens, verify_greedy, verify_onehot, verify_rejection, Verdict, VerifyMode,
+};
 use crate::TokenId;
+
+/// The longest lookup draft the batch asks for when the cost model prices each round: long verbatim
+/// matches (a quoted passage, an edited function) are accepted far beyond a model draft's length.
+pub const MAX_LOOKUP_LEN: usize = 16;
 
 /// The most alternatives [`TokenLogprob::top`] may list (OpenAI's limit).
 pub const MAX_TOP_LOGPROBS: usize = 20;
@@ -331,7 +337,13 @@ impl<T: Target, D: Draft> Batch<T, D> {
                     } else {
                         // Emitting at most k + 1 tokens must fit both the token limit and the
                         // context.
-                        s.k = s.controller.next_draft_len().min(room - 1);
+                        s.k = s.controller.next_draft_len();
+                        if s.controller.costs().is_some() {
+                            // The cost model chose the model draft's length; a lookup draft may
+                            // be longer, and the drafter picks what pays best.
+                            s.k = s.k.max(MAX_LOOKUP_LEN);
+                        }
+                        s.k = s.k.min(room - 1);
                         if let Some(cap) = cap {
                             s.k = s.k.min(cap);
                         }
@@ -366,6 +378,7 @@ impl<T: Target, D: Draft> Batch<T, D> {
                         sampling: &s.config.sampling,
                         rng: s.rng,
                         min_confidence: s.config.min_confidence,
+                        costs: s.controller.costs(),
                     }
                 })
                 .collect();
@@ -588,6 +601,21 @@ impl Sequence {
         let mut emitted: Vec<TokenId> = draft.tokens[..accepted].to_vec();
         emitted.push(next);
         let drafted = draft.tokens.len();
+        let lookup = !draft.confidence.is_empty();
+        // What the round was expected to yield, before its verdict.
+        let expected = if lookup {
+            let mut reach = 1.0;
+            1.0 + draft
+                .confidence
+                .iter()
+                .map(|&a| {
+                    reach *= f64::from(a);
+                    reach
+                })
+                .sum::<f64>()
+        } else {
+            expected_tokens(&self.controller.acceptance(drafted))
+        };
         let before = self.output.tokens.len();
         let stop = self.emit(&emitted, accepted, on_token);
         let round = Round {
@@ -597,6 +625,8 @@ impl Sequence {
             draft_secs,
             verify_secs,
             verified: m,
+            lookup,
+            expected,
         };
         self.output.metrics.record(&round);
         if timed {
@@ -709,6 +739,14 @@ fn check_proposal(p: &Proposal, k: usize, vocab: usize) -> Result<()> {
             what: "draft distributions (one per drafted token)",
             expected: p.tokens.len(),
             got: p.probs.len(),
+        });
+    }
+    if !p.confidence.is_empty() && p.confidence.len() != p.tokens.len() {
+        return Err(Error::ShapeMismatch {
+            side: Side::Draft,
+            what: "confidence estimates (none, or one per drafted token)",
+            expected: p.tokens.len(),
+            got: p.confidence.len(),
         });
     }
     for (&token, q) in p.tokens.iter().zip(&p.probs) {

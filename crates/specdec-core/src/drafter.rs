@@ -64,6 +64,7 @@ impl<M: Target> Draft for ModelDrafter<M> {
     ) -> Result<(), Self::Error> {
         for p in out.iter_mut() {
             p.tokens.clear();
+            p.confidence.clear();
             self.spare.extend(p.probs.drain(..).filter_map(|q| match q {
                 Probs::Dense(v) => Some(v),
                 Probs::OneHot(_) => None,
@@ -99,7 +100,7 @@ impl<M: Target> Draft for ModelDrafter<M> {
         } = self;
         let vocab = model.vocab_size();
         logits.resize_with(batch.len(), || Logits::new(vocab));
-        let mut active: Vec<bool> = batch.iter().map(|r| r.max_len > 0).collect();
+        let mut active: Vec<bool> = batch.iter().map(|r| r.model_len() > 0).collect();
         let mut live = Vec::with_capacity(batch.len());
         loop {
             live.clear();
@@ -146,7 +147,7 @@ impl<M: Target> Draft for ModelDrafter<M> {
                 let token = q.sample(req.rng.uniform(pos, Stream::Draft));
                 out[b].push(token, q);
                 contexts[b].push(token);
-                if out[b].tokens.len() >= req.max_len {
+                if out[b].tokens.len() >= req.model_len() {
                     active[b] = false;
                 }
             }

@@ -9,7 +9,10 @@
 //!
 //! - [`model`]: the [`Target`] and [`Draft`] traits (batched), [`NoDraft`] (plain decoding).
 //! - [`drafter`]: [`ModelDrafter`], any target-like model used as a drafter.
-//! - [`ngram`]: [`NGramDrafter`] (prompt lookup) and [`HybridDrafter`] (lookup, else a model).
+//! - [`lookup`]: [`LookupDrafter`], lookup over the context and earlier outputs that estimates its own
+//!   acceptance (after SuffixDecoding).
+//! - [`ngram`]: [`NGramDrafter`] (plain prompt lookup) and [`HybridDrafter`] (lookup or a model draft,
+//!   whichever pays more each round).
 //! - [`sampling`]: temperature, top-k, top-p, min-p and penalties, applied identically everywhere.
 //! - [`verify`]: greedy, one-hot and rejection-sampling verification, single and batched.
 //! - [`rng`]: Philox4x32-10, a counter-based RNG keyed by (seed, position, stream).
@@ -55,6 +58,7 @@ pub mod decode;
 pub mod drafter;
 pub mod error;
 mod kernels;
+pub mod lookup;
 pub mod metrics;
 #[cfg(feature = "mock")]
 pub mod mock;
@@ -72,10 +76,13 @@ pub use batch::{Batch, Emitted, Finished, TokenLogprob};
 pub use decode::{generate, DecodeError, GenerateConfig, Output, StopReason};
 pub use drafter::{DraftError, ModelDrafter};
 pub use error::{Error, Result, Side};
+pub use lookup::{LookupConfig, LookupDrafter};
 pub use metrics::{CostProfile, Metrics, Round};
 pub use model::{Draft, DraftRequest, Logits, NoDraft, Proposal, Score, SeqId, Target};
-pub use ngram::{HybridDrafter, NGramDrafter};
-pub use policy::{best_draft_len, Controller, DraftLenPolicy, FixedCost};
+pub use ngram::{prefer_model, HybridDrafter, NGramDrafter};
+pub use policy::{
+    best_draft_len, best_draft_len_with, Controller, DraftLenPolicy, FixedCost, RoundCosts,
+};
 pub use rng::{CounterRng, Stream};
 pub use sampling::{Probs, Sampler, SamplingParams};
 pub use verify::{Verdict, VerifyMode};

@@ -19,6 +19,12 @@ pub struct Round {
     pub verify_secs: f64,
     /// Tokens the target scored in one pass: `drafted + 1`.
     pub verified: usize,
+    /// Whether the draft came from lookup (a proposal with confidence estimates) rather than a model.
+    pub lookup: bool,
+    /// Tokens the round was expected to emit, estimated before verification: from the lookup's
+    /// confidence estimates, or the controller's per-position acceptance for a model draft; 0 when
+    /// unknown.
+    pub expected: f64,
 }
 
 /// Acceptance at one draft position.
@@ -68,6 +74,9 @@ pub struct Metrics {
     pub verify_secs: f64,
     /// Wall-clock seconds of the rounds after prefill (drafting, scoring, sampling, verification).
     pub decode_secs: f64,
+    /// The sum of the rounds' expected tokens ([`Round::expected`]).
+    #[serde(default)]
+    pub expected: f64,
 }
 
 impl Metrics {
@@ -79,6 +88,7 @@ impl Metrics {
         self.emitted += r.emitted as u64;
         self.draft_secs += r.draft_secs;
         self.verify_secs += r.verify_secs;
+        self.expected += r.expected;
         grow(&mut self.rounds_by_draft_len, r.drafted + 1);
         self.rounds_by_draft_len[r.drafted] += 1;
         grow(&mut self.per_position, r.drafted);
@@ -130,10 +140,12 @@ impl Metrics {
         )
     }
 
-    /// The speedup the cost model predicts from the measured acceptance and costs:
-    /// `Σ_k n_k E(k) / Σ_k n_k (k c + r(k + 1))` over the rounds' draft lengths `k`. `None` until the
-    /// target was timed at two or more block lengths: from one length alone, `t(1)` and so `c` and
-    /// `r(m)` would rest on [`CostProfile::PRIOR_SLOPE`], and the prediction on a guess.
+    /// The speedup the cost model predicts: the tokens the rounds were expected to emit before they
+    /// were verified ([`Round::expected`]; where unknown, `E(k)` from the measured per-position
+    /// acceptance) over their cost in target steps, `Σ_k n_k (k c + r(k + 1))` with the fitted `c`
+    /// and `r`. `None` until the target was timed at two or more block lengths: from one length
+    /// alone, `t(1)` and so `c` and `r(m)` would rest on [`CostProfile::PRIOR_SLOPE`], and the
+    /// prediction on a guess.
     pub fn predicted_speedup(&self) -> Option<f64> {
         let cost = self.cost_profile()?;
         if cost.measured.len() < 2 {
@@ -145,6 +157,9 @@ impl Metrics {
             let n = n as f64;
             tokens += n * expected_tokens(&a[..k.min(a.len())]);
             time += n * (k as f64 * cost.c + cost.r(k + 1));
+        }
+        if self.expected > 0.0 {
+            tokens = self.expected;
         }
         (time > 0.0).then(|| tokens / time)
     }
@@ -174,8 +189,10 @@ impl CostProfile {
     /// project's two-core machines `specdec bench` calibrates about 4.4 with the row-by-row kernels.
     pub const PRIOR_SLOPE: f64 = 0.15;
 
-    /// Fits `t(m) = t1 (1 + slope (m - 1))` by least squares to the measured per-call times (weighted by
-    /// calls) and derives `c` from the draft's seconds per token. `None` without any timing.
+    /// Fits `t(m) = t1 (1 + slope (m - 1))` to the measured per-call times (weighted by calls) and
+    /// derives `c` from the draft's seconds per token: `t1` is the measured single-token time when
+    /// there is one (so `r(1) = 1` and every measured `r(m)` is relative to it), else the intercept
+    /// of a least-squares line. `None` without any timing.
     pub fn fit(draft_secs_per_token: f64, verify: &[VerifyTiming]) -> Option<Self> {
         let pts: Vec<(f64, f64, f64)> = verify
             .iter()
@@ -183,7 +200,17 @@ impl CostProfile {
             .map(|t| (t.m as f64, t.secs / t.calls as f64, t.calls as f64))
             .collect();
         let first = pts.first()?;
-        let (t1, slope) = if pts.len() == 1 {
+        let (t1, slope) = if first.0 == 1.0 && pts.len() >= 2 {
+            // t(1) was measured: every r(m) is relative to it, and the slope is a least-squares fit
+            // of r(m) - 1 on m - 1 through the origin (a line through the single-token time).
+            let t1 = first.1;
+            let (mut sxy, mut sxx) = (0.0, 0.0);
+            for &(m, t, w) in &pts[1..] {
+                sxy += w * (m - 1.0) * (t / t1 - 1.0);
+                sxx += w * (m - 1.0) * (m - 1.0);
+            }
+            (t1, (sxy / sxx).max(0.0))
+        } else if pts.len() == 1 {
             let (m, t, _) = *first;
             let t1 = t / (1.0 + Self::PRIOR_SLOPE * (m - 1.0));
             (t1, Self::PRIOR_SLOPE)
@@ -247,6 +274,8 @@ mod tests {
             draft_secs,
             verify_secs,
             verified: drafted + 1,
+            lookup: false,
+            expected: 0.0,
         };
         let mut m = Metrics::default();
         m.record(&round(4, 4, 0.04, 0.2));
@@ -302,6 +331,13 @@ mod tests {
         assert!((p.c - 0.5).abs() < 1e-9);
         assert!((p.r(5) - 1.8).abs() < 1e-9);
         assert!((p.r(3) - 1.4).abs() < 1e-9);
+        // A convex curve: r is relative to the measured single-token time, not a line's intercept.
+        let t = |m, secs| VerifyTiming { m, calls: 4, secs };
+        let p = CostProfile::fit(0.0, &[t(1, 0.4), t(2, 0.44), t(8, 1.6)]).unwrap();
+        assert!((p.target_step_secs - 0.1).abs() < 1e-9);
+        assert!((p.r(1) - 1.0).abs() < 1e-9);
+        assert!((p.r(2) - 1.1).abs() < 1e-9);
+        assert!((p.r(8) - 4.0).abs() < 1e-9);
     }
 
     #[test]
@@ -314,6 +350,8 @@ mod tests {
             draft_secs: 0.1,
             verify_secs: 0.2,
             verified: 3,
+            lookup: false,
+            expected: 0.0,
         });
         let s = serde_json::to_string(&m).unwrap();
         let back: Metrics = serde_json::from_str(&s).unwrap();

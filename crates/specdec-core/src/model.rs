@@ -8,6 +8,7 @@
 //! truncate to it; [`Target::commit`] and [`Draft::commit`] say what was committed so caches can be
 //! truncated at once.
 
+use crate::policy::RoundCosts;
 use crate::sampling::{Probs, SamplingParams};
 use crate::{CounterRng, TokenId};
 
@@ -151,6 +152,20 @@ pub struct DraftRequest<'a> {
     /// temperature 1 when decoding greedily) is below this, decided before the token is drawn
     /// (0 = never stop early).
     pub min_confidence: f32,
+    /// The cost model's view of this round, when the draft length is chosen by one
+    /// ([`crate::DraftLenPolicy::CostModel`], once it has measured its costs). A drafter with several
+    /// options (lookup of any length, a model draft of [`RoundCosts::model_len`] tokens, nothing) picks
+    /// the one with the most expected tokens per unit of time; `max_len` is then only a cap.
+    pub costs: Option<&'a RoundCosts>,
+}
+
+impl DraftRequest<'_> {
+    /// How many tokens a model drafter should draft: the cost model's choice when there is one, else
+    /// `max_len`.
+    pub fn model_len(&self) -> usize {
+        self.costs
+            .map_or(self.max_len, |c| c.model_len.min(self.max_len))
+    }
 }
 
 /// Tokens proposed for one sequence, each with the distribution it was drawn from.
@@ -161,6 +176,11 @@ pub struct Proposal {
     /// `probs[i]` is the distribution `tokens[i]` was drawn from; [`Probs::OneHot`] for deterministic
     /// drafters.
     pub probs: Vec<Probs>,
+    /// The drafter's own estimate, per token, of the probability that it is accepted given that the
+    /// tokens before it were, decided before the token was drawn; empty when the drafter makes none
+    /// (a model drafter). A proposal with estimates is a lookup draft: the cost model keeps its
+    /// acceptance apart from the model draft's.
+    pub confidence: Vec<f32>,
 }
 
 impl Proposal {
@@ -168,6 +188,14 @@ impl Proposal {
     pub fn clear(&mut self) {
         self.tokens.clear();
         self.probs.clear();
+        self.confidence.clear();
+    }
+
+    /// Keeps the first `len` tokens.
+    pub fn truncate(&mut self, len: usize) {
+        self.tokens.truncate(len);
+        self.probs.truncate(len);
+        self.confidence.truncate(len);
     }
 
     /// Appends a drafted token.

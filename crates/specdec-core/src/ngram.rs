@@ -1,6 +1,7 @@
-//! Model-free drafting: prompt lookup over the committed context, and a hybrid that falls back to a
-//! model drafter when lookup finds nothing.
+//! Model-free drafting: plain prompt lookup over the committed context, and a hybrid of the learning
+//! lookup ([`LookupDrafter`]) and a model drafter.
 
+use crate::lookup::LookupDrafter;
 use crate::model::{Draft, DraftRequest, Proposal, SeqId};
 use crate::sampling::Probs;
 use crate::TokenId;
@@ -8,6 +9,8 @@ use crate::TokenId;
 /// Prompt lookup (n-gram) drafting: find the most recent earlier occurrence of the context's last `n`
 /// tokens, for `n` from `max_n` down to `min_n`, and propose the tokens that followed it, one-hot.
 /// Costs microseconds, and pays on inputs that repeat themselves (code edits, quoting, summaries).
+/// The simple baseline of [`LookupDrafter`], which also searches earlier outputs, votes among all
+/// occurrences and estimates its acceptance. Drafts [`DraftRequest::model_len`] tokens at most.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct NGramDrafter {
     /// Shortest suffix to match.
@@ -56,7 +59,7 @@ impl Draft for NGramDrafter {
     ) -> Result<(), Self::Error> {
         for (req, out) in batch.iter().zip(out) {
             out.clear();
-            for &t in self.lookup(req.context, req.max_len) {
+            for &t in self.lookup(req.context, req.model_len()) {
                 out.push(t, Probs::OneHot(t));
             }
         }
@@ -68,13 +71,25 @@ impl Draft for NGramDrafter {
     }
 }
 
-/// Prompt lookup first; when it finds nothing for a sequence, the model drafter proposes instead.
+/// Lookup or a model draft, whichever pays more this round. With a cost model
+/// ([`DraftRequest::costs`]) the lookup draft's expected tokens per unit of time (from its own
+/// acceptance estimates) is weighed against the model draft's ([`crate::RoundCosts::model_rate`]);
+/// without one, lookup drafts when it finds a match and the model otherwise.
 #[derive(Debug)]
 pub struct HybridDrafter<D> {
     /// The lookup drafter.
-    pub ngram: NGramDrafter,
-    /// The fallback.
+    pub lookup: LookupDrafter,
+    /// The model drafter.
     pub model: D,
+}
+
+/// Whether a hybrid should draft with the model rather than use the lookup draft `lookup` whose
+/// expected tokens per target step is `lookup_rate` (from [`LookupDrafter::propose_one`]).
+pub fn prefer_model(req: &DraftRequest<'_>, lookup: &Proposal, lookup_rate: f64) -> bool {
+    match req.costs {
+        Some(c) => c.model_len > 0 && c.model_rate > lookup_rate,
+        None => lookup.tokens.is_empty(),
+    }
 }
 
 impl<D: Draft> Draft for HybridDrafter<D> {
@@ -91,36 +106,41 @@ impl<D: Draft> Draft for HybridDrafter<D> {
     ) -> Result<(), Self::Error> {
         let mut fallback = Vec::new();
         for (b, (req, out)) in batch.iter().zip(out.iter_mut()).enumerate() {
-            out.clear();
-            let hit = self.ngram.lookup(req.context, req.max_len);
-            if hit.is_empty() {
+            let rate = self.lookup.propose_one(req, out);
+            if prefer_model(req, out, rate) {
                 fallback.push(b);
-            }
-            for &t in hit {
-                out.push(t, Probs::OneHot(t));
             }
         }
         if fallback.is_empty() {
             return Ok(());
         }
         let requests: Vec<DraftRequest<'_>> = fallback.iter().map(|&b| batch[b]).collect();
-        let mut proposals = vec![Proposal::default(); requests.len()];
-        self.model.propose(&requests, &mut proposals)?;
-        for (b, p) in fallback.into_iter().zip(proposals) {
+        let mut proposals: Vec<Proposal> = fallback
+            .iter()
+            .map(|&b| std::mem::take(&mut out[b]))
+            .collect();
+        let r = self.model.propose(&requests, &mut proposals);
+        for (&b, p) in fallback.iter().zip(proposals) {
             out[b] = p;
         }
-        Ok(())
+        r
     }
 
     fn commit(&mut self, seq: SeqId, committed: &[TokenId]) -> Result<(), Self::Error> {
+        let Ok(()) = self.lookup.commit(seq, committed);
         self.model.commit(seq, committed)
     }
 
+    /// Both read the prompt now, so the model's first drafting round does not pay for it: a round's
+    /// costs, as the cost model prices them, leave out catching up on a whole prompt. (The server's
+    /// drafter reads it lazily instead, where a sequence that never drafts with the model is common.)
     fn prefill(&mut self, seq: SeqId, context: &[TokenId]) -> Result<(), Self::Error> {
+        let Ok(()) = self.lookup.prefill(seq, context);
         self.model.prefill(seq, context)
     }
 
     fn release(&mut self, seq: SeqId) {
+        self.lookup.release(seq);
         self.model.release(seq);
     }
 }

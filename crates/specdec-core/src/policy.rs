@@ -42,10 +42,18 @@ pub enum DraftLenPolicy {
         cost: Option<FixedCost>,
         /// Every this many rounds, draft one more (or, at `max`, one fewer) than the best length, so that
         /// acceptance beyond it and a second point of the cost curve keep being measured. While the best
-        /// length is 0 the gap doubles after each probe, up to 1024 rounds, and a probe lasts two rounds:
-        /// the draft cost `c` is sampled only from rounds that follow a drafting round, since the first
-        /// round after rounds without drafting also pays for a model drafter catching up.
+        /// length is 0 the first probe comes at the second round, the gap doubles after each probe, a
+        /// probe lasts two rounds (the draft cost `c` is sampled only from rounds that follow a drafting
+        /// round, since the first round after rounds without drafting also pays for a model drafter
+        /// catching up), and after three probes that leave the choice at 0 the sequence stops probing:
+        /// each of them made the drafter catch up on every token since the one before.
         probe_every: usize,
+        /// Costs measured earlier (a calibration saved by an earlier run on the same models, CPU and
+        /// threads): used from the first round instead of a warm-up, and wherever the online
+        /// measurements have no sample yet (a block length not timed in this run). Unlike `cost`,
+        /// the online measurements replace it as they come in.
+        #[serde(default)]
+        prior: Option<FixedCost>,
     },
 }
 
@@ -60,22 +68,19 @@ impl Default for DraftLenPolicy {
 pub struct FixedCost {
     /// Draft cost per token over the target's cost per single-token step.
     pub c: f64,
+    /// The model drafter's fixed cost per drafting round (feeding the tokens verification added),
+    /// in the same unit: a round drafting `k` tokens costs `draft_fixed + k c`.
+    #[serde(default)]
+    pub draft_fixed: f64,
     /// `r[m - 1] = cost(target on m tokens) / cost(target on 1 token)`, for `m = 1..`; past the end the
     /// curve continues with its last slope.
     pub r: Vec<f64>,
 }
 
 impl FixedCost {
-    fn r(&self, m: usize) -> f64 {
-        match self.r.get(m - 1) {
-            Some(&v) => v,
-            None => {
-                let n = self.r.len();
-                let last = self.r[n - 1];
-                let slope = if n >= 2 { last - self.r[n - 2] } else { 0.0 };
-                last + slope * (m - n) as f64
-            }
-        }
+    /// `r(m)`, extended past the measured lengths with the last slope.
+    pub fn r(&self, m: usize) -> f64 {
+        curve_r(&self.r, m)
     }
 }
 
@@ -89,6 +94,17 @@ impl DraftLenPolicy {
         target_acceptance: 0.7,
         smoothing: 0.3,
     };
+
+    /// The cost model of `--draft-len auto`: lengths 0..=8 for a model draft, a probe every 16 rounds,
+    /// starting from `prior` when a calibration of these models on this machine is known.
+    pub fn auto(prior: Option<FixedCost>) -> Self {
+        DraftLenPolicy::CostModel {
+            max: 8,
+            cost: None,
+            probe_every: 16,
+            prior,
+        }
+    }
 
     /// Checks the ranges.
     pub fn validate(&self) -> Result<()> {
@@ -132,6 +148,7 @@ impl DraftLenPolicy {
                 max,
                 cost,
                 probe_every,
+                prior,
             } => {
                 if !len_ok(*max) {
                     return Err(Error::config("draft_len max", max, "an integer in 1..=64"));
@@ -139,9 +156,11 @@ impl DraftLenPolicy {
                 if *probe_every == 0 {
                     return Err(Error::config("probe_every", probe_every, "at least 1"));
                 }
-                if let Some(cost) = cost {
+                for cost in [cost, prior].into_iter().flatten() {
                     let ok = cost.c.is_finite()
                         && cost.c >= 0.0
+                        && cost.draft_fixed.is_finite()
+                        && cost.draft_fixed >= 0.0
                         && !cost.r.is_empty()
                         && cost.r.iter().all(|v| v.is_finite() && *v > 0.0);
                     if !ok {
@@ -175,8 +194,10 @@ impl DraftLenPolicy {
             next_probe: 0,
             probe_gap: 0,
             probe_left: 0,
-            after_draft: true,
+            after_draft: false,
+            idle_probes: 0,
             last_choice: None,
+            costs: None,
         }
     }
 }
@@ -189,8 +210,8 @@ pub struct Controller {
     ewma: Option<f64>,
     reached: Vec<f64>,
     accepted: Vec<f64>,
-    /// Recent per-round seconds per drafted token (a window of `WINDOW`).
-    draft_costs: Vec<f64>,
+    /// Recent model-drafting rounds: (tokens drafted, seconds), a window of `WINDOW`.
+    draft_costs: Vec<(usize, f64)>,
     /// Recent per-call seconds by block length (index `m - 1`), a window of `WINDOW` each.
     verify_times: Vec<Vec<f64>>,
     rounds: u64,
@@ -200,11 +221,14 @@ pub struct Controller {
     /// Rounds left of the probe in progress (a probe from `k = 0` lasts two rounds, so that its second
     /// round measures drafting without the catch-up the first one pays).
     probe_left: u8,
-    /// Whether the last round drafted (or no round ran yet: the drafter was prefilled with the prompt).
-    /// A model drafter's first step after rounds without drafting also feeds the tokens it missed; such
-    /// a round's draft time is not a sample of `c`.
+    /// Whether the last round drafted with the model. A model drafter's first step after rounds
+    /// without drafting also feeds the tokens it missed (after the prefill: the prompt itself, for a
+    /// drafter that reads it lazily); such a round's draft time is not a sample of `c`.
     after_draft: bool,
+    /// Probes in a row after which no drafting was still best.
+    idle_probes: u8,
     last_choice: Option<Choice>,
+    costs: Option<RoundCosts>,
 }
 
 /// What the cost model chose and why.
@@ -219,7 +243,11 @@ pub struct Choice {
 }
 
 /// Acceptance assumed at a position before any round has reached it.
-const PRIOR_ACCEPTANCE: f64 = 0.6;
+const PRIOR_ACCEPTANCE: f64 = 0.7;
+/// Speculation is chosen only when it is predicted at least this much faster than plain decoding:
+/// the estimates are noisy, and a round that drafts for a predicted 1% gain loses more often than
+/// not once the overheads the model does not see are paid.
+pub const PAY_MARGIN: f64 = 0.05;
 /// Pseudo-observations behind the prior.
 const PRIOR_WEIGHT: f64 = 2.0;
 /// Per-round decay of the cost model's counts, so that it follows drift (a half-life of ~140 rounds).
@@ -236,8 +264,16 @@ const WINDOW: usize = 32;
 const PROBE_THRESHOLD: f64 = 0.9;
 /// The longest gap between probes while speculation does not pay.
 const MAX_PROBE_GAP: u64 = 1024;
+/// The round of the first probe when the cost model starts without drafting.
+const FIRST_IDLE_PROBE: u64 = 2;
+/// Probes from no drafting that leave the choice at no drafting, after which a sequence stops probing.
+const MAX_IDLE_PROBES: u8 = 3;
 
-fn push_window(v: &mut Vec<f64>, x: f64) {
+/// The cost curve [`RoundCosts`] carries reaches at least `r(LOOKUP_CURVE + 1)`, so that lookup
+/// drafts longer than the model's longest can be priced.
+const LOOKUP_CURVE: usize = 16;
+
+fn push_window<T>(v: &mut Vec<T>, x: T) {
     if v.len() == WINDOW {
         v.remove(0);
     }
@@ -259,7 +295,8 @@ fn median(v: &[f64]) -> Option<f64> {
 }
 
 impl Controller {
-    /// The length to draft next.
+    /// The length to draft next. Under [`DraftLenPolicy::CostModel`] this is the model draft's length;
+    /// [`Controller::costs`] then holds the round's costs for drafters with other options.
     pub fn next_draft_len(&mut self) -> usize {
         match &self.policy {
             DraftLenPolicy::Fixed { .. } | DraftLenPolicy::Adaptive { .. } => self.k,
@@ -267,36 +304,54 @@ impl Controller {
                 max,
                 cost,
                 probe_every,
+                prior,
             } => {
                 let (max, probe_every) = (*max, *probe_every as u64);
-                let cost = match cost {
-                    Some(fixed) => Some((fixed.c, Curve::Fixed(fixed.clone()))),
-                    None if self.rounds >= WARMUP_ROUNDS => {
-                        self.measured_profile().map(|p| (p.c, Curve::Measured(p)))
+                let profile = match cost {
+                    Some(fixed) => Some(Profile::fixed(fixed)),
+                    None => {
+                        let measured = (self.rounds >= WARMUP_ROUNDS)
+                            .then(|| self.measured_profile(prior.as_ref()))
+                            .flatten();
+                        measured.or_else(|| prior.as_ref().map(Profile::fixed))
                     }
-                    None => None,
                 };
-                let Some((c, curve)) = cost else {
+                let Some(profile) = profile else {
                     // Warm-up: short drafts and one round without, which measure r(1..=3) and c
                     // without letting a model drafter fall far behind.
                     let i = (self.rounds as usize).min(WARMUP_LENS.len() - 1);
                     self.k = WARMUP_LENS[i].min(max);
+                    self.costs = None;
                     return self.k;
                 };
                 let acceptance = self.acceptance(max);
-                let choice = best_draft_len(&acceptance, c, |m| curve.r(m));
+                let rate = |k: usize| profile.rate(&acceptance, k);
+                let mut choice =
+                    best_draft_len_with(&acceptance, profile.fixed, profile.c, |m| profile.r(m));
+                if choice.draft_len > 0 && choice.tokens_per_step < rate(0) * (1.0 + PAY_MARGIN) {
+                    // A predicted gain within the estimates' noise is not worth the risk.
+                    choice = Choice {
+                        draft_len: 0,
+                        expected_tokens: 1.0,
+                        tokens_per_step: rate(0),
+                    };
+                }
                 self.last_choice = Some(choice);
                 // The best speculative length's predicted rate; a probe is worth its cost only when
                 // speculation is close to paying.
-                let best_speculative = (1..=max)
-                    .map(|k| expected_tokens(&acceptance[..k]) / (k as f64 * c + curve.r(k + 1)))
-                    .fold(0.0, f64::max);
+                let best_speculative = (1..=max).map(rate).fold(0.0, f64::max);
                 let worth_probing = choice.draft_len > 0
                     || best_speculative >= PROBE_THRESHOLD * choice.tokens_per_step;
                 let mut k = choice.draft_len;
                 if self.probe_gap == 0 {
                     self.probe_gap = probe_every;
-                    self.next_probe = self.rounds + probe_every;
+                    // Not drafting from the start: probe soon, while catching up is cheap.
+                    self.next_probe = self.rounds
+                        + if k == 0 {
+                            FIRST_IDLE_PROBE
+                        } else {
+                            probe_every
+                        };
                 }
                 if self.probe_left > 0 {
                     // The second round of a probe from no speculation: draft again, now without
@@ -317,17 +372,44 @@ impl Controller {
                     } else {
                         probe_every
                     };
-                    self.next_probe = self.rounds + self.probe_gap;
+                    self.idle_probes = if choice.draft_len == 0 {
+                        self.idle_probes.saturating_add(1)
+                    } else {
+                        0
+                    };
+                    // Each probe from no drafting makes a model drafter catch up on every token
+                    // since the last one; after a few that changed nothing, stop paying for them.
+                    self.next_probe = if self.idle_probes >= MAX_IDLE_PROBES {
+                        u64::MAX
+                    } else {
+                        self.rounds + self.probe_gap
+                    };
                 }
                 self.k = k;
+                let mut costs = self.costs.take().unwrap_or_default();
+                costs.r.clear();
+                costs
+                    .r
+                    .extend((1..=max.max(LOOKUP_CURVE) + 1).map(|m| profile.r(m)));
+                costs.draft_fixed = profile.fixed;
+                costs.draft_per_token = profile.c;
+                costs.model_len = k;
+                costs.model_rate = rate(k);
+                self.costs = Some(costs);
                 k
             }
         }
     }
 
-    /// The cost profile from the recent rounds' median timings.
-    fn measured_profile(&self) -> Option<CostProfile> {
-        let c = median(&self.draft_costs).unwrap_or(0.0);
+    /// The cost model's view of the round [`Controller::next_draft_len`] just planned; `None` for the
+    /// other policies and while the cost model is warming up without a prior.
+    pub fn costs(&self) -> Option<&RoundCosts> {
+        self.costs.as_ref()
+    }
+
+    /// The cost profile from the recent rounds' median timings, completed by the prior where this run
+    /// has no sample; `None` until the target was timed.
+    fn measured_profile(&self, prior: Option<&FixedCost>) -> Option<Profile> {
         let verify: Vec<VerifyTiming> = self
             .verify_times
             .iter()
@@ -340,7 +422,22 @@ impl Controller {
                 })
             })
             .collect();
-        CostProfile::fit(c, &verify)
+        let fit = CostProfile::fit(0.0, &verify)?;
+        let t1 = fit.target_step_secs;
+        let (fixed, c) = match fit_draft_cost(&self.draft_costs) {
+            Some((a, b)) => (a / t1, b / t1),
+            None => prior.map_or((0.0, 0.0), |p| (p.draft_fixed, p.c)),
+        };
+        let r = (1..=MAX_DRAFT_LEN + 1)
+            .map(
+                |m| match (fit.measured.iter().find(|(mm, _)| *mm == m), prior) {
+                    (Some(&(_, r)), _) => r,
+                    (None, Some(p)) => p.r(m),
+                    (None, None) => fit.r(m),
+                },
+            )
+            .collect();
+        Some(Profile { fixed, c, r })
     }
 
     /// The cost model's last decision, if it made one.
@@ -377,6 +474,21 @@ impl Controller {
 
     fn observe_inner(&mut self, round: &Round, timed: bool) {
         self.rounds += 1;
+        // Per-position acceptance of model drafts, whatever the policy (it also gives each round's
+        // expected tokens for the predicted speedup); a lookup draft's acceptance is its own.
+        if !round.lookup {
+            for v in self.reached.iter_mut().chain(self.accepted.iter_mut()) {
+                *v *= DECAY;
+            }
+            if self.reached.len() < round.drafted {
+                self.reached.resize(round.drafted, 0.0);
+                self.accepted.resize(round.drafted, 0.0);
+            }
+            for i in 0..round.drafted.min(round.accepted + 1) {
+                self.reached[i] += 1.0;
+                self.accepted[i] += f64::from(u8::from(i < round.accepted));
+            }
+        }
         match &self.policy {
             DraftLenPolicy::Fixed { .. } => {}
             DraftLenPolicy::Adaptive {
@@ -401,53 +513,168 @@ impl Controller {
                     self.k = self.k.saturating_sub(1).max(*min);
                 }
             }
+            DraftLenPolicy::CostModel { .. } if round.lookup => {
+                // A lookup draft cost nothing to draft, but the target's timing is a sample of r(m)
+                // like any other. The model drafter, if any, missed this round and catches up in
+                // its next one.
+                self.after_draft = false;
+                self.push_verify_time(round, timed);
+            }
             DraftLenPolicy::CostModel { .. } => {
-                for v in self.reached.iter_mut().chain(self.accepted.iter_mut()) {
-                    *v *= DECAY;
-                }
-                if self.reached.len() < round.drafted {
-                    self.reached.resize(round.drafted, 0.0);
-                    self.accepted.resize(round.drafted, 0.0);
-                }
-                for i in 0..round.drafted.min(round.accepted + 1) {
-                    self.reached[i] += 1.0;
-                    self.accepted[i] += f64::from(u8::from(i < round.accepted));
-                }
                 // c counts drafting only: a round right after one without drafting also paid for the
                 // drafter catching up on the tokens it missed, which steady speculation does not.
                 if timed && round.drafted > 0 && self.after_draft {
-                    push_window(
-                        &mut self.draft_costs,
-                        round.draft_secs / round.drafted as f64,
-                    );
+                    push_window(&mut self.draft_costs, (round.drafted, round.draft_secs));
                 }
                 // A round without its own timing gives the next one no clean draft cost either.
                 self.after_draft = timed && round.drafted > 0;
-                if timed && round.verified > 0 {
-                    if self.verify_times.len() < round.verified {
-                        self.verify_times.resize(round.verified, Vec::new());
-                    }
-                    push_window(
-                        &mut self.verify_times[round.verified - 1],
-                        round.verify_secs,
-                    );
-                }
+                self.push_verify_time(round, timed);
             }
+        }
+    }
+
+    fn push_verify_time(&mut self, round: &Round, timed: bool) {
+        if timed && round.verified > 0 {
+            if self.verify_times.len() < round.verified {
+                self.verify_times.resize(round.verified, Vec::new());
+            }
+            push_window(
+                &mut self.verify_times[round.verified - 1],
+                round.verify_secs,
+            );
         }
     }
 }
 
-enum Curve {
-    Fixed(FixedCost),
-    Measured(CostProfile),
+/// Fits `secs = a + b k` to model-drafting rounds: `a` is what a round costs whatever its length
+/// (feeding the tokens the last verification added), `b` the cost per drafted token. The line is a
+/// least-squares fit, weighted by sample counts, through the median time at each length, so a rare
+/// slow round does not move it. With a single length among the samples, `a = 0` and `b` is the
+/// median per-token cost. `None` without samples.
+fn fit_draft_cost(samples: &[(usize, f64)]) -> Option<(f64, f64)> {
+    let mut lens: Vec<usize> = samples.iter().map(|s| s.0).collect();
+    lens.sort_unstable();
+    lens.dedup();
+    // (k, median seconds, samples)
+    let pts: Vec<(f64, f64, f64)> = lens
+        .iter()
+        .filter_map(|&k| {
+            let t: Vec<f64> = samples.iter().filter(|s| s.0 == k).map(|s| s.1).collect();
+            median(&t).map(|m| (k as f64, m, t.len() as f64))
+        })
+        .collect();
+    if let [(k, t, _)] = pts[..] {
+        return Some((0.0, t / k));
+    }
+    let w: f64 = pts.iter().map(|p| p.2).sum();
+    if w == 0.0 {
+        return None;
+    }
+    let mk = pts.iter().map(|p| p.2 * p.0).sum::<f64>() / w;
+    let mt = pts.iter().map(|p| p.2 * p.1).sum::<f64>() / w;
+    let sxx: f64 = pts.iter().map(|p| p.2 * (p.0 - mk).powi(2)).sum();
+    let sxy: f64 = pts.iter().map(|p| p.2 * (p.0 - mk) * (p.1 - mt)).sum();
+    let b = (sxy / sxx).max(0.0);
+    let a = mt - b * mk;
+    if a >= 0.0 {
+        Some((a, b))
+    } else {
+        // A negative intercept is noise: no fixed cost, the slope through the origin.
+        let b = pts.iter().map(|p| p.2 * p.0 * p.1).sum::<f64>()
+            / pts.iter().map(|p| p.2 * p.0 * p.0).sum::<f64>();
+        Some((0.0, b))
+    }
 }
 
-impl Curve {
-    fn r(&self, m: usize) -> f64 {
-        match self {
-            Curve::Fixed(f) => f.r(m),
-            Curve::Measured(p) => p.r(m),
+/// The costs the cost model decides with, in target single steps.
+struct Profile {
+    /// Model drafting: fixed per round.
+    fixed: f64,
+    /// Model drafting: per drafted token.
+    c: f64,
+    /// `r(m)` for `m = 1..=r.len()`.
+    r: Vec<f64>,
+}
+
+impl Profile {
+    fn fixed(f: &FixedCost) -> Self {
+        Self {
+            fixed: f.draft_fixed,
+            c: f.c,
+            r: (1..=MAX_DRAFT_LEN + 1).map(|m| f.r(m)).collect(),
         }
+    }
+
+    fn r(&self, m: usize) -> f64 {
+        curve_r(&self.r, m)
+    }
+
+    /// Expected tokens per target step of a model draft of `k` tokens.
+    fn rate(&self, acceptance: &[f64], k: usize) -> f64 {
+        if k == 0 {
+            return 1.0 / self.r(1);
+        }
+        expected_tokens(&acceptance[..k.min(acceptance.len())])
+            / (self.fixed + k as f64 * self.c + self.r(k + 1))
+    }
+}
+
+/// `r[m - 1]`, continued past the end with the last slope.
+fn curve_r(r: &[f64], m: usize) -> f64 {
+    match r.get(m.max(1) - 1) {
+        Some(&v) => v,
+        None => {
+            let n = r.len();
+            let Some(&last) = r.last() else {
+                return 1.0;
+            };
+            let slope = if n >= 2 { last - r[n - 2] } else { 0.0 };
+            last + slope * (m - n) as f64
+        }
+    }
+}
+
+/// The cost model's view of one round, handed to drafters in [`crate::DraftRequest::costs`]; every
+/// cost is in units of one target step on one token.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RoundCosts {
+    /// `r(m)`, the target's cost of scoring `m` tokens in one pass, for `m = 1..=r.len()`.
+    pub r: Vec<f64>,
+    /// A model draft's fixed cost per round.
+    pub draft_fixed: f64,
+    /// A model draft's cost per drafted token (`c`).
+    pub draft_per_token: f64,
+    /// The model draft length the cost model chose for this round (0: a model draft does not pay).
+    pub model_len: usize,
+    /// Expected tokens per target step with that model draft (`1 / r(1)` at length 0).
+    pub model_rate: f64,
+}
+
+impl RoundCosts {
+    /// `r(m)`, continued past the end with the last slope.
+    pub fn r(&self, m: usize) -> f64 {
+        curve_r(&self.r, m)
+    }
+
+    /// For a draft that costs nothing to make (lookup) whose tokens have conditional acceptance
+    /// `confidence`, the prefix length with the most expected tokens per target step, and that rate.
+    /// Length 0 (plain decoding) scores `1 / r(1)`, and a draft must beat it by [`PAY_MARGIN`].
+    pub fn best_free_len(&self, confidence: &[f32]) -> (usize, f64) {
+        let plain = 1.0 / self.r(1);
+        let mut best = (0, plain * (1.0 + PAY_MARGIN));
+        let (mut reach, mut tokens) = (1.0, 1.0);
+        for (j, &a) in confidence.iter().enumerate() {
+            reach *= f64::from(a);
+            tokens += reach;
+            let rate = tokens / self.r(j + 2);
+            if rate > best.1 {
+                best = (j + 1, rate);
+            }
+        }
+        if best.0 == 0 {
+            best.1 = plain;
+        }
+        best
     }
 }
 
@@ -456,6 +683,17 @@ impl Curve {
 /// length wins ties; `k = 0` (plain decoding, one token per target step) scores exactly 1 when
 /// `r(1) = 1`.
 pub fn best_draft_len(acceptance: &[f64], c: f64, r: impl Fn(usize) -> f64) -> Choice {
+    best_draft_len_with(acceptance, 0.0, c, r)
+}
+
+/// [`best_draft_len`] with a fixed draft cost per drafting round: a draft of `k >= 1` tokens costs
+/// `fixed + k c + r(k + 1)`.
+pub fn best_draft_len_with(
+    acceptance: &[f64],
+    fixed: f64,
+    c: f64,
+    r: impl Fn(usize) -> f64,
+) -> Choice {
     let mut best = Choice {
         draft_len: 0,
         expected_tokens: 1.0,
@@ -463,7 +701,7 @@ pub fn best_draft_len(acceptance: &[f64], c: f64, r: impl Fn(usize) -> f64) -> C
     };
     for k in 1..=acceptance.len() {
         let e = expected_tokens(&acceptance[..k]);
-        let score = e / (k as f64 * c + r(k + 1));
+        let score = e / (fixed + k as f64 * c + r(k + 1));
         if score > best.tokens_per_step {
             best = Choice {
                 draft_len: k,
@@ -531,9 +769,11 @@ mod tests {
             max: 8,
             cost: Some(FixedCost {
                 c: 0.1,
+                draft_fixed: 0.0,
                 r: vec![1.0, 1.1, 1.2, 1.3],
             }),
             probe_every: 1000,
+            prior: None,
         };
         p.validate().unwrap();
         let mut c = p.controller();
@@ -555,6 +795,7 @@ mod tests {
             max: 8,
             cost: None,
             probe_every: 16,
+            prior: None,
         };
         p.validate().unwrap();
         let mut c = p.controller();
@@ -572,6 +813,8 @@ mod tests {
                 draft_secs: 0.3 * k as f64 + catch_up,
                 verify_secs: 1.0 + 0.25 * k as f64,
                 verified: k + 1,
+                lookup: false,
+                expected: 0.0,
             });
             if i >= 300 && k > 0 {
                 drafted_rounds += 1;
@@ -610,9 +853,11 @@ mod tests {
             max: 4,
             cost: Some(FixedCost {
                 c: f64::NAN,
+                draft_fixed: 0.0,
                 r: vec![1.0]
             }),
-            probe_every: 8
+            probe_every: 8,
+            prior: None,
         }
         .validate()
         .is_err());

@@ -9,8 +9,8 @@ use std::ops::ControlFlow;
 
 use specdec_core::mock::{MockLogits, MockModel};
 use specdec_core::{
-    generate, Batch, Draft, DraftLenPolicy, Emitted, GenerateConfig, HybridDrafter, ModelDrafter,
-    NGramDrafter, NoDraft, SamplingParams, SeqId, StopReason, TokenId,
+    generate, Batch, Draft, DraftLenPolicy, Emitted, GenerateConfig, HybridDrafter, LookupConfig,
+    LookupDrafter, ModelDrafter, NGramDrafter, NoDraft, SamplingParams, SeqId, StopReason, TokenId,
 };
 
 const VOCAB: usize = 40;
@@ -119,11 +119,29 @@ fn batched_sequences_get_the_tokens_they_get_alone() {
         batched(NGramDrafter::default()),
         alone(NGramDrafter::default)
     );
+    // The learning lookup shares its history and estimates across sequences, so a sampled sequence's
+    // drafts (never its distribution) depend on the others; without history and without the
+    // estimate-based stop its drafts depend on the sequence's own context alone.
+    let stateless = || LookupConfig {
+        history_tokens: 0,
+        min_reach: 0.0,
+        ..LookupConfig::default()
+    };
     let hybrid = || HybridDrafter {
-        ngram: NGramDrafter::default(),
+        lookup: LookupDrafter::new(stateless()),
         model: draft_model(),
     };
     assert_eq!(batched(hybrid()), alone(hybrid));
+    // Greedy sequences get the same tokens with the learning lookup too.
+    let learning = || HybridDrafter {
+        lookup: LookupDrafter::default(),
+        model: draft_model(),
+    };
+    for (i, ((a, _), (b, _))) in batched(learning()).iter().zip(&expect).enumerate() {
+        if i % 2 == 0 {
+            assert_eq!(a, b, "greedy sequence {i}, learning lookup");
+        }
+    }
     // Greedy sequences get the target's own greedy tokens whatever the drafter.
     for (i, ((a, _), (b, _))) in batched(draft_model()).iter().zip(&expect).enumerate() {
         if i % 2 == 0 {

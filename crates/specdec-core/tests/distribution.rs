@@ -16,8 +16,8 @@ use common::{chi_square, target_probs};
 use specdec_core::mock::{MockLogits, MockModel};
 use specdec_core::verify::{verify_onehot, verify_rejection, Verdict};
 use specdec_core::{
-    generate, CounterRng, Draft, DraftLenPolicy, GenerateConfig, HybridDrafter, ModelDrafter,
-    NGramDrafter, Probs, SamplingParams, Stream, TokenId, VerifyMode,
+    generate, CounterRng, Draft, DraftLenPolicy, FixedCost, GenerateConfig, HybridDrafter,
+    LookupDrafter, ModelDrafter, NGramDrafter, Probs, SamplingParams, Stream, TokenId, VerifyMode,
 };
 
 /// The false-failure rate of every test here.
@@ -208,6 +208,30 @@ fn rejection_mode_is_exact_for_every_drafter_option() {
             min_confidence,
             ..GenerateConfig::default()
         };
+        // A cost model that starts calibrated, so that it prices rounds from the first one: flat
+        // enough verification that lookup drafts long and the model draft sometimes wins.
+        let priced = |min_confidence| GenerateConfig {
+            draft_len: DraftLenPolicy::CostModel {
+                max: k,
+                cost: None,
+                probe_every: 8,
+                prior: Some(FixedCost {
+                    c: 0.2,
+                    draft_fixed: 0.1,
+                    r: vec![1.0, 1.05, 1.1, 1.15, 1.2],
+                }),
+            },
+            ..config(min_confidence)
+        };
+        // The counts, once it is clear the drafter really drafted.
+        let drafting = |what: &str, (counts, drafted, rounds): (Vec<u64>, u64, u64)| {
+            eprintln!("{what}, {name}: {drafted} drafted in {rounds} rounds");
+            assert!(
+                drafted > rounds / 10,
+                "{what}: {drafted} drafted in {rounds} rounds"
+            );
+            counts
+        };
         let n = 30_000;
         let cases: Vec<(&str, Vec<u64>)> = vec![
             ("model, min_confidence 0.45", {
@@ -238,11 +262,41 @@ fn rejection_mode_is_exact_for_every_drafter_option() {
                 sample_joint_with(
                     &target_logits(),
                     &mut HybridDrafter {
-                        ngram: NGramDrafter { min_n: 1, max_n: 2 },
+                        lookup: LookupDrafter::default(),
                         model: ModelDrafter::new(MockModel::new(draft_logits())),
                     },
                     &config(0.45),
                     n,
+                ),
+            ),
+            (
+                // Lookup over the context and the outputs of the earlier generations (the history
+                // is shared across all n), its length cut by the cost model each round.
+                "lookup with history, cost model",
+                drafting(
+                    "lookup",
+                    sample_joint_counted(
+                        &target_logits(),
+                        &mut LookupDrafter::default(),
+                        &priced(0.0),
+                        n,
+                    ),
+                ),
+            ),
+            (
+                // The per-round choice between the lookup and the model draft.
+                "hybrid, cost model",
+                drafting(
+                    "hybrid",
+                    sample_joint_counted(
+                        &target_logits(),
+                        &mut HybridDrafter {
+                            lookup: LookupDrafter::default(),
+                            model: ModelDrafter::new(MockModel::new(draft_logits())),
+                        },
+                        &priced(0.0),
+                        n,
+                    ),
                 ),
             ),
         ];

@@ -9,8 +9,8 @@ use std::ops::ControlFlow;
 
 use specdec_core::mock::{MockLogits, MockModel};
 use specdec_core::{
-    generate, Draft, DraftLenPolicy, FixedCost, GenerateConfig, HybridDrafter, ModelDrafter,
-    NGramDrafter, NoDraft, Output, SamplingParams, SeqId, TokenId,
+    generate, Draft, DraftLenPolicy, FixedCost, GenerateConfig, HybridDrafter, LookupDrafter,
+    ModelDrafter, NGramDrafter, NoDraft, Output, SamplingParams, SeqId, TokenId,
 };
 
 const VOCAB: usize = 48;
@@ -49,14 +49,27 @@ fn policies(k: usize) -> Vec<DraftLenPolicy> {
             max: k,
             cost: Some(FixedCost {
                 c: 0.05,
+                draft_fixed: 0.0,
                 r: vec![1.0, 1.1, 1.2, 1.3, 1.4],
             }),
             probe_every: 3,
+            prior: None,
         },
         DraftLenPolicy::CostModel {
             max: k,
             cost: None,
             probe_every: 5,
+            prior: None,
+        },
+        DraftLenPolicy::CostModel {
+            max: k,
+            cost: None,
+            probe_every: 7,
+            prior: Some(FixedCost {
+                c: 0.1,
+                draft_fixed: 0.3,
+                r: vec![1.0, 1.05, 1.1],
+            }),
         },
     ]
 }
@@ -136,8 +149,17 @@ fn greedy_speculative_equals_greedy_target_only() {
                     }
                     let out = run(&mut NGramDrafter::default(), &prompt, &cfg);
                     assert_eq!(out.tokens, reference.tokens, "ngram, k {k}, prompt {p}");
+                    let mut lookup = LookupDrafter::default();
+                    let out = run(&mut lookup, &prompt, &cfg);
+                    assert_eq!(out.tokens, reference.tokens, "lookup, k {k}, prompt {p}");
+                    // Again, now with the first output in the lookup's history.
+                    let out = run(&mut lookup, &prompt, &cfg);
+                    assert_eq!(
+                        out.tokens, reference.tokens,
+                        "lookup again, k {k}, prompt {p}"
+                    );
                     let mut hybrid = HybridDrafter {
-                        ngram: NGramDrafter { min_n: 1, max_n: 3 },
+                        lookup: LookupDrafter::default(),
                         model: ModelDrafter::new(MockModel::new(MockLogits::Perturbed {
                             base: Box::new(target_logits()),
                             seed: 5,

@@ -77,8 +77,9 @@ proptest! {
         let policies = [
             DraftLenPolicy::Fixed { draft_len: max },
             DraftLenPolicy::Adaptive { initial: min, min, max, target_acceptance: 0.6, smoothing: 0.4 },
-            DraftLenPolicy::CostModel { max, cost: None, probe_every: 4 },
-            DraftLenPolicy::CostModel { max, cost: Some(FixedCost { c: 0.2, r: vec![1.0, 1.2] }), probe_every: 3 },
+            DraftLenPolicy::CostModel { max, cost: None, probe_every: 4, prior: None },
+            DraftLenPolicy::CostModel { max, cost: Some(FixedCost { c: 0.2, draft_fixed: 0.0, r: vec![1.0, 1.2] }), probe_every: 3, prior: None },
+            DraftLenPolicy::CostModel { max, cost: None, probe_every: 5, prior: Some(FixedCost { c: 0.3, draft_fixed: 0.2, r: vec![1.0, 1.1, 1.3] }) },
         ];
         for policy in policies {
             policy.validate().unwrap();
@@ -92,7 +93,7 @@ proptest! {
                 }
                 let drafted = d.min(k);
                 let accepted = a.min(drafted);
-                c.observe(&Round { drafted, accepted, emitted: accepted + 1, draft_secs: ds, verify_secs: vs, verified: drafted + 1 });
+                c.observe(&Round { drafted, accepted, emitted: accepted + 1, draft_secs: ds, verify_secs: vs, verified: drafted + 1, lookup: false, expected: 0.0 });
             }
         }
     }

@@ -51,6 +51,8 @@ pub mod testing;
 pub mod tokenizer;
 pub mod weights;
 
+/// GGUF tensor types, as [`LoadOptions::requantize`] takes them.
+pub use candle_core::quantized::GgmlDType;
 pub use config::{Arch, ModelConfig};
 pub use error::{Error, Result};
 pub use gguf::Gguf;

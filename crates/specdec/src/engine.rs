@@ -9,13 +9,14 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use specdec_core::{
-    Draft, DraftError, DraftLenPolicy, DraftRequest, GenerateConfig, HybridDrafter, ModelDrafter,
-    NGramDrafter, NoDraft, Proposal, SamplingParams, SeqId, TokenId, VerifyMode,
+    Draft, DraftError, DraftLenPolicy, DraftRequest, GenerateConfig, HybridDrafter, LookupDrafter,
+    ModelDrafter, NoDraft, Proposal, SamplingParams, SeqId, TokenId, VerifyMode,
 };
 use specdec_runtime::fetch::{FetchOptions, ModelRef, Progress};
-use specdec_runtime::{Gguf, LoadOptions, Model, Session, Tokenizer};
 
-use crate::cli::{DecodeArgs, DrafterKind, ModelArgs, VerifyModeArg};
+use specdec_runtime::{GgmlDType, Gguf, LoadOptions, Model, Session, Tokenizer};
+
+use crate::cli::{DecodeArgs, DraftQuant, DrafterKind, ModelArgs, VerifyModeArg};
 
 /// Set by Ctrl-C; the token callback stops generation when it sees it.
 pub static INTERRUPTED: AtomicBool = AtomicBool::new(false);
@@ -105,6 +106,14 @@ impl Ui {
     }
 }
 
+/// How `--draft-quant` and `--draft-vocab` prepare the draft, as a short name.
+pub fn draft_variant(args: &ModelArgs) -> String {
+    match args.draft_vocab {
+        Some(n) => format!("{}-v{n}", args.draft_quant.name()),
+        None => args.draft_quant.name().to_string(),
+    }
+}
+
 /// The loaded target, its tokenizer, and the draft model when the drafter needs one.
 pub struct Loaded {
     /// The target's tokenizer.
@@ -115,6 +124,14 @@ pub struct Loaded {
     pub draft: Option<Arc<Model>>,
     /// Context size.
     pub ctx: usize,
+    /// The target's file.
+    pub target_path: PathBuf,
+    /// The draft's file, when loaded.
+    pub draft_path: Option<PathBuf>,
+    /// Kernel threads.
+    pub threads: usize,
+    /// How the draft was prepared (`--draft-quant`, `--draft-vocab`), part of its calibration's key.
+    pub draft_variant: String,
 }
 
 impl Loaded {
@@ -154,11 +171,17 @@ impl Loaded {
         };
         let target = Arc::new(Model::from_gguf(&g, &options)?);
         bar.finish_and_clear();
+        let draft_path_kept = draft_path.clone();
         let draft = match draft_path {
             Some(p) => {
                 let bar = ui.spinner(format!("loading {}", p.display()));
                 let draft_options = LoadOptions {
                     logits_vocab: args.draft_vocab,
+                    requantize: match args.draft_quant {
+                        DraftQuant::AsIs => None,
+                        DraftQuant::Q4_0 => Some(GgmlDType::Q4_0),
+                        DraftQuant::Q8_0 => Some(GgmlDType::Q8_0),
+                    },
                     ..options.clone()
                 };
                 let d = Arc::new(Model::load(&p, &draft_options)?);
@@ -192,6 +215,10 @@ impl Loaded {
             target,
             draft,
             ctx,
+            threads: specdec_runtime::thread_pool(args.threads)?.threads(),
+            target_path,
+            draft_path: draft_path_kept,
+            draft_variant: draft_variant(args),
         })
     }
 
@@ -211,12 +238,12 @@ impl Loaded {
         };
         Ok(match kind {
             DrafterKind::None => Drafter::None(NoDraft),
-            DrafterKind::Ngram => Drafter::Ngram(NGramDrafter::default()),
-            DrafterKind::Model => Drafter::Model(model()?),
-            DrafterKind::Hybrid => Drafter::Hybrid(HybridDrafter {
-                ngram: NGramDrafter::default(),
+            DrafterKind::Ngram => Drafter::Ngram(Box::default()),
+            DrafterKind::Model => Drafter::Model(Box::new(model()?)),
+            DrafterKind::Hybrid => Drafter::Hybrid(Box::new(HybridDrafter {
+                lookup: LookupDrafter::default(),
                 model: model()?,
-            }),
+            })),
         })
     }
 
@@ -254,12 +281,12 @@ impl Loaded {
 pub enum Drafter {
     /// Plain decoding.
     None(NoDraft),
-    /// Prompt lookup.
-    Ngram(NGramDrafter),
+    /// Lookup over the context and earlier outputs.
+    Ngram(Box<LookupDrafter>),
     /// The draft model.
-    Model(ModelDrafter<Session>),
-    /// Prompt lookup, else the draft model.
-    Hybrid(HybridDrafter<ModelDrafter<Session>>),
+    Model(Box<ModelDrafter<Session>>),
+    /// Lookup or the draft model, whichever pays more each round.
+    Hybrid(Box<HybridDrafter<ModelDrafter<Session>>>),
 }
 
 type DrafterError = DraftError<specdec_runtime::Error>;
@@ -291,7 +318,8 @@ impl Draft for Drafter {
 
     fn commit(&mut self, seq: SeqId, committed: &[TokenId]) -> Result<(), DrafterError> {
         match self {
-            Drafter::None(_) | Drafter::Ngram(_) => Ok(()),
+            Drafter::None(_) => Ok(()),
+            Drafter::Ngram(d) => d.commit(seq, committed).map_err(|e| match e {}),
             Drafter::Model(d) => d.commit(seq, committed),
             Drafter::Hybrid(d) => d.commit(seq, committed),
         }
@@ -299,9 +327,19 @@ impl Draft for Drafter {
 
     fn prefill(&mut self, seq: SeqId, context: &[TokenId]) -> Result<(), DrafterError> {
         match self {
-            Drafter::None(_) | Drafter::Ngram(_) => Ok(()),
+            Drafter::None(_) => Ok(()),
+            Drafter::Ngram(d) => d.prefill(seq, context).map_err(|e| match e {}),
             Drafter::Model(d) => d.prefill(seq, context),
             Drafter::Hybrid(d) => d.prefill(seq, context),
+        }
+    }
+
+    fn release(&mut self, seq: SeqId) {
+        match self {
+            Drafter::None(_) => {}
+            Drafter::Ngram(d) => d.release(seq),
+            Drafter::Model(d) => d.release(seq),
+            Drafter::Hybrid(d) => d.release(seq),
         }
     }
 }
@@ -309,11 +347,7 @@ impl Draft for Drafter {
 /// Parses `--draft-len`: `auto`, `adaptive` or a number.
 pub fn draft_len_policy(arg: &str) -> Result<DraftLenPolicy> {
     let policy = if arg == "auto" {
-        DraftLenPolicy::CostModel {
-            max: 8,
-            cost: None,
-            probe_every: 16,
-        }
+        DraftLenPolicy::auto(None)
     } else if arg == "adaptive" {
         DraftLenPolicy::ADAPTIVE
     } else {

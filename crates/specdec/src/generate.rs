@@ -204,7 +204,8 @@ pub fn command(args: &GenerateArgs, ui: Ui) -> Result<()> {
     };
     crate::engine::install_ctrl_c();
     let loaded = Loaded::load(&args.model, &[args.decode.drafter], ui)?;
-    let config = crate::engine::generate_config(&args.decode, &loaded.tokenizer)?;
+    let mut config = crate::engine::generate_config(&args.decode, &loaded.tokenizer)?;
+    crate::calibration::apply(&mut config.draft_len, &loaded, true, ui)?;
     let prompt = loaded.prompt(
         &prompt_text,
         args.chat,

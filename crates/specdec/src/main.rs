@@ -2,6 +2,7 @@
 //! stderr and a non-zero exit code, mapped in one place below.
 
 mod bench;
+mod calibration;
 mod chat;
 mod cli;
 mod costcurve;

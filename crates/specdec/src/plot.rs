@@ -5,7 +5,8 @@ use std::path::Path;
 use anyhow::{anyhow, Result};
 use plotters::prelude::*;
 
-use crate::bench::{Calibration, Row};
+use crate::bench::Row;
+use crate::calibration::Calibration;
 
 /// Draws both charts side by side into `path`.
 pub fn draw(path: &Path, rows: &[Row], cal: &Calibration) -> Result<()> {

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use specdec_core::ModelDrafter;
+use specdec_core::{DraftLenPolicy, ModelDrafter};
 use specdec_runtime::Sessions;
 use specdec_server::{DrafterKind, EngineOptions, MultiDrafter, ServerOptions};
 
@@ -30,9 +30,27 @@ pub fn command(args: &ServeArgs, ui: Ui) -> Result<()> {
         CliDrafter::Hybrid => DrafterKind::Hybrid,
     };
     // Fetch before binding, so download progress shows and a failure is reported at once.
-    ui.model_path(&args.model.target)?;
-    if matches!(drafter, DrafterKind::Model | DrafterKind::Hybrid) {
-        ui.model_path(&args.model.draft)?;
+    let target_path = ui.model_path(&args.model.target)?;
+    let draft_path = if matches!(drafter, DrafterKind::Model | DrafterKind::Hybrid) {
+        Some(ui.model_path(&args.model.draft)?)
+    } else {
+        None
+    };
+    // `--draft-len auto` starts from a saved calibration of these models on this machine, if any
+    // (`specdec generate` or `bench` with `auto` measures one).
+    let threads = specdec_runtime::thread_pool(args.model.threads)?.threads();
+    let variant = crate::engine::draft_variant(&args.model);
+    let calibration = crate::calibration::path(
+        &target_path,
+        draft_path.as_deref().map(|p| (p, variant.as_str())),
+        threads,
+    );
+    let prior = crate::calibration::load_path(&calibration);
+    if prior.is_some() {
+        ui.note(format!(
+            "cost model: calibration from {}",
+            calibration.display()
+        ));
     }
     // The alias when the target is a known model, else the file name without `.gguf`.
     let model_name = if specdec_runtime::fetch::known(&args.model.target).is_some() {
@@ -104,7 +122,10 @@ pub fn command(args: &ServeArgs, ui: Ui) -> Result<()> {
             },
             max_tokens: d.max_tokens,
             drafter,
-            draft_len: crate::engine::draft_len_policy(&d.draft_len)?,
+            draft_len: match crate::engine::draft_len_policy(&d.draft_len)? {
+                DraftLenPolicy::CostModel { .. } => DraftLenPolicy::auto(prior),
+                other => other,
+            },
             verify_mode: match d.verify_mode {
                 crate::cli::VerifyModeArg::Rejection => specdec_core::VerifyMode::Rejection,
                 crate::cli::VerifyModeArg::Onehot => specdec_core::VerifyMode::OneHot,

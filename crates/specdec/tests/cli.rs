@@ -351,6 +351,10 @@ fn streaming_prints_the_text_and_a_stats_line() {
             "--max-tokens",
             "16",
             "--chat",
+            // A fixed length, so that the run drafts (the default cost model may decline to on these
+            // tiny models) and the line reports acceptance.
+            "--draft-len",
+            "3",
         ],
     );
     assert!(

@@ -1,0 +1,578 @@
+//! Lookup drafting that learns (after SuffixDecoding, Oliaro et al. 2024): the longest suffix of the
+//! context that occurred before, in the context itself or in earlier outputs, and the continuation its
+//! occurrences agree on, with an estimate of each drafted token's acceptance.
+//!
+//! - **Where it looks**: the whole committed context (prompt and generated tokens), and a bounded
+//!   history of the outputs of earlier sequences of this drafter (chat turns, server requests),
+//!   indexed by token so a round costs microseconds.
+//! - **What it drafts**: every occurrence of the longest matching suffix votes for the next token; the
+//!   majority wins (the most recent occurrence breaks ties), the occurrences that disagree drop out, and
+//!   the walk goes on while the estimated probability of reaching the next token stays above
+//!   [`LookupConfig::min_reach`].
+//! - **How sure it is**: each token's conditional acceptance is estimated per (match length, agreement)
+//!   bucket from what the target later committed, a Beta estimate that starts from a prior. Every
+//!   proposal is checked against the committed tokens, also the ones a hybrid did not use, so the
+//!   estimates keep learning. With a cost model ([`crate::DraftRequest::costs`]) the draft is cut at
+//!   the length with the most expected tokens per unit of target time.
+//!
+//! Drafts are one-hot and depend only on tokens committed before the round (and on the history of
+//! earlier, finished sequences), so rejection sampling stays exact.
+
+use std::collections::HashMap;
+
+use crate::model::{Draft, DraftRequest, Proposal, SeqId};
+use crate::sampling::Probs;
+use crate::TokenId;
+
+/// Settings of a [`LookupDrafter`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LookupConfig {
+    /// The shortest suffix that counts as a match.
+    pub min_n: usize,
+    /// The longest suffix compared (longer matches count as this long).
+    pub max_n: usize,
+    /// Stop drafting where the estimated probability that the next token is reached and accepted
+    /// falls below this.
+    pub min_reach: f32,
+    /// Tokens of earlier outputs kept for lookup (the oldest half is dropped when full); 0 disables
+    /// the history.
+    pub history_tokens: usize,
+}
+
+impl Default for LookupConfig {
+    fn default() -> Self {
+        Self {
+            min_n: 1,
+            max_n: 32,
+            min_reach: 0.05,
+            history_tokens: 1 << 18,
+        }
+    }
+}
+
+/// Never a token: separates the outputs in the history, so no match crosses from one to the next.
+const SEP: TokenId = TokenId::MAX;
+
+/// Match-length buckets: 1, 2, 3, 4, 5-6, 7-9, 10-14, 15+.
+const LEN_BUCKETS: usize = 8;
+/// Agreement buckets: one occurrence; several, unanimous; a majority; a plurality below half.
+const AGREE_BUCKETS: usize = 4;
+/// Pseudo-observations behind each bucket's prior.
+const PRIOR_WEIGHT: f64 = 2.0;
+/// A bucket's counts are scaled down past this many observations, so that it follows drift.
+const MAX_WEIGHT: f64 = 500.0;
+
+fn len_bucket(n: usize) -> usize {
+    match n {
+        0..=4 => n.saturating_sub(1),
+        5..=6 => 4,
+        7..=9 => 5,
+        10..=14 => 6,
+        _ => 7,
+    }
+}
+
+fn agree_bucket(count: usize, total: usize) -> usize {
+    if total == 1 {
+        0
+    } else if count == total {
+        1
+    } else if 2 * count > total {
+        2
+    } else {
+        3
+    }
+}
+
+/// The prior acceptance of a bucket (by match-length bucket and agreement bucket): longer matches
+/// and more agreement are likelier to be right, and a match of one or two tokens is mostly
+/// coincidence (on HumanEval completions a quarter of such single-token drafts were accepted), so
+/// the prior keeps short matches from drafting until the estimates have learned otherwise.
+fn prior(len_bucket: usize, agree: usize) -> f64 {
+    let base = [0.15, 0.3, 0.2, 0.1][agree];
+    (base + 0.1 * len_bucket as f64).min(0.9)
+}
+
+/// A Beta estimate of one bucket's acceptance.
+#[derive(Clone, Copy, Debug)]
+struct Bucket {
+    accepted: f64,
+    reached: f64,
+    prior: f64,
+}
+
+impl Bucket {
+    fn estimate(&self) -> f64 {
+        (self.accepted + PRIOR_WEIGHT * self.prior) / (self.reached + PRIOR_WEIGHT)
+    }
+
+    fn observe(&mut self, accepted: bool) {
+        if self.reached >= MAX_WEIGHT {
+            self.reached *= 0.5;
+            self.accepted *= 0.5;
+        }
+        self.reached += 1.0;
+        self.accepted += f64::from(u8::from(accepted));
+    }
+}
+
+/// Where a candidate continuation reads its next token.
+#[derive(Clone, Copy, Debug)]
+enum Cand {
+    /// Position in the context (past its end: in the tokens drafted this round).
+    Context(usize),
+    /// Position in the history.
+    History(usize),
+}
+
+/// A proposal kept until the target's verdict is known, to learn from it.
+#[derive(Clone, Debug, Default)]
+struct Pending {
+    /// Context length when proposed.
+    at: usize,
+    tokens: Vec<TokenId>,
+    buckets: Vec<u8>,
+}
+
+#[derive(Clone, Debug, Default)]
+struct SeqState {
+    /// Prompt length; the tokens after it are this sequence's output.
+    prompt_len: Option<usize>,
+    /// The output so far, added to the history when the sequence is released.
+    output: Vec<TokenId>,
+    pending: Option<Pending>,
+}
+
+/// The lookup drafter; see the module documentation.
+#[derive(Clone, Debug)]
+pub struct LookupDrafter {
+    config: LookupConfig,
+    history: Vec<TokenId>,
+    /// Positions in `history` by the token there.
+    index: HashMap<TokenId, Vec<u32>>,
+    seqs: HashMap<SeqId, SeqState>,
+    buckets: Vec<Bucket>,
+    cands: Vec<Cand>,
+    tally: Vec<(TokenId, usize)>,
+}
+
+impl Default for LookupDrafter {
+    fn default() -> Self {
+        Self::new(LookupConfig::default())
+    }
+}
+
+impl LookupDrafter {
+    /// A drafter with an empty history and the prior estimates.
+    pub fn new(config: LookupConfig) -> Self {
+        let buckets = (0..LEN_BUCKETS * AGREE_BUCKETS)
+            .map(|i| Bucket {
+                accepted: 0.0,
+                reached: 0.0,
+                prior: prior(i / AGREE_BUCKETS, i % AGREE_BUCKETS),
+            })
+            .collect();
+        Self {
+            config,
+            history: Vec::new(),
+            index: HashMap::new(),
+            seqs: HashMap::new(),
+            buckets,
+            cands: Vec::new(),
+            tally: Vec::new(),
+        }
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &LookupConfig {
+        &self.config
+    }
+
+    /// Tokens in the history of earlier outputs (separators included).
+    pub fn history_len(&self) -> usize {
+        self.history.len()
+    }
+
+    /// The estimated acceptance of each (match length, agreement) bucket, row by match length.
+    pub fn estimates(&self) -> Vec<f64> {
+        self.buckets.iter().map(Bucket::estimate).collect()
+    }
+
+    /// Drafts for one request into `out` (cleared first) and returns the expected tokens per target
+    /// step of the draft kept, `1 / r(1)` for none; without costs the walk's own stop decides the
+    /// length and the rate is `NaN`.
+    pub fn propose_one(&mut self, req: &DraftRequest<'_>, out: &mut Proposal) -> f64 {
+        out.clear();
+        let state = self.seqs.entry(req.seq).or_default();
+        state.prompt_len.get_or_insert(req.context.len());
+        state.pending = None;
+        let mut buckets = Vec::new();
+        if req.max_len > 0 {
+            self.walk(req.context, req.max_len, out, &mut buckets);
+        }
+        match req.costs {
+            Some(costs) => {
+                let (len, rate) = costs.best_free_len(&out.confidence);
+                // The whole walk is kept for learning; only the best prefix is drafted.
+                self.remember(req, out, buckets);
+                out.truncate(len);
+                rate
+            }
+            None => {
+                self.remember(req, out, buckets);
+                f64::NAN
+            }
+        }
+    }
+
+    fn remember(&mut self, req: &DraftRequest<'_>, out: &Proposal, buckets: Vec<u8>) {
+        if out.tokens.is_empty() {
+            return;
+        }
+        if let Some(state) = self.seqs.get_mut(&req.seq) {
+            state.pending = Some(Pending {
+                at: req.context.len(),
+                tokens: out.tokens.clone(),
+                buckets,
+            });
+        }
+    }
+
+    /// Finds the longest earlier match of the context's suffix and walks the continuation its
+    /// occurrences agree on.
+    fn walk(&mut self, ctx: &[TokenId], max_len: usize, out: &mut Proposal, buckets: &mut Vec<u8>) {
+        let len = ctx.len();
+        let Some(&last) = ctx.last() else {
+            return;
+        };
+        let max_n = self.config.max_n.max(1);
+        let mut best = 0;
+        self.cands.clear();
+        // In the context: continuations starting at i (so ctx[i - 1] == last), newest first.
+        for i in (1..len).rev() {
+            if ctx[i - 1] != last {
+                continue;
+            }
+            let mut n = 1;
+            while n < max_n && n < i && ctx[i - 1 - n] == ctx[len - 1 - n] {
+                n += 1;
+            }
+            if n > best {
+                best = n;
+                self.cands.clear();
+            }
+            if n == best {
+                self.cands.push(Cand::Context(i));
+            }
+        }
+        // In the history of earlier outputs.
+        if let Some(positions) = self.index.get(&last) {
+            for &p in positions.iter().rev() {
+                let p = p as usize;
+                if self.history.get(p + 1).is_none_or(|&t| t == SEP) {
+                    continue;
+                }
+                let mut n = 1;
+                while n < max_n && n <= p && n < len && self.history[p - n] == ctx[len - 1 - n] {
+                    n += 1;
+                }
+                if n > best {
+                    best = n;
+                    self.cands.clear();
+                }
+                if n == best {
+                    self.cands.push(Cand::History(p + 1));
+                }
+            }
+        }
+        if best < self.config.min_n.max(1) || self.cands.is_empty() {
+            return;
+        }
+        let mut n_eff = best;
+        let mut reach = 1.0f64;
+        while out.tokens.len() < max_len {
+            // Each candidate's next token; the most frequent wins, the newest breaking ties.
+            self.tally.clear();
+            let mut total = 0;
+            for c in &self.cands {
+                let Some(t) = next_token(*c, ctx, &out.tokens, &self.history) else {
+                    continue;
+                };
+                total += 1;
+                match self.tally.iter_mut().find(|(tt, _)| *tt == t) {
+                    Some(e) => e.1 += 1,
+                    None => self.tally.push((t, 1)),
+                }
+            }
+            let Some(&(token, count)) = self
+                .tally
+                .iter()
+                .reduce(|a, b| if b.1 > a.1 { b } else { a })
+            else {
+                break;
+            };
+            let bucket = len_bucket(n_eff) * AGREE_BUCKETS + agree_bucket(count, total);
+            let a = self.buckets[bucket].estimate();
+            reach *= a;
+            if reach < f64::from(self.config.min_reach) {
+                break;
+            }
+            out.push(token, Probs::OneHot(token));
+            out.confidence.push(a as f32);
+            buckets.push(bucket as u8);
+            let drafted = &out.tokens;
+            self.cands.retain_mut(|c| {
+                if next_token(*c, ctx, &drafted[..drafted.len() - 1], &self.history) != Some(token)
+                {
+                    return false;
+                }
+                *c = match *c {
+                    Cand::Context(i) => Cand::Context(i + 1),
+                    Cand::History(i) => Cand::History(i + 1),
+                };
+                true
+            });
+            n_eff += 1;
+        }
+    }
+
+    /// Appends a finished output to the history, dropping the oldest half when it is full.
+    fn add_history(&mut self, output: &[TokenId]) {
+        let cap = self.config.history_tokens;
+        if cap == 0 || output.is_empty() {
+            return;
+        }
+        let output = &output[output.len().saturating_sub(cap / 2)..];
+        if self.history.len() + output.len() + 1 > cap {
+            let drop = self.history.len().min(cap / 2).max(output.len() + 1);
+            let drop = drop.min(self.history.len());
+            self.history.drain(..drop);
+            self.index.clear();
+            for (p, &t) in self.history.iter().enumerate() {
+                if t != SEP {
+                    self.index.entry(t).or_default().push(p as u32);
+                }
+            }
+        }
+        for &t in output {
+            self.index
+                .entry(t)
+                .or_default()
+                .push(self.history.len() as u32);
+            self.history.push(t);
+        }
+        self.history.push(SEP);
+    }
+}
+
+/// The token a candidate reads next: the context, then this round's drafted tokens; the history up to
+/// a separator.
+fn next_token(
+    c: Cand,
+    ctx: &[TokenId],
+    drafted: &[TokenId],
+    history: &[TokenId],
+) -> Option<TokenId> {
+    match c {
+        Cand::Context(i) if i < ctx.len() => Some(ctx[i]),
+        Cand::Context(i) => drafted.get(i - ctx.len()).copied(),
+        Cand::History(i) => history.get(i).copied().filter(|&t| t != SEP),
+    }
+}
+
+impl Draft for LookupDrafter {
+    type Error = std::convert::Infallible;
+
+    fn vocab_size(&self) -> Option<usize> {
+        None
+    }
+
+    fn propose(
+        &mut self,
+        batch: &[DraftRequest<'_>],
+        out: &mut [Proposal],
+    ) -> Result<(), Self::Error> {
+        for (req, out) in batch.iter().zip(out) {
+            self.propose_one(req, out);
+        }
+        Ok(())
+    }
+
+    /// Learns from the last proposal: its tokens up to the first one the target did not commit.
+    fn commit(&mut self, seq: SeqId, committed: &[TokenId]) -> Result<(), Self::Error> {
+        let state = self.seqs.entry(seq).or_default();
+        let prompt_len = *state.prompt_len.get_or_insert(committed.len());
+        let have = prompt_len + state.output.len();
+        if committed.len() < have {
+            state
+                .output
+                .truncate(committed.len().saturating_sub(prompt_len));
+        } else if let Some(new) = committed.get(have..) {
+            state.output.extend_from_slice(new);
+        }
+        if let Some(p) = state.pending.take() {
+            for (i, (&t, &b)) in p.tokens.iter().zip(&p.buckets).enumerate() {
+                let Some(&c) = committed.get(p.at + i) else {
+                    break;
+                };
+                self.buckets[b as usize].observe(c == t);
+                if c != t {
+                    break;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A new prompt for `seq`: an output it held (a caller that reuses the id without releasing it,
+    /// like [`crate::generate`] for chat turns) goes to the history first.
+    fn prefill(&mut self, seq: SeqId, context: &[TokenId]) -> Result<(), Self::Error> {
+        if let Some(old) = self.seqs.remove(&seq) {
+            self.add_history(&old.output);
+        }
+        self.seqs.insert(
+            seq,
+            SeqState {
+                prompt_len: Some(context.len()),
+                ..SeqState::default()
+            },
+        );
+        Ok(())
+    }
+
+    /// Adds the sequence's output to the history.
+    fn release(&mut self, seq: SeqId) {
+        if let Some(state) = self.seqs.remove(&seq) {
+            self.add_history(&state.output);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::RoundCosts;
+    use crate::{CounterRng, SamplingParams};
+
+    fn request<'a>(
+        ctx: &'a [TokenId],
+        max_len: usize,
+        sampling: &'a SamplingParams,
+        costs: Option<&'a RoundCosts>,
+    ) -> DraftRequest<'a> {
+        DraftRequest {
+            seq: SeqId(0),
+            context: ctx,
+            max_len,
+            sampling,
+            rng: CounterRng::new(0),
+            min_confidence: 0.0,
+            costs,
+        }
+    }
+
+    #[test]
+    fn drafts_the_continuation_of_the_longest_match() {
+        let greedy = SamplingParams::greedy();
+        let mut d = LookupDrafter::default();
+        // "1 2 3 9 9" earlier, "7 2 3 7 8" later: the suffix "2 3" matches both, "7 2 3" only the
+        // second, whose continuation is "7 8".
+        let ctx = [1, 2, 3, 9, 9, 5, 7, 2, 3, 7, 8, 6, 7, 2, 3];
+        let mut out = Proposal::default();
+        d.propose_one(&request(&ctx, 2, &greedy, None), &mut out);
+        assert_eq!(out.tokens, [7, 8]);
+        assert_eq!(out.confidence.len(), 2);
+        assert!(out.confidence.iter().all(|&c| c > 0.0 && c < 1.0));
+        // Nothing to match.
+        d.propose_one(&request(&[4, 5, 6], 3, &greedy, None), &mut out);
+        assert!(out.tokens.is_empty());
+    }
+
+    #[test]
+    fn the_majority_continuation_wins_and_repetition_runs_into_the_draft() {
+        let greedy = SamplingParams::greedy();
+        let mut d = LookupDrafter::default();
+        // After "5": 6 twice, 7 once.
+        let ctx = [5, 6, 1, 5, 7, 2, 5, 6, 3, 5];
+        let mut out = Proposal::default();
+        d.propose_one(&request(&ctx, 1, &greedy, None), &mut out);
+        assert_eq!(out.tokens, [6]);
+        // A period-2 pattern continues past the end of the context into the draft.
+        let ctx = [1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2];
+        d.propose_one(&request(&ctx, 6, &greedy, None), &mut out);
+        assert_eq!(out.tokens, [1, 2, 1, 2, 1, 2]);
+    }
+
+    #[test]
+    fn earlier_outputs_are_found_and_estimates_learn() {
+        let greedy = SamplingParams::greedy();
+        let mut d = LookupDrafter::default();
+        d.prefill(SeqId(0), &[1]).unwrap();
+        let first: Vec<TokenId> = std::iter::once(1).chain(10..=20).collect();
+        d.commit(SeqId(0), &first).unwrap();
+        d.release(SeqId(0));
+        assert_eq!(d.history_len(), 12);
+        // A new sequence ending in "11 12 13 14" drafts the continuation from the history.
+        let ctx = [2, 11, 12, 13, 14];
+        d.prefill(SeqId(0), &ctx).unwrap();
+        let mut out = Proposal::default();
+        d.propose_one(&request(&ctx, 8, &greedy, None), &mut out);
+        assert!(out.tokens.starts_with(&[15, 16]), "{:?}", out.tokens);
+        let before = d.estimates();
+        // The target commits "15 99": the first token accepted, the second rejected.
+        d.commit(SeqId(0), &[2, 11, 12, 13, 14, 15, 99]).unwrap();
+        let after = d.estimates();
+        let moved: Vec<usize> = (0..before.len())
+            .filter(|&i| before[i] != after[i])
+            .collect();
+        assert_eq!(moved.len(), 2, "{before:?} {after:?}");
+        assert!(after[moved[0]] > before[moved[0]]);
+        assert!(after[moved[1]] < before[moved[1]]);
+    }
+
+    #[test]
+    fn the_cost_model_cuts_the_draft_where_it_stops_paying() {
+        let greedy = SamplingParams::greedy();
+        let mut d = LookupDrafter::default();
+        let ctx: Vec<TokenId> = (0..40).chain(0..20).collect();
+        let mut out = Proposal::default();
+        d.propose_one(&request(&ctx, 16, &greedy, None), &mut out);
+        assert_eq!(out.tokens.len(), 16);
+        // Verification so expensive that one extra token costs a whole step: drafting never pays.
+        let costs = RoundCosts {
+            r: (1..=17).map(|m| m as f64).collect(),
+            ..RoundCosts::default()
+        };
+        let rate = d.propose_one(&request(&ctx, 16, &greedy, Some(&costs)), &mut out);
+        assert!(out.tokens.is_empty());
+        assert_eq!(rate, 1.0);
+        // Flat verification: draft it all.
+        let costs = RoundCosts {
+            r: vec![1.0; 17],
+            ..RoundCosts::default()
+        };
+        let rate = d.propose_one(&request(&ctx, 16, &greedy, Some(&costs)), &mut out);
+        assert_eq!(out.tokens, (20..36).collect::<Vec<_>>());
+        assert!(rate > 2.0);
+    }
+
+    #[test]
+    fn the_history_stays_bounded() {
+        let mut d = LookupDrafter::new(LookupConfig {
+            history_tokens: 100,
+            ..LookupConfig::default()
+        });
+        for s in 0..50u64 {
+            d.prefill(SeqId(s), &[0]).unwrap();
+            let ctx: Vec<TokenId> = std::iter::once(0).chain(0..30).collect();
+            d.commit(SeqId(s), &ctx).unwrap();
+            d.release(SeqId(s));
+            assert!(d.history_len() <= 100, "{}", d.history_len());
+        }
+        assert!(d
+            .index
+            .values()
+            .flatten()
+            .all(|&p| (p as usize) < d.history.len()));
+    }
+}

@@ -210,18 +210,15 @@ impl LookupDrafter {
         if req.max_len > 0 {
             self.walk(req.context, req.max_len, out, &mut buckets);
         }
+        // The whole walk is kept for learning; only the best prefix is drafted.
+        self.remember(req, out, buckets);
         match req.costs {
             Some(costs) => {
                 let (len, rate) = costs.best_free_len(&out.confidence);
-                // The whole walk is kept for learning; only the best prefix is drafted.
-                self.remember(req, out, buckets);
                 out.truncate(len);
                 rate
             }
-            None => {
-                self.remember(req, out, buckets);
-                f64::NAN
-            }
+            None => f64::NAN,
         }
     }
 

@@ -152,15 +152,19 @@ impl Metrics {
             return None;
         }
         let a = self.per_position_acceptance();
-        let (mut tokens, mut time) = (0.0, 0.0);
+        let (mut pooled, mut time) = (0.0, 0.0);
         for (k, &n) in self.rounds_by_draft_len.iter().enumerate() {
             let n = n as f64;
-            tokens += n * expected_tokens(&a[..k.min(a.len())]);
+            if self.expected == 0.0 {
+                pooled += n * expected_tokens(&a[..k.min(a.len())]);
+            }
             time += n * (k as f64 * cost.c + cost.r(k + 1));
         }
-        if self.expected > 0.0 {
-            tokens = self.expected;
-        }
+        let tokens = if self.expected > 0.0 {
+            self.expected
+        } else {
+            pooled
+        };
         (time > 0.0).then(|| tokens / time)
     }
 

@@ -128,7 +128,8 @@ fn parse_prompts(text: &str, name: &str) -> Result<Vec<Prompt>> {
         .collect()
 }
 
-fn median(v: &mut [f64]) -> f64 {
+/// The median (`NaN` for none); sorts `v`.
+pub(crate) fn median(v: &mut [f64]) -> f64 {
     if v.is_empty() {
         return f64::NAN;
     }

@@ -11,6 +11,7 @@ use specdec_core::{DraftLenPolicy, FixedCost};
 use specdec_runtime::fetch::home;
 use specdec_runtime::Session;
 
+use crate::bench::median;
 use crate::engine::{Loaded, Ui};
 
 /// Measured costs: `r[m - 1] = t(m) / t(1)` for the target and the draft's step cost over `t(1)`.
@@ -35,19 +36,6 @@ struct Saved {
     threads: usize,
     kernels: String,
     calibration: Calibration,
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n == 0 {
-        return f64::NAN;
-    }
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
 }
 
 /// Times the target on blocks of 1..=16 tokens after `context`, and the draft on single tokens:

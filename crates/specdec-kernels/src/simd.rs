@@ -156,6 +156,47 @@ pub(crate) mod avx2 {
         /// # Safety
         /// The CPU must support AVX2.
         unsafe fn accumulate(w: &Self::Unpacked, x: &Self::Act, acc: __m256) -> __m256;
+
+        /// [`Dequantizer::accumulate`] for `R` activation rows at once (`acc` holds their `R`
+        /// accumulators), with the same arithmetic per row. A format overrides it to load each unpacked vector once for all `R` rows, so that the
+        /// rows' integer lanes, not the unpacked block, stay in registers.
+        ///
+        /// # Safety
+        /// The CPU must support AVX2.
+        #[inline]
+        #[target_feature(enable = "avx2,f16c")]
+        unsafe fn accumulate_rows<const R: usize>(
+            w: &Self::Unpacked,
+            x: [&Self::Act; R],
+            acc: &mut [__m256],
+        ) {
+            for (a, x) in acc.iter_mut().zip(x) {
+                // SAFETY: AVX2 support is the caller's contract.
+                *a = unsafe { Self::accumulate(w, x, *a) };
+            }
+        }
+    }
+
+    /// The integer lanes of `R` Q8_K activation blocks against a K-quant block unpacked into 8 groups
+    /// of 32 unsigned quants `q[g]` with the group's scale in `sc[g]`: `maddubs`, then `madd` by the
+    /// scale, summed group by group. Each unpacked vector is loaded once for all `R` rows. The format
+    /// bounds the values so that every sum is exact, so the order of summation cannot change a result.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    pub(crate) fn scaled_lanes<const R: usize>(
+        q: &[__m256i; 8],
+        sc: &[__m256i; 8],
+        x: [&crate::formats::BlockQ8K; R],
+    ) -> [__m256i; R] {
+        let mut lanes = [_mm256_setzero_si256(); R];
+        for (g, (&q, &sc)) in q.iter().zip(sc).enumerate() {
+            for (l, x) in lanes.iter_mut().zip(x) {
+                // SAFETY: `x.qs` is 256 bytes; bytes 32g .. 32g + 32 are in bounds for g < 8.
+                let y = unsafe { _mm256_loadu_si256(x.qs.as_ptr().add(32 * g).cast()) };
+                *l = _mm256_add_epi32(*l, _mm256_madd_epi16(_mm256_maddubs_epi16(q, y), sc));
+            }
+        }
+        lanes
     }
 
     /// The exact `f32` of an f16 (F16C; equal to [`crate::F16::to_f32`], which is exact too).
@@ -191,9 +232,20 @@ pub(crate) mod avx2 {
             for (b, block) in wrow.iter().enumerate() {
                 // SAFETY: AVX2 is enabled for this function (caller's contract).
                 let u = unsafe { D::unpack(block) };
-                for (a, x) in acc.iter_mut().zip(&xs) {
+                let mut r = 0;
+                while r + GROUP <= N {
                     // SAFETY: as above.
-                    *a = unsafe { D::accumulate(&u, &x[b], *a) };
+                    unsafe { group::<D, GROUP>(&u, &xs, b, r, &mut acc) };
+                    r += GROUP;
+                }
+                // SAFETY: as above.
+                unsafe {
+                    match N - r {
+                        3 => group::<D, 3>(&u, &xs, b, r, &mut acc),
+                        2 => group::<D, 2>(&u, &xs, b, r, &mut acc),
+                        1 => group::<D, 1>(&u, &xs, b, r, &mut acc),
+                        _ => {}
+                    }
                 }
             }
             for (r, a) in acc.into_iter().enumerate() {
@@ -201,6 +253,28 @@ pub(crate) mod avx2 {
                 unsafe { out.write(r, c, hsum(a)) };
             }
         }
+    }
+
+    /// Rows accumulated together against one unpacked block: their integer lanes, the unpacked
+    /// vectors and a temporary fit the 16 `ymm` registers.
+    const GROUP: usize = 4;
+
+    /// Rows `r .. r + G` of block `b` through [`Dequantizer::accumulate_rows`].
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and F16C; `r + G ≤ N`.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn group<D: Dequantizer, const G: usize>(
+        u: &D::Unpacked,
+        xs: &[&[D::Act]],
+        b: usize,
+        r: usize,
+        acc: &mut [__m256],
+    ) {
+        let x: [&D::Act; G] = std::array::from_fn(|i| &xs[r + i][b]);
+        // SAFETY: AVX2 support is the caller's contract.
+        unsafe { D::accumulate_rows::<G>(u, x, &mut acc[r..r + G]) };
     }
 
     /// Runs one pass (1 ..= [`super::MAX_PASS_ROWS`] activation rows) with the row count as a constant,

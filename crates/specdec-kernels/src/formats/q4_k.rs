@@ -120,7 +120,7 @@ pub fn dot_q4_k_q8_k(w: &[BlockQ4K], x: &[BlockQ8K]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
     use super::{BlockQ4K, BlockQ8K};
-    use crate::simd::avx2::{f16_to_f32, Dequantizer};
+    use crate::simd::avx2::{f16_to_f32, scaled_lanes, Dequantizer};
     use std::arch::x86_64::*;
 
     pub(crate) struct Q4K;
@@ -197,19 +197,29 @@ pub(crate) mod avx2 {
         #[inline]
         #[target_feature(enable = "avx2,f16c")]
         unsafe fn accumulate(w: &Unpacked, x: &BlockQ8K, acc: __m256) -> __m256 {
-            let mut lanes = _mm256_setzero_si256();
-            for s in 0..8 {
-                // SAFETY: `x.qs` is 256 bytes; bytes 32s .. 32s + 32 are in bounds for s < 8.
-                let y = unsafe { _mm256_loadu_si256(x.qs.as_ptr().add(32 * s).cast()) };
-                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(w.q[s], y), w.sc[s]);
-                lanes = _mm256_add_epi32(lanes, p);
+            let mut acc = [acc];
+            // SAFETY: AVX2 support is the caller's contract.
+            unsafe { Self::accumulate_rows::<1>(w, [x], &mut acc) };
+            acc[0]
+        }
+
+        /// Sub-block by sub-block through [`scaled_lanes`], then each row's float arithmetic.
+        #[inline]
+        #[target_feature(enable = "avx2,f16c")]
+        unsafe fn accumulate_rows<const R: usize>(
+            w: &Unpacked,
+            x: [&BlockQ8K; R],
+            acc: &mut [__m256],
+        ) {
+            let lanes = scaled_lanes(&w.q, &w.sc, x);
+            for ((a, l), x) in acc.iter_mut().zip(lanes).zip(x) {
+                // SAFETY: `x.bsums` is 16 `i16`, 32 bytes.
+                let bsums = unsafe { _mm256_loadu_si256(x.bsums.as_ptr().cast()) };
+                let mins = _mm256_madd_epi16(w.mins, bsums);
+                let scaled = _mm256_mul_ps(_mm256_set1_ps(w.d * x.d), _mm256_cvtepi32_ps(l));
+                let offset = _mm256_mul_ps(_mm256_set1_ps(w.dmin * x.d), _mm256_cvtepi32_ps(mins));
+                *a = _mm256_sub_ps(_mm256_add_ps(*a, scaled), offset);
             }
-            // SAFETY: `x.bsums` is 16 `i16`, 32 bytes.
-            let bsums = unsafe { _mm256_loadu_si256(x.bsums.as_ptr().cast()) };
-            let mins = _mm256_madd_epi16(w.mins, bsums);
-            let scaled = _mm256_mul_ps(_mm256_set1_ps(w.d * x.d), _mm256_cvtepi32_ps(lanes));
-            let offset = _mm256_mul_ps(_mm256_set1_ps(w.dmin * x.d), _mm256_cvtepi32_ps(mins));
-            _mm256_sub_ps(_mm256_add_ps(acc, scaled), offset)
         }
     }
 }

@@ -110,7 +110,7 @@ pub fn dot_q6_k_q8_k(w: &[BlockQ6K], x: &[BlockQ8K]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
     use super::{BlockQ6K, BlockQ8K};
-    use crate::simd::avx2::{f16_to_f32, Dequantizer};
+    use crate::simd::avx2::{f16_to_f32, scaled_lanes, Dequantizer};
     use std::arch::x86_64::*;
 
     pub(crate) struct Q6K;
@@ -195,21 +195,31 @@ pub(crate) mod avx2 {
         #[inline]
         #[target_feature(enable = "avx2,f16c")]
         unsafe fn accumulate(w: &Unpacked, x: &BlockQ8K, acc: __m256) -> __m256 {
-            let mut lanes = _mm256_setzero_si256();
-            for g in 0..8 {
-                // SAFETY: `x.qs` is 256 bytes; bytes 32g .. 32g + 32 are in bounds for g < 8.
-                let y = unsafe { _mm256_loadu_si256(x.qs.as_ptr().add(32 * g).cast()) };
-                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(w.q[g], y), w.sc[g]);
-                lanes = _mm256_add_epi32(lanes, p);
+            let mut acc = [acc];
+            // SAFETY: AVX2 support is the caller's contract.
+            unsafe { Self::accumulate_rows::<1>(w, [x], &mut acc) };
+            acc[0]
+        }
+
+        /// Group by group through [`scaled_lanes`], then each row's float arithmetic.
+        #[inline]
+        #[target_feature(enable = "avx2,f16c")]
+        unsafe fn accumulate_rows<const R: usize>(
+            w: &Unpacked,
+            x: [&BlockQ8K; R],
+            acc: &mut [__m256],
+        ) {
+            let lanes = scaled_lanes(&w.q, &w.sc, x);
+            for ((a, l), x) in acc.iter_mut().zip(lanes).zip(x) {
+                // SAFETY: `x.bsums` is 16 `i16`, 32 bytes.
+                let bsums = unsafe { _mm256_loadu_si256(x.bsums.as_ptr().cast()) };
+                let offset = _mm256_slli_epi32(_mm256_madd_epi16(w.scales, bsums), 5);
+                let l = _mm256_sub_epi32(l, offset);
+                *a = _mm256_add_ps(
+                    *a,
+                    _mm256_mul_ps(_mm256_set1_ps(w.d * x.d), _mm256_cvtepi32_ps(l)),
+                );
             }
-            // SAFETY: `x.bsums` is 16 `i16`, 32 bytes.
-            let bsums = unsafe { _mm256_loadu_si256(x.bsums.as_ptr().cast()) };
-            let offset = _mm256_slli_epi32(_mm256_madd_epi16(w.scales, bsums), 5);
-            let lanes = _mm256_sub_epi32(lanes, offset);
-            _mm256_add_ps(
-                acc,
-                _mm256_mul_ps(_mm256_set1_ps(w.d * x.d), _mm256_cvtepi32_ps(lanes)),
-            )
         }
     }
 }

@@ -158,8 +158,9 @@ pub(crate) mod avx2 {
         unsafe fn accumulate(w: &Self::Unpacked, x: &Self::Act, acc: __m256) -> __m256;
 
         /// [`Dequantizer::accumulate`] for `R` activation rows at once (`acc` holds their `R`
-        /// accumulators), with the same arithmetic per row. A format overrides it to load each unpacked vector once for all `R` rows, so that the
-        /// rows' integer lanes, not the unpacked block, stay in registers.
+        /// accumulators), with the same arithmetic per row. A format overrides it to load each
+        /// unpacked vector once for all `R` rows, so that the rows' integer lanes, not the unpacked
+        /// block, stay in registers.
         ///
         /// # Safety
         /// The CPU must support AVX2.

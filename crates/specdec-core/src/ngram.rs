@@ -87,7 +87,7 @@ pub struct HybridDrafter<D> {
 /// expected tokens per target step is `lookup_rate` (from [`LookupDrafter::propose_one`]).
 pub fn prefer_model(req: &DraftRequest<'_>, lookup: &Proposal, lookup_rate: f64) -> bool {
     match req.costs {
-        Some(c) => c.model_len > 0 && c.model_rate > lookup_rate,
+        Some(c) => c.model_len > 0 && c.model_rate > lookup_rate * c.lookup_factor,
         None => lookup.tokens.is_empty(),
     }
 }

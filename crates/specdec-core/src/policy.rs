@@ -198,6 +198,8 @@ impl DraftLenPolicy {
             idle_probes: 0,
             last_choice: None,
             costs: None,
+            realised_model: Realised::default(),
+            realised_lookup: Realised::default(),
         }
     }
 }
@@ -229,6 +231,48 @@ pub struct Controller {
     idle_probes: u8,
     last_choice: Option<Choice>,
     costs: Option<RoundCosts>,
+    /// How model drafts and lookup drafts have done against their predictions.
+    realised_model: Realised,
+    realised_lookup: Realised,
+}
+
+/// How one kind of draft (model or lookup) has done against the cost model's prediction for it:
+/// tokens against expected tokens, and time in target steps against the predicted time. What the
+/// predictions leave out shows here: a model drafter catching up on the tokens of the lookup rounds
+/// it missed, acceptance that its per-position estimates overrate. Decayed sums behind a prior of
+/// [`REALISED_PRIOR`] on each side, so the factor starts at 1.
+#[derive(Clone, Copy, Debug, Default)]
+struct Realised {
+    tokens: f64,
+    expected: f64,
+    steps: f64,
+    predicted: f64,
+}
+
+/// Pseudo-tokens and pseudo-steps behind a realised factor of 1.
+const REALISED_PRIOR: f64 = 4.0;
+
+impl Realised {
+    fn record(&mut self, tokens: f64, expected: f64, steps: f64, predicted: f64) {
+        for v in [
+            &mut self.tokens,
+            &mut self.expected,
+            &mut self.steps,
+            &mut self.predicted,
+        ] {
+            *v *= DECAY;
+        }
+        self.tokens += tokens;
+        self.expected += expected;
+        self.steps += steps;
+        self.predicted += predicted;
+    }
+
+    /// Realised tokens per step over predicted tokens per step (1 before any round).
+    fn factor(&self) -> f64 {
+        let p = REALISED_PRIOR;
+        ((self.tokens + p) / (self.expected + p)) * ((self.predicted + p) / (self.steps + p))
+    }
 }
 
 /// What the cost model chose and why.
@@ -394,7 +438,14 @@ impl Controller {
                 costs.draft_fixed = profile.fixed;
                 costs.draft_per_token = profile.c;
                 costs.model_len = k;
-                costs.model_rate = rate(k);
+                // Drafting with the model is weighed against a lookup draft at both kinds' realised
+                // rates: the predictions' blind spots differ between them.
+                costs.model_rate = if k > 0 {
+                    rate(k) * self.realised_model.factor()
+                } else {
+                    rate(0)
+                };
+                costs.lookup_factor = self.realised_lookup.factor();
                 self.costs = Some(costs);
                 k
             }
@@ -474,6 +525,7 @@ impl Controller {
 
     fn observe_inner(&mut self, round: &Round, timed: bool) {
         self.rounds += 1;
+        self.observe_realised(round, timed);
         // Per-position acceptance of model drafts, whatever the policy (it also gives each round's
         // expected tokens for the predicted speedup); a lookup draft's acceptance is its own.
         if !round.lookup {
@@ -531,6 +583,28 @@ impl Controller {
                 self.push_verify_time(round, timed);
             }
         }
+    }
+
+    /// Compares a timed drafting round with the plan [`Controller::next_draft_len`] made for it. Its
+    /// time in target steps is `r(m)` scaled by its measured draft-plus-verify over verify seconds, so
+    /// that the target's own speed drifting cancels out.
+    fn observe_realised(&mut self, round: &Round, timed: bool) {
+        let Some(costs) = &self.costs else {
+            return;
+        };
+        if !timed || round.drafted == 0 || round.verify_secs <= 0.0 || round.expected <= 0.0 {
+            return;
+        }
+        let r = costs.r(round.verified);
+        let steps = r * (round.draft_secs + round.verify_secs) / round.verify_secs;
+        let (realised, predicted) = if round.lookup {
+            (&mut self.realised_lookup, r)
+        } else {
+            let draft = costs.draft_fixed + round.drafted as f64 * costs.draft_per_token;
+            (&mut self.realised_model, r + draft)
+        };
+        let tokens = (round.accepted + 1) as f64;
+        realised.record(tokens, round.expected, steps, predicted);
     }
 
     fn push_verify_time(&mut self, round: &Round, timed: bool) {
@@ -636,7 +710,7 @@ fn curve_r(r: &[f64], m: usize) -> f64 {
 
 /// The cost model's view of one round, handed to drafters in [`crate::DraftRequest::costs`]; every
 /// cost is in units of one target step on one token.
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct RoundCosts {
     /// `r(m)`, the target's cost of scoring `m` tokens in one pass, for `m = 1..=r.len()`.
     pub r: Vec<f64>,
@@ -646,8 +720,25 @@ pub struct RoundCosts {
     pub draft_per_token: f64,
     /// The model draft length the cost model chose for this round (0: a model draft does not pay).
     pub model_len: usize,
-    /// Expected tokens per target step with that model draft (`1 / r(1)` at length 0).
+    /// Expected tokens per target step with that model draft (`1 / r(1)` at length 0), scaled by
+    /// how the model's drafts have realised their predictions so far.
     pub model_rate: f64,
+    /// How lookup drafts have realised their predicted tokens per step so far (1 without rounds): a
+    /// lookup draft's predicted rate times this is comparable with `model_rate`.
+    pub lookup_factor: f64,
+}
+
+impl Default for RoundCosts {
+    fn default() -> Self {
+        Self {
+            r: Vec::new(),
+            draft_fixed: 0.0,
+            draft_per_token: 0.0,
+            model_len: 0,
+            model_rate: 0.0,
+            lookup_factor: 1.0,
+        }
+    }
 }
 
 impl RoundCosts {
@@ -827,6 +918,70 @@ mod tests {
         );
         let choice = c.last_choice().unwrap();
         assert!(choice.draft_len >= 2, "{choice:?}");
+    }
+
+    /// Model drafts that take longer than predicted (a drafter catching up on the lookup rounds it
+    /// missed) lower the model's rate that a hybrid weighs; lookup drafts are scaled by how they
+    /// realised their own predictions.
+    #[test]
+    fn realised_rates_correct_the_predictions() {
+        let fixed = FixedCost {
+            c: 0.2,
+            draft_fixed: 0.0,
+            r: (1..=17).map(|m| 1.0 + 0.1 * (m - 1) as f64).collect(),
+        };
+        let p = DraftLenPolicy::CostModel {
+            max: 4,
+            cost: Some(fixed.clone()),
+            probe_every: 1000,
+            prior: None,
+        };
+        let mut c = p.controller();
+        let ms = 1e-3;
+        for _ in 0..60 {
+            let k = c.next_draft_len();
+            assert!(k > 0);
+            let costs = c.costs().unwrap().clone();
+            assert_eq!(costs.lookup_factor, 1.0);
+            // Model drafts realise their expected tokens but draft at three times the predicted cost.
+            c.observe(&Round {
+                drafted: k,
+                accepted: k,
+                emitted: k + 1,
+                draft_secs: 3.0 * fixed.c * k as f64 * ms,
+                verify_secs: fixed.r(k + 1) * ms,
+                verified: k + 1,
+                lookup: false,
+                expected: (k + 1) as f64,
+            });
+        }
+        let k = c.next_draft_len();
+        let costs = c.costs().unwrap().clone();
+        let predicted = expected_tokens(&c.acceptance(k)) / (k as f64 * fixed.c + fixed.r(k + 1));
+        let factor = costs.model_rate / predicted;
+        let expected =
+            (fixed.r(k + 1) + fixed.c * k as f64) / (fixed.r(k + 1) + 3.0 * fixed.c * k as f64);
+        assert!(
+            (factor - expected).abs() < 0.1,
+            "factor {factor}, expected about {expected}"
+        );
+        // Lookup drafts that emit half the tokens their confidence promised.
+        for _ in 0..60 {
+            c.next_draft_len();
+            c.observe(&Round {
+                drafted: 4,
+                accepted: 1,
+                emitted: 2,
+                draft_secs: 0.0,
+                verify_secs: fixed.r(5) * ms,
+                verified: 5,
+                lookup: true,
+                expected: 4.0,
+            });
+        }
+        c.next_draft_len();
+        let lookup = c.costs().unwrap().lookup_factor;
+        assert!((lookup - 0.5).abs() < 0.1, "lookup factor {lookup}");
     }
 
     #[test]

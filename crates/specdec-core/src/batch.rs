@@ -602,6 +602,7 @@ impl Sequence {
         emitted.push(next);
         let drafted = draft.tokens.len();
         let lookup = !draft.confidence.is_empty();
+        let (extension, lag) = (draft.extension, draft.lag);
         // What the round was expected to yield, before its verdict.
         let expected = if lookup {
             let mut reach = 1.0;
@@ -627,6 +628,8 @@ impl Sequence {
             verified: m,
             lookup,
             expected,
+            extension,
+            lag,
         };
         self.output.metrics.record(&round);
         if timed {
@@ -747,6 +750,14 @@ fn check_proposal(p: &Proposal, k: usize, vocab: usize) -> Result<()> {
             what: "confidence estimates (none, or one per drafted token)",
             expected: p.tokens.len(),
             got: p.confidence.len(),
+        });
+    }
+    if p.extension > p.tokens.len() || (p.extension > 0 && p.confidence.is_empty()) {
+        return Err(Error::ShapeMismatch {
+            side: Side::Draft,
+            what: "model-extended tokens (at most the drafted tokens, after a lookup draft)",
+            expected: p.tokens.len(),
+            got: p.extension,
         });
     }
     for (&token, q) in p.tokens.iter().zip(&p.probs) {

@@ -79,7 +79,7 @@ pub use error::{Error, Result, Side};
 pub use lookup::{LookupConfig, LookupDrafter};
 pub use metrics::{CostProfile, Metrics, Round};
 pub use model::{Draft, DraftRequest, Logits, NoDraft, Proposal, Score, SeqId, Target};
-pub use ngram::{prefer_model, HybridDrafter, NGramDrafter};
+pub use ngram::{draft_planned, plan_hybrid, HybridDrafter, HybridPlan, ModelLag, NGramDrafter};
 pub use policy::{
     best_draft_len, best_draft_len_with, Controller, DraftLenPolicy, FixedCost, RoundCosts,
 };

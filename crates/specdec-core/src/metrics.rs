@@ -25,6 +25,11 @@ pub struct Round {
     /// confidence estimates, or the controller's per-position acceptance for a model draft; 0 when
     /// unknown.
     pub expected: f64,
+    /// Of the drafted tokens, how many a model drafted to extend a lookup draft (then `lookup` holds
+    /// too); 0 otherwise.
+    pub extension: usize,
+    /// The model's catch-up before drafting ([`crate::Proposal::lag`]).
+    pub lag: usize,
 }
 
 /// Acceptance at one draft position.
@@ -77,6 +82,9 @@ pub struct Metrics {
     /// The sum of the rounds' expected tokens ([`Round::expected`]).
     #[serde(default)]
     pub expected: f64,
+    /// Rounds whose lookup draft a model extended.
+    #[serde(default)]
+    pub extended_rounds: u64,
 }
 
 impl Metrics {
@@ -89,6 +97,7 @@ impl Metrics {
         self.draft_secs += r.draft_secs;
         self.verify_secs += r.verify_secs;
         self.expected += r.expected;
+        self.extended_rounds += u64::from(r.extension > 0);
         grow(&mut self.rounds_by_draft_len, r.drafted + 1);
         self.rounds_by_draft_len[r.drafted] += 1;
         grow(&mut self.per_position, r.drafted);
@@ -280,6 +289,8 @@ mod tests {
             verified: drafted + 1,
             lookup: false,
             expected: 0.0,
+            extension: 0,
+            lag: 0,
         };
         let mut m = Metrics::default();
         m.record(&round(4, 4, 0.04, 0.2));
@@ -356,6 +367,8 @@ mod tests {
             verified: 3,
             lookup: false,
             expected: 0.0,
+            extension: 0,
+            lag: 0,
         });
         let s = serde_json::to_string(&m).unwrap();
         let back: Metrics = serde_json::from_str(&s).unwrap();

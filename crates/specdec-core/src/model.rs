@@ -181,6 +181,12 @@ pub struct Proposal {
     /// (a model drafter). A proposal with estimates is a lookup draft: the cost model keeps its
     /// acceptance apart from the model draft's.
     pub confidence: Vec<f32>,
+    /// How many of the last tokens a model drafted to extend a lookup draft (0 for a lookup draft or
+    /// a model draft alone). Their `confidence` entries are the cost model's acceptance estimates.
+    pub extension: usize,
+    /// For a draft a model made (alone or extending a lookup draft): the committed tokens it had not
+    /// read before this round and read first (its catch-up); 0 otherwise.
+    pub lag: usize,
 }
 
 impl Proposal {
@@ -189,10 +195,14 @@ impl Proposal {
         self.tokens.clear();
         self.probs.clear();
         self.confidence.clear();
+        self.extension = 0;
+        self.lag = 0;
     }
 
     /// Keeps the first `len` tokens.
     pub fn truncate(&mut self, len: usize) {
+        let cut = self.tokens.len().saturating_sub(len);
+        self.extension = self.extension.saturating_sub(cut);
         self.tokens.truncate(len);
         self.probs.truncate(len);
         self.confidence.truncate(len);

@@ -3,8 +3,10 @@
 
 use crate::lookup::LookupDrafter;
 use crate::model::{Draft, DraftRequest, Proposal, SeqId};
+use crate::policy::PAY_MARGIN;
 use crate::sampling::Probs;
 use crate::TokenId;
+use std::collections::HashMap;
 
 /// Prompt lookup (n-gram) drafting: find the most recent earlier occurrence of the context's last `n`
 /// tokens, for `n` from `max_n` down to `min_n`, and propose the tokens that followed it, one-hot.
@@ -71,25 +73,195 @@ impl Draft for NGramDrafter {
     }
 }
 
-/// Lookup or a model draft, whichever pays more this round. With a cost model
-/// ([`DraftRequest::costs`]) the lookup draft's expected tokens per unit of time (from its own
-/// acceptance estimates) is weighed against the model draft's ([`crate::RoundCosts::model_rate`]);
-/// without one, lookup drafts when it finds a match and the model otherwise.
+/// Lookup, a model draft, or the lookup draft extended by the model, whichever pays more this round
+/// ([`plan_hybrid`]).
 #[derive(Debug)]
 pub struct HybridDrafter<D> {
     /// The lookup drafter.
     pub lookup: LookupDrafter,
     /// The model drafter.
     pub model: D,
+    lag: ModelLag,
 }
 
-/// Whether a hybrid should draft with the model rather than use the lookup draft `lookup` whose
-/// expected tokens per target step is `lookup_rate` (from [`LookupDrafter::propose_one`]).
-pub fn prefer_model(req: &DraftRequest<'_>, lookup: &Proposal, lookup_rate: f64) -> bool {
-    match req.costs {
-        Some(c) => c.model_len > 0 && c.model_rate > lookup_rate * c.lookup_factor,
-        None => lookup.tokens.is_empty(),
+impl<D> HybridDrafter<D> {
+    /// Drafts with `lookup` and `model`.
+    pub fn new(lookup: LookupDrafter, model: D) -> Self {
+        Self {
+            lookup,
+            model,
+            lag: ModelLag::default(),
+        }
     }
+}
+
+/// What a hybrid's model has read of each sequence, so that a model draft can be priced with the
+/// catch-up it pays after lookup rounds ([`crate::Proposal::lag`]).
+#[derive(Debug, Default)]
+pub struct ModelLag {
+    /// Per sequence: the context length the model last drafted from, and the tokens it then drafted
+    /// (all but the last of which it read).
+    read: HashMap<SeqId, (usize, Vec<TokenId>)>,
+}
+
+impl ModelLag {
+    /// The model has read the first `len` tokens of the sequence.
+    pub fn prefill(&mut self, seq: SeqId, len: usize) {
+        self.read.insert(seq, (len, Vec::new()));
+    }
+
+    /// How many tokens of `context` the model has not read (all of them for an unknown sequence).
+    pub fn lag(&self, seq: SeqId, context: &[TokenId]) -> usize {
+        let Some((len, drafted)) = self.read.get(&seq) else {
+            return context.len();
+        };
+        let fed = &drafted[..drafted.len().saturating_sub(1)];
+        let kept = context
+            .get(*len..)
+            .unwrap_or_default()
+            .iter()
+            .zip(fed)
+            .take_while(|(a, b)| a == b)
+            .count();
+        context.len().saturating_sub(len + kept)
+    }
+
+    /// The model drafted `drafted` after the first `len` tokens of the sequence.
+    fn drafted(&mut self, seq: SeqId, len: usize, drafted: &[TokenId]) {
+        let entry = self.read.entry(seq).or_default();
+        entry.0 = len;
+        entry.1.clear();
+        entry.1.extend_from_slice(drafted);
+    }
+
+    /// The sequence is finished.
+    pub fn release(&mut self, seq: SeqId) {
+        self.read.remove(&seq);
+    }
+}
+
+/// What a hybrid drafts in one round.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HybridPlan {
+    /// The lookup draft as it is (when empty: no drafting).
+    Lookup,
+    /// A model draft of [`DraftRequest::model_len`] tokens instead.
+    Model,
+    /// The lookup draft, extended by this many tokens the model drafts after it.
+    Extend(usize),
+}
+
+/// The plan with the most expected tokens per unit of time, after the lookup proposed `lookup` at
+/// `lookup_rate` expected tokens per target step ([`LookupDrafter::propose_one`]). With a cost model
+/// ([`DraftRequest::costs`]) each option is priced at its realised rate: the model draft at
+/// [`RoundCosts::model_rate`], the lookup draft times [`RoundCosts::lookup_factor`], an extension
+/// from [`RoundCosts::best_extension`] times [`RoundCosts::extended_factor`]. The lookup draft is
+/// free to make, so an option that calls the model must beat it by [`PAY_MARGIN`]. The model options
+/// include reading the `lag` committed tokens the model has not read ([`ModelLag::lag`]). Without a
+/// cost model: the lookup draft when there is one, else the model.
+///
+/// [`RoundCosts::model_rate`]: crate::RoundCosts::model_rate
+/// [`RoundCosts::lookup_factor`]: crate::RoundCosts::lookup_factor
+/// [`RoundCosts::best_extension`]: crate::RoundCosts::best_extension
+/// [`RoundCosts::extended_factor`]: crate::RoundCosts::extended_factor
+pub fn plan_hybrid(
+    req: &DraftRequest<'_>,
+    lookup: &Proposal,
+    lookup_rate: f64,
+    lag: usize,
+) -> HybridPlan {
+    let Some(c) = req.costs else {
+        return if lookup.tokens.is_empty() {
+            HybridPlan::Model
+        } else {
+            HybridPlan::Lookup
+        };
+    };
+    let (mut plan, mut best) = (HybridPlan::Lookup, lookup_rate * c.lookup_factor);
+    // The lookup draft costs nothing to make; a model call must beat it by the margin.
+    let bar = best * (1.0 + PAY_MARGIN);
+    let model_rate = c.model_rate_after(lag);
+    if c.model_len > 0 && model_rate > bar {
+        (plan, best) = (HybridPlan::Model, model_rate);
+    }
+    if let Some((k, rate)) = c.best_extension(&lookup.confidence, req.max_len, lag) {
+        let rate = rate * c.extended_factor;
+        if rate > bar && rate > best {
+            plan = HybridPlan::Extend(k);
+        }
+    }
+    plan
+}
+
+/// Runs `model` for the rounds whose plan needs it: a [`HybridPlan::Model`] draft replaces `out[b]`;
+/// a [`HybridPlan::Extend`] draft continues the lookup draft in `out[b]`, drafted from the context
+/// followed by that draft, each model token's confidence being the cost model's acceptance estimate
+/// for its position. One model call serves the whole batch; `lag` learns what the model read.
+pub fn draft_planned<D: Draft>(
+    model: &mut D,
+    lag: &mut ModelLag,
+    batch: &[DraftRequest<'_>],
+    out: &mut [Proposal],
+    plans: &[HybridPlan],
+) -> Result<(), D::Error> {
+    let picked: Vec<usize> = (0..batch.len())
+        .filter(|&b| plans[b] != HybridPlan::Lookup)
+        .collect();
+    if picked.is_empty() {
+        return Ok(());
+    }
+    let contexts: Vec<Vec<TokenId>> = picked
+        .iter()
+        .map(|&b| match plans[b] {
+            HybridPlan::Extend(_) => [batch[b].context, &out[b].tokens].concat(),
+            _ => Vec::new(),
+        })
+        .collect();
+    let requests: Vec<DraftRequest<'_>> = picked
+        .iter()
+        .zip(&contexts)
+        .map(|(&b, context)| match plans[b] {
+            HybridPlan::Extend(k) => DraftRequest {
+                context,
+                max_len: k,
+                costs: None,
+                ..batch[b]
+            },
+            _ => batch[b],
+        })
+        .collect();
+    let mut proposals: Vec<Proposal> = picked
+        .iter()
+        .map(|&b| match plans[b] {
+            HybridPlan::Model => std::mem::take(&mut out[b]),
+            _ => Proposal::default(),
+        })
+        .collect();
+    let lags: Vec<usize> = picked
+        .iter()
+        .map(|&b| lag.lag(batch[b].seq, batch[b].context))
+        .collect();
+    let r = model.propose(&requests, &mut proposals);
+    for ((&b, mut p), behind) in picked.iter().zip(proposals).zip(lags) {
+        let req = &batch[b];
+        if let HybridPlan::Extend(_) = plans[b] {
+            let acceptance = batch[b].costs.map_or(&[][..], |c| &c.model_acceptance[..]);
+            let out = &mut out[b];
+            out.extension = p.tokens.len();
+            out.lag = behind;
+            for (i, (token, q)) in p.tokens.into_iter().zip(p.probs).enumerate() {
+                out.push(token, q);
+                out.confidence
+                    .push(acceptance.get(i).copied().unwrap_or(0.0) as f32);
+            }
+            lag.drafted(req.seq, req.context.len(), &out.tokens);
+        } else {
+            p.lag = behind;
+            lag.drafted(req.seq, req.context.len(), &p.tokens);
+            out[b] = p;
+        }
+    }
+    r
 }
 
 impl<D: Draft> Draft for HybridDrafter<D> {
@@ -104,26 +276,15 @@ impl<D: Draft> Draft for HybridDrafter<D> {
         batch: &[DraftRequest<'_>],
         out: &mut [Proposal],
     ) -> Result<(), Self::Error> {
-        let mut fallback = Vec::new();
-        for (b, (req, out)) in batch.iter().zip(out.iter_mut()).enumerate() {
-            let rate = self.lookup.propose_one(req, out);
-            if prefer_model(req, out, rate) {
-                fallback.push(b);
-            }
-        }
-        if fallback.is_empty() {
-            return Ok(());
-        }
-        let requests: Vec<DraftRequest<'_>> = fallback.iter().map(|&b| batch[b]).collect();
-        let mut proposals: Vec<Proposal> = fallback
+        let plans: Vec<HybridPlan> = batch
             .iter()
-            .map(|&b| std::mem::take(&mut out[b]))
+            .zip(out.iter_mut())
+            .map(|(req, out)| {
+                let rate = self.lookup.propose_one(req, out);
+                plan_hybrid(req, out, rate, self.lag.lag(req.seq, req.context))
+            })
             .collect();
-        let r = self.model.propose(&requests, &mut proposals);
-        for (&b, p) in fallback.iter().zip(proposals) {
-            out[b] = p;
-        }
-        r
+        draft_planned(&mut self.model, &mut self.lag, batch, out, &plans)
     }
 
     fn commit(&mut self, seq: SeqId, committed: &[TokenId]) -> Result<(), Self::Error> {
@@ -136,11 +297,13 @@ impl<D: Draft> Draft for HybridDrafter<D> {
     /// drafter reads it lazily instead, where a sequence that never drafts with the model is common.)
     fn prefill(&mut self, seq: SeqId, context: &[TokenId]) -> Result<(), Self::Error> {
         let Ok(()) = self.lookup.prefill(seq, context);
+        self.lag.prefill(seq, context.len());
         self.model.prefill(seq, context)
     }
 
     fn release(&mut self, seq: SeqId) {
         self.lookup.release(seq);
+        self.lag.release(seq);
         self.model.release(seq);
     }
 }
@@ -148,6 +311,76 @@ impl<D: Draft> Draft for HybridDrafter<D> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::{CounterRng, RoundCosts, SamplingParams};
+
+    #[test]
+    fn the_hybrid_plans_by_realised_rates() {
+        let sampling = SamplingParams::greedy();
+        let costs = RoundCosts {
+            r: (1..=17).map(|m| 1.0 + 0.1 * (m - 1) as f64).collect(),
+            draft_per_token: 0.05,
+            model_len: 4,
+            model_rate: 1.2,
+            model_acceptance: vec![0.9; 4],
+            ..RoundCosts::default()
+        };
+        let request = |costs| DraftRequest {
+            seq: SeqId(0),
+            context: &[1, 2, 3],
+            max_len: 8,
+            sampling: &sampling,
+            rng: CounterRng::new(0),
+            min_confidence: 0.0,
+            costs,
+        };
+        let mut lookup = Proposal::default();
+        // Without a cost model: the model when the lookup has nothing, else the lookup.
+        assert_eq!(
+            plan_hybrid(&request(None), &lookup, f64::NAN, 0),
+            HybridPlan::Model
+        );
+        lookup.push(7, Probs::OneHot(7));
+        lookup.push(8, Probs::OneHot(8));
+        lookup.confidence = vec![0.9, 0.9];
+        assert_eq!(
+            plan_hybrid(&request(None), &lookup, f64::NAN, 0),
+            HybridPlan::Lookup
+        );
+        // A confident lookup draft and a cheap model: extend it.
+        let (_, rate) = costs.best_free_len(&lookup.confidence);
+        let plan = plan_hybrid(&request(Some(&costs)), &lookup, rate, 1);
+        assert!(matches!(plan, HybridPlan::Extend(k) if k >= 1), "{plan:?}");
+        // Extensions that realised a third of their prediction: the lookup draft alone.
+        let disappointing = RoundCosts {
+            extended_factor: 0.3,
+            ..costs.clone()
+        };
+        let plan = plan_hybrid(&request(Some(&disappointing)), &lookup, rate, 1);
+        assert_eq!(plan, HybridPlan::Lookup);
+        // No lookup draft: the model draft beats plain decoding.
+        let plan = plan_hybrid(&request(Some(&costs)), &Proposal::default(), 1.0, 1);
+        assert_eq!(plan, HybridPlan::Model);
+        // ... unless the model must first read 200 tokens it missed.
+        let plan = plan_hybrid(&request(Some(&costs)), &Proposal::default(), 1.0, 200);
+        assert_eq!(plan, HybridPlan::Lookup);
+    }
+
+    #[test]
+    fn the_model_lag_counts_what_the_model_has_not_read() {
+        let mut lag = ModelLag::default();
+        let seq = SeqId(3);
+        assert_eq!(lag.lag(seq, &[1, 2, 3]), 3);
+        lag.prefill(seq, 3);
+        assert_eq!(lag.lag(seq, &[1, 2, 3]), 0);
+        assert_eq!(lag.lag(seq, &[1, 2, 3, 4, 5]), 2);
+        // It drafted 7 8 9 after 1 2 3 4 and read 7 8: two accepted, then a correction.
+        lag.drafted(seq, 4, &[7, 8, 9]);
+        assert_eq!(lag.lag(seq, &[1, 2, 3, 4, 7, 8, 6]), 1);
+        // The first rejected: it must read from there.
+        assert_eq!(lag.lag(seq, &[1, 2, 3, 4, 5, 6]), 2);
+        lag.release(seq);
+        assert_eq!(lag.lag(seq, &[1]), 1);
+    }
 
     #[test]
     fn lookup_finds_the_most_recent_longest_match() {

@@ -200,6 +200,7 @@ impl DraftLenPolicy {
             costs: None,
             realised_model: Realised::default(),
             realised_lookup: Realised::default(),
+            realised_extended: Realised::default(),
         }
     }
 }
@@ -234,6 +235,7 @@ pub struct Controller {
     /// How model drafts and lookup drafts have done against their predictions.
     realised_model: Realised,
     realised_lookup: Realised,
+    realised_extended: Realised,
 }
 
 /// How one kind of draft (model or lookup) has done against the cost model's prediction for it:
@@ -268,10 +270,16 @@ impl Realised {
         self.predicted += predicted;
     }
 
-    /// Realised tokens per step over predicted tokens per step (1 before any round).
-    fn factor(&self) -> f64 {
+    /// Realised tokens per step over predicted tokens per step (1 before any round); with `timed`
+    /// false, tokens only (the costs were given, not measured).
+    fn factor(&self, timed: bool) -> f64 {
         let p = REALISED_PRIOR;
-        ((self.tokens + p) / (self.expected + p)) * ((self.predicted + p) / (self.steps + p))
+        let tokens = (self.tokens + p) / (self.expected + p);
+        if timed {
+            tokens * (self.predicted + p) / (self.steps + p)
+        } else {
+            tokens
+        }
     }
 }
 
@@ -440,12 +448,22 @@ impl Controller {
                 costs.model_len = k;
                 // Drafting with the model is weighed against a lookup draft at both kinds' realised
                 // rates: the predictions' blind spots differ between them.
+                // Fixed costs are taken as given: only the tokens are corrected.
+                let timed = cost.is_none();
                 costs.model_rate = if k > 0 {
-                    rate(k) * self.realised_model.factor()
+                    rate(k) * self.realised_model.factor(timed)
                 } else {
                     rate(0)
                 };
-                costs.lookup_factor = self.realised_lookup.factor();
+                costs.model_steps = if k > 0 {
+                    profile.fixed + k as f64 * profile.c + profile.r(k + 1)
+                } else {
+                    profile.r(1)
+                };
+                costs.lookup_factor = self.realised_lookup.factor(timed);
+                costs.extended_factor = self.realised_extended.factor(timed);
+                costs.model_acceptance.clear();
+                costs.model_acceptance.extend_from_slice(&acceptance);
                 self.costs = Some(costs);
                 k
             }
@@ -597,10 +615,16 @@ impl Controller {
         }
         let r = costs.r(round.verified);
         let steps = r * (round.draft_secs + round.verify_secs) / round.verify_secs;
-        let (realised, predicted) = if round.lookup {
+        let (realised, predicted) = if round.extension > 0 {
+            let lookup_len = round.drafted - round.extension.min(round.drafted);
+            let draft = costs.extension_draft_cost(round.lag, lookup_len, round.extension);
+            (&mut self.realised_extended, r + draft)
+        } else if round.lookup {
             (&mut self.realised_lookup, r)
         } else {
-            let draft = costs.draft_fixed + round.drafted as f64 * costs.draft_per_token;
+            let draft = costs.draft_fixed
+                + round.drafted as f64 * costs.draft_per_token
+                + costs.catch_up(round.lag);
             (&mut self.realised_model, r + draft)
         };
         let tokens = (round.accepted + 1) as f64;
@@ -721,11 +745,18 @@ pub struct RoundCosts {
     /// The model draft length the cost model chose for this round (0: a model draft does not pay).
     pub model_len: usize,
     /// Expected tokens per target step with that model draft (`1 / r(1)` at length 0), scaled by
-    /// how the model's drafts have realised their predictions so far.
+    /// how the model's drafts have realised their predictions so far, for a model that has read every
+    /// committed token but the last round's ([`RoundCosts::catch_up`] prices the rest).
     pub model_rate: f64,
+    /// The predicted cost of that round in target steps (`fixed + k c + r(k + 1)`).
+    pub model_steps: f64,
     /// How lookup drafts have realised their predicted tokens per step so far (1 without rounds): a
     /// lookup draft's predicted rate times this is comparable with `model_rate`.
     pub lookup_factor: f64,
+    /// The same for lookup drafts extended by the model ([`RoundCosts::best_extension`]).
+    pub extended_factor: f64,
+    /// The cost model's estimate of a model draft's conditional acceptance at positions `1..`.
+    pub model_acceptance: Vec<f64>,
 }
 
 impl Default for RoundCosts {
@@ -736,7 +767,10 @@ impl Default for RoundCosts {
             draft_per_token: 0.0,
             model_len: 0,
             model_rate: 0.0,
+            model_steps: 1.0,
             lookup_factor: 1.0,
+            extended_factor: 1.0,
+            model_acceptance: Vec::new(),
         }
     }
 }
@@ -764,6 +798,65 @@ impl RoundCosts {
         }
         if best.0 == 0 {
             best.1 = plain;
+        }
+        best
+    }
+
+    /// What a model draft costs beyond its steady price when the model has `lag` committed tokens
+    /// to read first ([`crate::Proposal::lag`]): reading a block of `m` tokens is priced like the
+    /// target's `r(m)` (the draft runs the same kernels), and a steady round's reading of the last
+    /// round's tokens, up to `r(2)`, is already in the fixed cost.
+    pub fn catch_up(&self, lag: usize) -> f64 {
+        self.draft_per_token * (self.r(lag) - self.r(2)).max(0.0)
+    }
+
+    /// [`RoundCosts::model_rate`] for a model with `lag` committed tokens to read first.
+    pub fn model_rate_after(&self, lag: usize) -> f64 {
+        self.model_rate * self.model_steps / (self.model_steps + self.catch_up(lag))
+    }
+
+    /// The draft model's cost, in target steps, of extending a lookup draft of `lookup_len` tokens by
+    /// `extension` tokens with `lag` committed tokens to read first: its fixed cost per round, its
+    /// first step reading the unread tokens and the lookup draft in one block (priced like the
+    /// target's `r`), and a step per drafted token.
+    pub fn extension_draft_cost(&self, lag: usize, lookup_len: usize, extension: usize) -> f64 {
+        let read = self.r(lag.max(1) + lookup_len) - 1.0;
+        self.draft_fixed + self.draft_per_token * (extension as f64 + read)
+    }
+
+    /// For a lookup draft whose tokens have conditional acceptance `confidence`, drafted whole, the
+    /// number of model tokens to extend it by (at most `max_len` tokens in all, at most
+    /// `model_acceptance.len()` from the model) with the most expected tokens per target step, and
+    /// that rate (before [`RoundCosts::extended_factor`]), for a model with `lag` committed tokens to
+    /// read first. `None` for an empty lookup draft, or before the model's cost per token is known.
+    pub fn best_extension(
+        &self,
+        confidence: &[f32],
+        max_len: usize,
+        lag: usize,
+    ) -> Option<(usize, f64)> {
+        let lookup_len = confidence.len();
+        if lookup_len == 0 || self.draft_per_token <= 0.0 {
+            return None;
+        }
+        let (mut reach, mut tokens) = (1.0, 1.0);
+        for &a in confidence {
+            reach *= f64::from(a);
+            tokens += reach;
+        }
+        let room = max_len
+            .saturating_sub(lookup_len)
+            .min(self.model_acceptance.len());
+        let mut best: Option<(usize, f64)> = None;
+        for (i, &a) in self.model_acceptance[..room].iter().enumerate() {
+            let k = i + 1;
+            reach *= a;
+            tokens += reach;
+            let cost = self.extension_draft_cost(lag, lookup_len, k) + self.r(lookup_len + k + 1);
+            let rate = tokens / cost;
+            if best.is_none_or(|(_, b)| rate > b) {
+                best = Some((k, rate));
+            }
         }
         best
     }
@@ -906,6 +999,8 @@ mod tests {
                 verified: k + 1,
                 lookup: false,
                 expected: 0.0,
+                extension: 0,
+                lag: 0,
             });
             if i >= 300 && k > 0 {
                 drafted_rounds += 1;
@@ -920,11 +1015,11 @@ mod tests {
         assert!(choice.draft_len >= 2, "{choice:?}");
     }
 
-    /// Model drafts that take longer than predicted (a drafter catching up on the lookup rounds it
-    /// missed) lower the model's rate that a hybrid weighs; lookup drafts are scaled by how they
-    /// realised their own predictions.
+    /// A model drafter that catches up on the rounds it missed takes longer than the cost model's
+    /// `fixed + k c` (measured on steady rounds only): the model's rate that a hybrid weighs falls
+    /// by what it realised, while lookup drafts that realised their prediction keep theirs.
     #[test]
-    fn realised_rates_correct_the_predictions() {
+    fn realised_rates_price_the_catch_up() {
         let fixed = FixedCost {
             c: 0.2,
             draft_fixed: 0.0,
@@ -932,40 +1027,63 @@ mod tests {
         };
         let p = DraftLenPolicy::CostModel {
             max: 4,
-            cost: Some(fixed.clone()),
+            cost: None,
+            probe_every: 1000,
+            prior: Some(fixed.clone()),
+        };
+        let mut c = p.controller();
+        let ms = 1e-3;
+        let timed = |drafted: usize, lookup: bool, draft_secs: f64| Round {
+            drafted,
+            accepted: drafted,
+            emitted: drafted + 1,
+            draft_secs,
+            verify_secs: fixed.r(drafted + 1) * ms,
+            verified: drafted + 1,
+            lookup,
+            expected: (drafted + 1) as f64,
+            extension: 0,
+            lag: 0,
+        };
+        for _ in 0..40 {
+            // No drafting, a lookup draft, then a model draft that also catches up on both rounds:
+            // one target step's worth of extra draft time.
+            c.next_draft_len();
+            c.observe(&timed(0, false, 0.0));
+            c.next_draft_len();
+            c.observe(&timed(2, true, 0.0));
+            let k = c.next_draft_len().max(1);
+            c.observe(&timed(k, false, (fixed.c * k as f64 + 1.0) * ms));
+        }
+        let k = c.next_draft_len();
+        assert!(k > 0);
+        let costs = c.costs().unwrap().clone();
+        let predicted = expected_tokens(&c.acceptance(k)) / (k as f64 * fixed.c + fixed.r(k + 1));
+        // (r(k + 1) + k c) / (r(k + 1) + k c + 1) for k = 1..=4.
+        let factor = costs.model_rate / predicted;
+        assert!((0.5..0.8).contains(&factor), "model factor {factor}");
+        assert!(
+            (costs.lookup_factor - 1.0).abs() < 0.05,
+            "{}",
+            costs.lookup_factor
+        );
+    }
+
+    /// With given costs only tokens are corrected: lookup drafts that emit half the tokens their
+    /// confidence promised halve the lookup's rate.
+    #[test]
+    fn realised_tokens_correct_the_lookup_rate() {
+        let p = DraftLenPolicy::CostModel {
+            max: 4,
+            cost: Some(FixedCost {
+                c: 0.2,
+                draft_fixed: 0.0,
+                r: vec![1.0, 1.1, 1.2, 1.3, 1.4],
+            }),
             probe_every: 1000,
             prior: None,
         };
         let mut c = p.controller();
-        let ms = 1e-3;
-        for _ in 0..60 {
-            let k = c.next_draft_len();
-            assert!(k > 0);
-            let costs = c.costs().unwrap().clone();
-            assert_eq!(costs.lookup_factor, 1.0);
-            // Model drafts realise their expected tokens but draft at three times the predicted cost.
-            c.observe(&Round {
-                drafted: k,
-                accepted: k,
-                emitted: k + 1,
-                draft_secs: 3.0 * fixed.c * k as f64 * ms,
-                verify_secs: fixed.r(k + 1) * ms,
-                verified: k + 1,
-                lookup: false,
-                expected: (k + 1) as f64,
-            });
-        }
-        let k = c.next_draft_len();
-        let costs = c.costs().unwrap().clone();
-        let predicted = expected_tokens(&c.acceptance(k)) / (k as f64 * fixed.c + fixed.r(k + 1));
-        let factor = costs.model_rate / predicted;
-        let expected =
-            (fixed.r(k + 1) + fixed.c * k as f64) / (fixed.r(k + 1) + 3.0 * fixed.c * k as f64);
-        assert!(
-            (factor - expected).abs() < 0.1,
-            "factor {factor}, expected about {expected}"
-        );
-        // Lookup drafts that emit half the tokens their confidence promised.
         for _ in 0..60 {
             c.next_draft_len();
             c.observe(&Round {
@@ -973,15 +1091,55 @@ mod tests {
                 accepted: 1,
                 emitted: 2,
                 draft_secs: 0.0,
-                verify_secs: fixed.r(5) * ms,
+                // Timings are ignored with given costs.
+                verify_secs: 5.0,
                 verified: 5,
                 lookup: true,
                 expected: 4.0,
+                extension: 0,
+                lag: 0,
             });
         }
         c.next_draft_len();
-        let lookup = c.costs().unwrap().lookup_factor;
-        assert!((lookup - 0.5).abs() < 0.1, "lookup factor {lookup}");
+        let costs = c.costs().unwrap();
+        assert!((costs.lookup_factor - 0.5).abs() < 0.1, "{costs:?}");
+        assert_eq!(costs.extended_factor, 1.0);
+    }
+
+    #[test]
+    fn an_extension_pays_where_the_lookup_is_confident_and_the_model_cheap() {
+        let costs = RoundCosts {
+            r: (1..=17).map(|m| 1.0 + 0.1 * (m - 1) as f64).collect(),
+            draft_fixed: 0.0,
+            draft_per_token: 0.05,
+            model_len: 4,
+            model_rate: 1.2,
+            model_acceptance: vec![0.9; 4],
+            ..RoundCosts::default()
+        };
+        // Two confident lookup tokens: 2.71 expected tokens for r(3) = 1.2.
+        let (len, lookup_rate) = costs.best_free_len(&[0.9, 0.9]);
+        assert_eq!(len, 2);
+        let (k, rate) = costs.best_extension(&[0.9, 0.9], 8, 1).unwrap();
+        assert!(
+            k >= 1 && rate > lookup_rate * 1.05,
+            "{k} {rate} {lookup_rate}"
+        );
+        // No room past the lookup draft, no model cost known, no lookup draft: no extension.
+        assert_eq!(costs.best_extension(&[0.9, 0.9], 2, 1), None);
+        assert_eq!(costs.best_extension(&[], 8, 1), None);
+        let free = RoundCosts {
+            draft_per_token: 0.0,
+            ..costs.clone()
+        };
+        assert_eq!(free.best_extension(&[0.9, 0.9], 8, 1), None);
+        // An expensive model: the lookup draft alone is better.
+        let dear = RoundCosts {
+            draft_per_token: 0.9,
+            ..costs
+        };
+        let (_, rate) = dear.best_extension(&[0.9, 0.9], 8, 1).unwrap();
+        assert!(rate < lookup_rate, "{rate} {lookup_rate}");
     }
 
     #[test]

@@ -127,16 +127,10 @@ fn batched_sequences_get_the_tokens_they_get_alone() {
         min_reach: 0.0,
         ..LookupConfig::default()
     };
-    let hybrid = || HybridDrafter {
-        lookup: LookupDrafter::new(stateless()),
-        model: draft_model(),
-    };
+    let hybrid = || HybridDrafter::new(LookupDrafter::new(stateless()), draft_model());
     assert_eq!(batched(hybrid()), alone(hybrid));
     // Greedy sequences get the same tokens with the learning lookup too.
-    let learning = || HybridDrafter {
-        lookup: LookupDrafter::default(),
-        model: draft_model(),
-    };
+    let learning = || HybridDrafter::new(LookupDrafter::default(), draft_model());
     for (i, ((a, _), (b, _))) in batched(learning()).iter().zip(&expect).enumerate() {
         if i % 2 == 0 {
             assert_eq!(a, b, "greedy sequence {i}, learning lookup");

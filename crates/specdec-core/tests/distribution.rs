@@ -128,7 +128,18 @@ fn sample_joint_counted<D: Draft>(
     base: &GenerateConfig,
     n: u64,
 ) -> (Vec<u64>, u64, u64) {
-    let (mut drafted, mut rounds) = (0, 0);
+    let (counts, drafted, rounds, _) = sample_joint_extended(target_logits, drafter, base, n);
+    (counts, drafted, rounds)
+}
+
+/// [`sample_joint_counted`], plus the rounds whose lookup draft a model extended.
+fn sample_joint_extended<D: Draft>(
+    target_logits: &MockLogits,
+    drafter: &mut D,
+    base: &GenerateConfig,
+    n: u64,
+) -> (Vec<u64>, u64, u64, u64) {
+    let (mut drafted, mut rounds, mut extended) = (0, 0, 0);
     let mut counts = vec![0u64; VOCAB.pow(3)];
     let mut target = MockModel::new(target_logits.clone());
     for seed in 0..n {
@@ -150,12 +161,13 @@ fn sample_joint_counted<D: Draft>(
         assert_eq!(out.tokens, got);
         drafted += out.metrics.drafted;
         rounds += out.metrics.rounds;
+        extended += out.metrics.extended_rounds;
         let [a, b, c] = got[..] else {
             panic!("expected 3 tokens, got {got:?}")
         };
         counts[(a as usize * VOCAB + b as usize) * VOCAB + c as usize] += 1;
     }
-    (counts, drafted, rounds)
+    (counts, drafted, rounds, extended)
 }
 
 #[test]
@@ -261,10 +273,10 @@ fn rejection_mode_is_exact_for_every_drafter_option() {
                 "hybrid, min_confidence 0.45",
                 sample_joint_with(
                     &target_logits(),
-                    &mut HybridDrafter {
-                        lookup: LookupDrafter::default(),
-                        model: ModelDrafter::new(MockModel::new(draft_logits())),
-                    },
+                    &mut HybridDrafter::new(
+                        LookupDrafter::default(),
+                        ModelDrafter::new(MockModel::new(draft_logits())),
+                    ),
                     &config(0.45),
                     n,
                 ),
@@ -290,14 +302,38 @@ fn rejection_mode_is_exact_for_every_drafter_option() {
                     "hybrid",
                     sample_joint_counted(
                         &target_logits(),
-                        &mut HybridDrafter {
-                            lookup: LookupDrafter::default(),
-                            model: ModelDrafter::new(MockModel::new(draft_logits())),
-                        },
+                        &mut HybridDrafter::new(
+                            LookupDrafter::default(),
+                            ModelDrafter::new(MockModel::new(draft_logits())),
+                        ),
                         &priced(0.0),
                         n,
                     ),
                 ),
+            ),
+            (
+                // Every lookup draft extended by the model (a model draft where the lookup finds
+                // nothing): the lookup's tokens are one-hot, the model's carry its q.
+                "hybrid, lookup extended by the model",
+                {
+                    let (counts, drafted, rounds, extended) = sample_joint_extended(
+                        &target_logits(),
+                        &mut common::ExtendingHybrid::new(ModelDrafter::new(MockModel::new(
+                            draft_logits(),
+                        ))),
+                        &config(0.0),
+                        n,
+                    );
+                    eprintln!(
+                        "extending hybrid, {name}: {drafted} drafted in {rounds} rounds, \
+                         {extended} extended"
+                    );
+                    assert!(
+                        extended > rounds / 10,
+                        "{name}: {extended} of {rounds} rounds extended"
+                    );
+                    counts
+                },
             ),
         ];
         for (drafter, observed) in cases {

@@ -113,6 +113,7 @@ fn drafters() -> Vec<(&'static str, MockLogits)> {
 
 #[test]
 fn greedy_speculative_equals_greedy_target_only() {
+    let mut extended = 0;
     for (penalty, stop) in [(1.0, vec![]), (1.3, vec![7])] {
         let config = |policy| GenerateConfig {
             max_new_tokens: 40,
@@ -158,20 +159,37 @@ fn greedy_speculative_equals_greedy_target_only() {
                         out.tokens, reference.tokens,
                         "lookup again, k {k}, prompt {p}"
                     );
-                    let mut hybrid = HybridDrafter {
-                        lookup: LookupDrafter::default(),
-                        model: ModelDrafter::new(MockModel::new(MockLogits::Perturbed {
+                    let mut hybrid = HybridDrafter::new(
+                        LookupDrafter::default(),
+                        ModelDrafter::new(MockModel::new(MockLogits::Perturbed {
                             base: Box::new(target_logits()),
                             seed: 5,
                             noise: 1.0,
                         })),
-                    };
+                    );
                     let out = run(&mut hybrid, &prompt, &cfg);
                     assert_eq!(out.tokens, reference.tokens, "hybrid, k {k}, prompt {p}");
+                    let mut extending = common::ExtendingHybrid::new(ModelDrafter::new(
+                        MockModel::new(MockLogits::Perturbed {
+                            base: Box::new(target_logits()),
+                            seed: 5,
+                            noise: 1.0,
+                        }),
+                    ));
+                    let out = run(&mut extending, &prompt, &cfg);
+                    assert_eq!(
+                        out.tokens, reference.tokens,
+                        "extending hybrid, k {k}, prompt {p}"
+                    );
+                    extended += out.metrics.extended_rounds;
                 }
             }
         }
     }
+    assert!(
+        extended > 100,
+        "only {extended} rounds extended a lookup draft"
+    );
 }
 
 #[test]

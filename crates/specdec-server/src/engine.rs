@@ -17,8 +17,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use specdec_core::{
-    Batch, Draft, DraftLenPolicy, DraftRequest, Emitted, GenerateConfig, LookupDrafter, Metrics,
-    ModelDrafter, Proposal, SeqId, StopReason, Target, TokenId, TokenLogprob,
+    Batch, Draft, DraftLenPolicy, DraftRequest, Emitted, GenerateConfig, HybridPlan, LookupDrafter,
+    Metrics, ModelDrafter, ModelLag, Proposal, SeqId, StopReason, Target, TokenId, TokenLogprob,
 };
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 
@@ -70,7 +70,8 @@ pub enum DrafterKind {
     Ngram,
     /// The draft model.
     Model,
-    /// Lookup or the draft model, whichever pays more each round.
+    /// Lookup, the draft model, or the lookup draft extended by the model, whichever pays most
+    /// each round.
     Hybrid,
 }
 
@@ -110,6 +111,7 @@ impl DrafterKind {
 pub struct MultiDrafter<M: Target> {
     lookup: LookupDrafter,
     model: Option<ModelDrafter<M>>,
+    lag: ModelLag,
     choice: HashMap<SeqId, DrafterKind>,
 }
 
@@ -119,6 +121,7 @@ impl<M: Target> MultiDrafter<M> {
         Self {
             lookup: LookupDrafter::default(),
             model,
+            lag: ModelLag::default(),
             choice: HashMap::new(),
         }
     }
@@ -158,8 +161,8 @@ impl<M: Target> Draft for MultiDrafter<M> {
         batch: &[DraftRequest<'_>],
         out: &mut [Proposal],
     ) -> Result<(), Self::Error> {
-        let mut to_model = Vec::new();
-        for (b, (req, out)) in batch.iter().zip(out.iter_mut()).enumerate() {
+        let mut plans = Vec::with_capacity(batch.len());
+        for (req, out) in batch.iter().zip(out.iter_mut()) {
             out.clear();
             let kind = self.kind(req.seq);
             let rate = if kind.uses_lookup() {
@@ -167,25 +170,18 @@ impl<M: Target> Draft for MultiDrafter<M> {
             } else {
                 f64::NAN
             };
-            if kind == DrafterKind::Model
-                || (kind == DrafterKind::Hybrid && specdec_core::prefer_model(req, out, rate))
-            {
-                to_model.push(b);
-            }
+            plans.push(match kind {
+                DrafterKind::Model => HybridPlan::Model,
+                DrafterKind::Hybrid => {
+                    specdec_core::plan_hybrid(req, out, rate, self.lag.lag(req.seq, req.context))
+                }
+                _ => HybridPlan::Lookup,
+            });
         }
-        let Some(model) = self.model.as_mut().filter(|_| !to_model.is_empty()) else {
-            return Ok(());
-        };
-        let requests: Vec<DraftRequest<'_>> = to_model.iter().map(|&b| batch[b]).collect();
-        let mut proposals: Vec<Proposal> = to_model
-            .iter()
-            .map(|&b| std::mem::take(&mut out[b]))
-            .collect();
-        let r = model.propose(&requests, &mut proposals);
-        for (&b, p) in to_model.iter().zip(proposals) {
-            out[b] = p;
+        match self.model.as_mut() {
+            Some(model) => specdec_core::draft_planned(model, &mut self.lag, batch, out, &plans),
+            None => Ok(()),
         }
-        r
     }
 
     fn commit(&mut self, seq: SeqId, committed: &[TokenId]) -> Result<(), Self::Error> {
@@ -204,10 +200,13 @@ impl<M: Target> Draft for MultiDrafter<M> {
     /// first drafting round instead.
     /// A sequence that never drafts (plain decoding, lookup hits only, or a batch under a draft cap)
     /// then never costs a draft-model prefill; one that drafts does the same work a round later.
+    /// The prompt is not counted as the model's lag either: that first round does the work a
+    /// prefill would have.
     fn prefill(&mut self, seq: SeqId, context: &[TokenId]) -> Result<(), Self::Error> {
         if self.kind(seq).uses_lookup() {
             let Ok(()) = self.lookup.prefill(seq, context);
         }
+        self.lag.prefill(seq, context.len());
         Ok(())
     }
 
@@ -218,6 +217,7 @@ impl<M: Target> Draft for MultiDrafter<M> {
         if let Some(m) = &mut self.model {
             m.release(seq);
         }
+        self.lag.release(seq);
         self.choice.remove(&seq);
     }
 }

@@ -152,6 +152,8 @@ struct Record {
     acceptance_rate: f64,
     mean_accepted_len: f64,
     rounds: u64,
+    /// Rounds whose lookup draft the draft model extended.
+    extended_rounds: u64,
     drafted: u64,
     accepted: u64,
     per_position: Vec<(u64, u64)>,
@@ -284,6 +286,7 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
                 acceptance_rate: m.acceptance_rate(),
                 mean_accepted_len: m.mean_accepted_len(),
                 rounds: m.rounds,
+                extended_rounds: m.extended_rounds,
                 drafted: m.drafted,
                 accepted: m.accepted,
                 per_position: m

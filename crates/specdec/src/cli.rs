@@ -47,8 +47,9 @@ pub enum DrafterKind {
     /// context or in earlier outputs of this process, with learned acceptance estimates. No model.
     #[value(alias = "lookup")]
     Ngram,
-    /// Lookup or the draft model, whichever the cost model expects to pay more each round (with a
-    /// fixed --draft-len: lookup when it finds a match, else the model).
+    /// Lookup, the draft model, or the lookup draft extended by the model, whichever the cost model
+    /// expects to pay most each round (with a fixed --draft-len: lookup when it finds a match, else
+    /// the model).
     Hybrid,
     /// No drafting: plain autoregressive decoding with the target (the baseline).
     None,

@@ -240,10 +240,10 @@ impl Loaded {
             DrafterKind::None => Drafter::None(NoDraft),
             DrafterKind::Ngram => Drafter::Ngram(Box::default()),
             DrafterKind::Model => Drafter::Model(Box::new(model()?)),
-            DrafterKind::Hybrid => Drafter::Hybrid(Box::new(HybridDrafter {
-                lookup: LookupDrafter::default(),
-                model: model()?,
-            })),
+            DrafterKind::Hybrid => Drafter::Hybrid(Box::new(HybridDrafter::new(
+                LookupDrafter::default(),
+                model()?,
+            ))),
         })
     }
 

@@ -140,3 +140,84 @@ fn chi_square_p_values_match_tables() {
     assert!((gamma_q(5.0, 18.307 / 2.0) - 0.05).abs() < 1e-3);
     assert!((gamma_q(50.0, 124.342 / 2.0) - 0.05).abs() < 1e-3);
 }
+
+/// A hybrid that extends every lookup draft with the model, whatever a cost model would choose: the
+/// lookup draft is cut to half the draft length and the model drafts the rest after it; a round
+/// without a lookup draft is a model draft. It exercises [`specdec_core::draft_planned`]'s
+/// extension in every round where the lookup finds something.
+pub struct ExtendingHybrid<D> {
+    /// The lookup drafter.
+    pub lookup: specdec_core::LookupDrafter,
+    /// The model drafter.
+    pub model: D,
+    lag: specdec_core::ModelLag,
+}
+
+impl<D> ExtendingHybrid<D> {
+    /// The learning lookup and `model`.
+    pub fn new(model: D) -> Self {
+        Self {
+            lookup: specdec_core::LookupDrafter::default(),
+            model,
+            lag: specdec_core::ModelLag::default(),
+        }
+    }
+}
+
+impl<D: specdec_core::Draft> specdec_core::Draft for ExtendingHybrid<D> {
+    type Error = D::Error;
+
+    fn vocab_size(&self) -> Option<usize> {
+        self.model.vocab_size()
+    }
+
+    fn propose(
+        &mut self,
+        batch: &[specdec_core::DraftRequest<'_>],
+        out: &mut [specdec_core::Proposal],
+    ) -> Result<(), Self::Error> {
+        use specdec_core::HybridPlan;
+        let plans: Vec<HybridPlan> = batch
+            .iter()
+            .zip(out.iter_mut())
+            .map(|(req, out)| {
+                self.lookup.propose_one(req, out);
+                out.truncate(req.max_len / 2);
+                let room = req.max_len - out.tokens.len();
+                if out.tokens.is_empty() {
+                    HybridPlan::Model
+                } else if room > 0 {
+                    HybridPlan::Extend(room)
+                } else {
+                    HybridPlan::Lookup
+                }
+            })
+            .collect();
+        specdec_core::draft_planned(&mut self.model, &mut self.lag, batch, out, &plans)
+    }
+
+    fn commit(
+        &mut self,
+        seq: specdec_core::SeqId,
+        committed: &[TokenId],
+    ) -> Result<(), Self::Error> {
+        let Ok(()) = self.lookup.commit(seq, committed);
+        self.model.commit(seq, committed)
+    }
+
+    fn prefill(
+        &mut self,
+        seq: specdec_core::SeqId,
+        context: &[TokenId],
+    ) -> Result<(), Self::Error> {
+        let Ok(()) = self.lookup.prefill(seq, context);
+        self.lag.prefill(seq, context.len());
+        self.model.prefill(seq, context)
+    }
+
+    fn release(&mut self, seq: specdec_core::SeqId) {
+        self.lookup.release(seq);
+        self.lag.release(seq);
+        self.model.release(seq);
+    }
+}

@@ -154,8 +154,9 @@ pub struct DraftRequest<'a> {
     pub min_confidence: f32,
     /// The cost model's view of this round, when the draft length is chosen by one
     /// ([`crate::DraftLenPolicy::CostModel`], once it has measured its costs). A drafter with several
-    /// options (lookup of any length, a model draft of [`RoundCosts::model_len`] tokens, nothing) picks
-    /// the one with the most expected tokens per unit of time; `max_len` is then only a cap.
+    /// options (lookup of any length, a model draft of [`RoundCosts::model_len`] tokens, a lookup
+    /// draft extended by the model, nothing) picks the one with the most expected tokens per unit of
+    /// time; `max_len` is then only a cap.
     pub costs: Option<&'a RoundCosts>,
 }
 

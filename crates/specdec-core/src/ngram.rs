@@ -177,7 +177,13 @@ pub fn plan_hybrid(
             HybridPlan::Lookup
         };
     };
-    let (mut plan, mut best) = (HybridPlan::Lookup, lookup_rate * c.lookup_factor);
+    // Plain decoding (no lookup draft) has no prediction to fall short of.
+    let factor = if lookup.tokens.is_empty() {
+        1.0
+    } else {
+        c.lookup_factor
+    };
+    let (mut plan, mut best) = (HybridPlan::Lookup, lookup_rate * factor);
     // The lookup draft costs nothing to make; a model call must beat it by the margin.
     let bar = best * (1.0 + PAY_MARGIN);
     let model_rate = c.model_rate_after(lag);
@@ -196,7 +202,7 @@ pub fn plan_hybrid(
 /// Runs `model` for the rounds whose plan needs it: a [`HybridPlan::Model`] draft replaces `out[b]`;
 /// a [`HybridPlan::Extend`] draft continues the lookup draft in `out[b]`, drafted from the context
 /// followed by that draft, each model token's confidence being the cost model's acceptance estimate
-/// for its position. One model call serves the whole batch; `lag` learns what the model read.
+/// for its position (0 without a cost model). One model call serves the whole batch; `lag` learns what the model read.
 pub fn draft_planned<D: Draft>(
     model: &mut D,
     lag: &mut ModelLag,
@@ -247,17 +253,23 @@ pub fn draft_planned<D: Draft>(
         if let HybridPlan::Extend(_) = plans[b] {
             let acceptance = batch[b].costs.map_or(&[][..], |c| &c.model_acceptance[..]);
             let out = &mut out[b];
-            out.extension = p.tokens.len();
+            let extended = p.tokens.len();
+            out.extension = extended;
             out.lag = behind;
             for (i, (token, q)) in p.tokens.into_iter().zip(p.probs).enumerate() {
                 out.push(token, q);
                 out.confidence
                     .push(acceptance.get(i).copied().unwrap_or(0.0) as f32);
             }
-            lag.drafted(req.seq, req.context.len(), &out.tokens);
+            if extended > 0 {
+                lag.drafted(req.seq, req.context.len(), &out.tokens);
+            }
         } else {
             p.lag = behind;
-            lag.drafted(req.seq, req.context.len(), &p.tokens);
+            // A model asked for no tokens read nothing.
+            if !p.tokens.is_empty() {
+                lag.drafted(req.seq, req.context.len(), &p.tokens);
+            }
             out[b] = p;
         }
     }
@@ -360,7 +372,16 @@ mod tests {
         // No lookup draft: the model draft beats plain decoding.
         let plan = plan_hybrid(&request(Some(&costs)), &Proposal::default(), 1.0, 1);
         assert_eq!(plan, HybridPlan::Model);
-        // ... unless the model must first read 200 tokens it missed.
+        // Disappointing lookup drafts do not lower the bar of plain decoding.
+        let weak = RoundCosts {
+            lookup_factor: 0.5,
+            model_rate: 1.0,
+            ..costs.clone()
+        };
+        let plan = plan_hybrid(&request(Some(&weak)), &Proposal::default(), 1.0, 1);
+        assert_eq!(plan, HybridPlan::Lookup);
+        // A model draft that beats plain decoding loses if the model must first read 200 tokens
+        // it missed.
         let plan = plan_hybrid(&request(Some(&costs)), &Proposal::default(), 1.0, 200);
         assert_eq!(plan, HybridPlan::Lookup);
     }

@@ -232,13 +232,15 @@ pub struct Controller {
     idle_probes: u8,
     last_choice: Option<Choice>,
     costs: Option<RoundCosts>,
-    /// How model drafts and lookup drafts have done against their predictions.
+    /// How model drafts, lookup drafts and lookup drafts extended by the model have done against
+    /// their predictions.
     realised_model: Realised,
     realised_lookup: Realised,
     realised_extended: Realised,
 }
 
-/// How one kind of draft (model or lookup) has done against the cost model's prediction for it:
+/// How one kind of draft (model, lookup, or extended lookup) has done against the cost model's
+/// prediction for it:
 /// tokens against expected tokens, and time in target steps against the predicted time. What the
 /// predictions leave out shows here: a model drafter catching up on the tokens of the lookup rounds
 /// it missed, acceptance that its per-position estimates overrate. Decayed sums behind a prior of
@@ -255,7 +257,7 @@ struct Realised {
 const REALISED_PRIOR: f64 = 4.0;
 
 impl Realised {
-    fn record(&mut self, tokens: f64, expected: f64, steps: f64, predicted: f64) {
+    fn decay(&mut self) {
         for v in [
             &mut self.tokens,
             &mut self.expected,
@@ -264,6 +266,9 @@ impl Realised {
         ] {
             *v *= DECAY;
         }
+    }
+
+    fn record(&mut self, tokens: f64, expected: f64, steps: f64, predicted: f64) {
         self.tokens += tokens;
         self.expected += expected;
         self.steps += steps;
@@ -585,8 +590,9 @@ impl Controller {
             }
             DraftLenPolicy::CostModel { .. } if round.lookup => {
                 // A lookup draft cost nothing to draft, but the target's timing is a sample of r(m)
-                // like any other. The model drafter, if any, missed this round and catches up in
-                // its next one.
+                // like any other. The model drafter, if any, missed this round (or, extending the
+                // lookup draft, read it in a block) and catches up in its next one: that round's
+                // draft time is no sample of c.
                 self.after_draft = false;
                 self.push_verify_time(round, timed);
             }
@@ -615,6 +621,15 @@ impl Controller {
         }
         let r = costs.r(round.verified);
         let steps = r * (round.draft_secs + round.verify_secs) / round.verify_secs;
+        // Every kind's evidence ages with each round, so that a kind a few bad rounds put out of use
+        // drifts back towards its prediction.
+        for realised in [
+            &mut self.realised_model,
+            &mut self.realised_lookup,
+            &mut self.realised_extended,
+        ] {
+            realised.decay();
+        }
         let (realised, predicted) = if round.extension > 0 {
             let lookup_len = round.drafted - round.extension.min(round.drafted);
             let draft = costs.extension_draft_cost(round.lag, lookup_len, round.extension);
@@ -820,7 +835,8 @@ impl RoundCosts {
     /// first step reading the unread tokens and the lookup draft in one block (priced like the
     /// target's `r`), and a step per drafted token.
     pub fn extension_draft_cost(&self, lag: usize, lookup_len: usize, extension: usize) -> f64 {
-        let read = self.r(lag.max(1) + lookup_len) - 1.0;
+        // As in `catch_up`, reading up to two tokens is in the fixed cost.
+        let read = (self.r(lag.max(1) + lookup_len) - self.r(2)).max(0.0);
         self.draft_fixed + self.draft_per_token * (extension as f64 + read)
     }
 
@@ -828,7 +844,8 @@ impl RoundCosts {
     /// number of model tokens to extend it by (at most `max_len` tokens in all, at most
     /// `model_acceptance.len()` from the model) with the most expected tokens per target step, and
     /// that rate (before [`RoundCosts::extended_factor`]), for a model with `lag` committed tokens to
-    /// read first. `None` for an empty lookup draft, or before the model's cost per token is known.
+    /// read first. `None` for an empty lookup draft, without room past it, or without a measured
+    /// cost per model token.
     pub fn best_extension(
         &self,
         confidence: &[f32],

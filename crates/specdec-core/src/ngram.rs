@@ -202,7 +202,8 @@ pub fn plan_hybrid(
 /// Runs `model` for the rounds whose plan needs it: a [`HybridPlan::Model`] draft replaces `out[b]`;
 /// a [`HybridPlan::Extend`] draft continues the lookup draft in `out[b]`, drafted from the context
 /// followed by that draft, each model token's confidence being the cost model's acceptance estimate
-/// for its position (0 without a cost model). One model call serves the whole batch; `lag` learns what the model read.
+/// for its position (0 without a cost model). One model call serves the whole batch; `lag` learns
+/// what the model read.
 pub fn draft_planned<D: Draft>(
     model: &mut D,
     lag: &mut ModelLag,
@@ -251,7 +252,7 @@ pub fn draft_planned<D: Draft>(
     for ((&b, mut p), behind) in picked.iter().zip(proposals).zip(lags) {
         let req = &batch[b];
         if let HybridPlan::Extend(_) = plans[b] {
-            let acceptance = batch[b].costs.map_or(&[][..], |c| &c.model_acceptance[..]);
+            let acceptance = req.costs.map_or(&[][..], |c| &c.model_acceptance[..]);
             let out = &mut out[b];
             let extended = p.tokens.len();
             out.extension = extended;

@@ -451,20 +451,15 @@ impl Controller {
                 costs.draft_fixed = profile.fixed;
                 costs.draft_per_token = profile.c;
                 costs.model_len = k;
-                // Drafting with the model is weighed against a lookup draft at both kinds' realised
-                // rates: the predictions' blind spots differ between them.
-                // Fixed costs are taken as given: only the tokens are corrected.
+                // A hybrid weighs its options at their realised rates: the predictions' blind spots
+                // differ between them. Fixed costs are taken as given: only tokens are corrected.
                 let timed = cost.is_none();
                 costs.model_rate = if k > 0 {
                     rate(k) * self.realised_model.factor(timed)
                 } else {
                     rate(0)
                 };
-                costs.model_steps = if k > 0 {
-                    profile.fixed + k as f64 * profile.c + profile.r(k + 1)
-                } else {
-                    profile.r(1)
-                };
+                costs.model_steps = profile.steps(k);
                 costs.lookup_factor = self.realised_lookup.factor(timed);
                 costs.extended_factor = self.realised_extended.factor(timed);
                 costs.model_acceptance.clear();
@@ -727,8 +722,15 @@ impl Profile {
         if k == 0 {
             return 1.0 / self.r(1);
         }
-        expected_tokens(&acceptance[..k.min(acceptance.len())])
-            / (self.fixed + k as f64 * self.c + self.r(k + 1))
+        expected_tokens(&acceptance[..k.min(acceptance.len())]) / self.steps(k)
+    }
+
+    /// A round's cost in target steps with a model draft of `k` tokens (`r(1)` without one).
+    fn steps(&self, k: usize) -> f64 {
+        if k == 0 {
+            return self.r(1);
+        }
+        self.fixed + k as f64 * self.c + self.r(k + 1)
     }
 }
 

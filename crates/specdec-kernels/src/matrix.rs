@@ -240,6 +240,7 @@ impl QuantizedActivations {
                     n,
                     ActQ8_0 {
                         d: 0.0,
+                        sum: 0,
                         qs: [0; 32],
                     },
                 );

@@ -14,17 +14,21 @@ use crate::formats::{
 /// Most activation rows dotted against one unpacked weight block.
 pub const MAX_PASS_ROWS: usize = 16;
 
-/// A weight format's kernels: the scalar reference dot and, on x86-64, the AVX2 dequantizer.
+/// A weight format's kernels: the scalar reference dot and, on x86-64, the AVX2 pass.
 pub(crate) trait Format {
     type Block;
     type Act;
     fn dot(w: &[Self::Block], x: &[Self::Act]) -> f32;
+    /// [`pass`] at [`CpuLevel::Avx2`].
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and F16C; `out` as [`pass`].
     #[cfg(target_arch = "x86_64")]
-    type Avx2: avx2::Dequantizer<Block = Self::Block, Act = Self::Act>;
+    unsafe fn avx2_pass(w: &[Self::Block], nb: usize, x: &[Self::Act], out: Out);
 }
 
 macro_rules! format {
-    ($name:ident, $block:ty, $act:ty, $dot:path, $avx2:path) => {
+    ($name:ident, $block:ty, $act:ty, $dot:path, $pass:ident, $avx2:path) => {
         pub(crate) struct $name;
         impl Format for $name {
             type Block = $block;
@@ -33,7 +37,10 @@ macro_rules! format {
                 $dot(w, x)
             }
             #[cfg(target_arch = "x86_64")]
-            type Avx2 = $avx2;
+            unsafe fn avx2_pass(w: &[$block], nb: usize, x: &[$act], out: Out) {
+                // SAFETY: the caller's contract.
+                unsafe { avx2::$pass::<$avx2>(w, nb, x, out) }
+            }
         }
     };
 }
@@ -43,6 +50,7 @@ format!(
     BlockQ8_0,
     ActQ8_0,
     dot_q8_0_q8_0,
+    pass32,
     crate::formats::q8_0::avx2::Q8_0
 );
 format!(
@@ -50,6 +58,7 @@ format!(
     BlockQ4_0,
     ActQ8_0,
     dot_q4_0_q8_0,
+    pass32,
     crate::formats::q4_0::avx2::Q4_0
 );
 format!(
@@ -57,6 +66,7 @@ format!(
     BlockQ5_0,
     ActQ8_0,
     dot_q5_0_q8_0,
+    pass32,
     crate::formats::q5_0::avx2::Q5_0
 );
 format!(
@@ -64,6 +74,7 @@ format!(
     BlockQ4K,
     BlockQ8K,
     dot_q4_k_q8_k,
+    pass,
     crate::formats::q4_k::avx2::Q4K
 );
 format!(
@@ -71,6 +82,7 @@ format!(
     BlockQ6K,
     BlockQ8K,
     dot_q6_k_q8_k,
+    pass,
     crate::formats::q6_k::avx2::Q6K
 );
 
@@ -109,7 +121,7 @@ pub(crate) unsafe fn pass<F: Format>(
         CpuLevel::Scalar => unsafe { scalar_rows(F::dot, w, nb, x, out) },
         // SAFETY: `level` is supported by this CPU (the caller's contract, upheld by `Kernels`).
         #[cfg(target_arch = "x86_64")]
-        CpuLevel::Avx2 => unsafe { avx2::pass::<F::Avx2>(w, nb, x, out) },
+        CpuLevel::Avx2 => unsafe { F::avx2_pass(w, nb, x, out) },
         // SAFETY: the caller's contract.
         #[cfg(not(target_arch = "x86_64"))]
         CpuLevel::Avx2 => unsafe { scalar_rows(F::dot, w, nb, x, out) },
@@ -137,6 +149,8 @@ pub(crate) unsafe fn scalar_rows<B, A>(
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
+    use crate::formats::q8_0::avx2::Quants32;
+    use crate::formats::{ActQ8_0, SignedBlock32};
     use std::arch::x86_64::*;
 
     /// One weight format's AVX2 half of the kernel: unpack a block into registers, and fold one
@@ -231,6 +245,14 @@ pub(crate) mod avx2 {
         for (c, wrow) in w.chunks_exact(nb).enumerate() {
             let mut acc = [_mm256_setzero_ps(); N];
             for (b, block) in wrow.iter().enumerate() {
+                // The rows of a pass are adjacent: fetch the bytes `PREFETCH` ahead of this block.
+                let ahead = std::ptr::from_ref(block)
+                    .cast::<i8>()
+                    .wrapping_add(PREFETCH);
+                for line in (0..std::mem::size_of::<D::Block>()).step_by(64) {
+                    // A prefetch reads nothing the program sees and cannot fault.
+                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line));
+                }
                 // SAFETY: AVX2 is enabled for this function (caller's contract).
                 let u = unsafe { D::unpack(block) };
                 let mut r = 0;
@@ -255,6 +277,9 @@ pub(crate) mod avx2 {
             }
         }
     }
+
+    /// How far ahead of the block being unpacked [`rows`] prefetches weights, in bytes.
+    const PREFETCH: usize = 4096;
 
     /// Rows accumulated together against one unpacked block: their integer lanes, the unpacked
     /// vectors and a temporary fit the 16 `ymm` registers.
@@ -301,5 +326,146 @@ pub(crate) mod avx2 {
             };
         }
         by_rows!(1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16)
+    }
+
+    /// The 32-value formats' pass: 8 weight rows (output columns) side by side, lane `k` of a vector
+    /// for column `k` of the group. Per block, each row's 32 products are summed exactly into one
+    /// `i32` (`maddubs`, `madd`, then a horizontal reduction that leaves column `k`'s sum in lane
+    /// `k`), the weights' offset is taken off once per activation block, and the float scale
+    /// conversion, multiply and add run once for all 8 columns.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and F16C; `out` as [`super::pass`].
+    pub(crate) unsafe fn pass32<Q: Quants32>(
+        w: &[Q::Block],
+        nb: usize,
+        x: &[ActQ8_0],
+        out: super::Out,
+    ) {
+        macro_rules! by_rows {
+            ($($n:literal)*) => {
+                match x.len() / nb {
+                    $($n => {
+                        // SAFETY: AVX2 support is the caller's contract.
+                        unsafe { rows32::<Q, $n>(w, nb, x, out) }
+                    })*
+                    _ => {}
+                }
+            };
+        }
+        by_rows!(1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16)
+    }
+
+    /// Lane `k` = the sum of the 8 `i32` lanes of `p[k]`.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    fn reduce8(p: [__m256i; 8]) -> __m256i {
+        let a = _mm256_hadd_epi32(p[0], p[1]);
+        let b = _mm256_hadd_epi32(p[2], p[3]);
+        let c = _mm256_hadd_epi32(p[4], p[5]);
+        let d = _mm256_hadd_epi32(p[6], p[7]);
+        // `ab` holds the sums of columns 0..4, over input lanes 0..4 in its low half and 4..8 in
+        // its high half; `cd` the same for columns 4..8.
+        let ab = _mm256_hadd_epi32(a, b);
+        let cd = _mm256_hadd_epi32(c, d);
+        _mm256_add_epi32(
+            _mm256_permute2x128_si256(ab, cd, 0x20),
+            _mm256_permute2x128_si256(ab, cd, 0x31),
+        )
+    }
+
+    /// `N` activation rows against the weight rows in `w` (`nb` blocks each), 8 weight rows at a
+    /// time; a last group of fewer than 8 repeats its last row in the spare lanes and does not write
+    /// them.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and F16C; `out` as [`super::pass`].
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn rows32<Q: Quants32, const N: usize>(
+        w: &[Q::Block],
+        nb: usize,
+        x: &[ActQ8_0],
+        out: super::Out,
+    ) {
+        let cols = w.len() / nb;
+        let ones = _mm256_set1_epi16(1);
+        for c in (0..cols).step_by(8) {
+            // The 8 weight rows of the group, by pointer: `wp[k].add(b)` is block `b` of row `k`.
+            let wp: [*const Q::Block; 8] =
+                std::array::from_fn(|k| w[(c + k).min(cols - 1) * nb..].as_ptr());
+            let mut acc = [_mm256_setzero_ps(); N];
+            // The 8 rows are adjacent, so the group reads one contiguous run of bytes, but as 8
+            // interleaved streams, which the hardware prefetchers follow poorly from memory: each
+            // block step prefetches its share of the next group's run instead.
+            let group_bytes = 8 * nb * std::mem::size_of::<Q::Block>();
+            let step_bytes = 8 * std::mem::size_of::<Q::Block>();
+            let next = wp[0].cast::<i8>().wrapping_add(group_bytes);
+            for b in 0..nb {
+                let mut line = b * step_bytes;
+                while line < (b + 1) * step_bytes {
+                    // A prefetch reads nothing the program sees and cannot fault.
+                    _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(line));
+                    line += 64;
+                }
+                // SAFETY: `b < nb` and each row pointer starts a row of `nb` blocks of `w`.
+                let bl = |k: usize| unsafe { &*wp[k].add(b) };
+                // SAFETY (all unsafe calls of this loop): AVX2 support is the caller's contract.
+                let u = unsafe {
+                    [
+                        Q::unpack(bl(0)),
+                        Q::unpack(bl(1)),
+                        Q::unpack(bl(2)),
+                        Q::unpack(bl(3)),
+                        Q::unpack(bl(4)),
+                        Q::unpack(bl(5)),
+                        Q::unpack(bl(6)),
+                        Q::unpack(bl(7)),
+                    ]
+                };
+                let h = |k: usize| bl(k).scale().0 as i16;
+                let d = _mm256_cvtph_ps(_mm_set_epi16(
+                    h(7),
+                    h(6),
+                    h(5),
+                    h(4),
+                    h(3),
+                    h(2),
+                    h(1),
+                    h(0),
+                ));
+                for (r, a) in acc.iter_mut().enumerate() {
+                    let xb = &x[r * nb + b];
+                    // SAFETY: `xb.qs` is 32 bytes, one unaligned 256-bit load.
+                    let y = unsafe { _mm256_loadu_si256(xb.qs.as_ptr().cast()) };
+                    let p = unsafe {
+                        [
+                            _mm256_madd_epi16(Q::pairs(&u[0], y), ones),
+                            _mm256_madd_epi16(Q::pairs(&u[1], y), ones),
+                            _mm256_madd_epi16(Q::pairs(&u[2], y), ones),
+                            _mm256_madd_epi16(Q::pairs(&u[3], y), ones),
+                            _mm256_madd_epi16(Q::pairs(&u[4], y), ones),
+                            _mm256_madd_epi16(Q::pairs(&u[5], y), ones),
+                            _mm256_madd_epi16(Q::pairs(&u[6], y), ones),
+                            _mm256_madd_epi16(Q::pairs(&u[7], y), ones),
+                        ]
+                    };
+                    let mut sums = reduce8(p);
+                    if Q::OFFSET != 0 {
+                        sums = _mm256_sub_epi32(sums, _mm256_set1_epi32(Q::OFFSET * xb.sum));
+                    }
+                    let dd = _mm256_mul_ps(d, _mm256_set1_ps(xb.d));
+                    *a = _mm256_add_ps(*a, _mm256_mul_ps(dd, _mm256_cvtepi32_ps(sums)));
+                }
+            }
+            for (r, a) in acc.iter().enumerate() {
+                let mut lanes = [0f32; 8];
+                // SAFETY: `lanes` is 8 floats.
+                unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), *a) };
+                for (k, &v) in lanes.iter().enumerate().take(cols - c) {
+                    // SAFETY: the caller's contract (column `c + k < cols`).
+                    unsafe { out.write(r, c + k, v) };
+                }
+            }
+        }
     }
 }

@@ -181,6 +181,7 @@ fn q8_0_activations_round_their_scale_to_f16_and_quants_half_away_from_zero() {
     x[1] = -2.5 * 0.1;
     let mut out = [ActQ8_0 {
         d: 0.0,
+        sum: 0,
         qs: [0; 32],
     }];
     quantize_row_q8_0(&x, &mut out);

@@ -1,5 +1,6 @@
 //! Median time of a single-token step of a model, optionally with a restricted logits vocabulary:
-//! `cargo run --release -p specdec-runtime --example step_time -- MODEL.gguf [LOGITS_VOCAB]`.
+//! `cargo run --release -p specdec-runtime --example step_time -- MODEL.gguf [LOGITS_VOCAB]`
+//! (`STEP_TIME_CONTEXT=N` sets the context before the timed steps; default 64).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -17,9 +18,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ..LoadOptions::default()
     };
     let model = Arc::new(Model::load(&path, &options)?);
-    let mut s = Session::new(model, 512);
-    let ctx: Vec<u32> = (0..64).map(|i| 1000 + 7 * i).collect();
+    let context: u32 = std::env::var("STEP_TIME_CONTEXT").map_or(Ok(64), |s| s.parse())?;
+    let mut s = Session::new(model, context as usize + 128);
+    let ctx: Vec<u32> = (0..context).map(|i| 1000 + 7 * (i % 4000)).collect();
+    let start = Instant::now();
     s.feed(&ctx, 1)?;
+    let prefill = start.elapsed().as_secs_f64();
     let mut times = Vec::new();
     for i in 0..64u32 {
         let start = Instant::now();
@@ -28,8 +32,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     times.sort_by(f64::total_cmp);
     println!(
-        "logits vocab {:?}: median step {:.2} ms, fastest {:.2} ms",
+        "logits vocab {:?}: prefill {:.1} tok/s, median step {:.2} ms, fastest {:.2} ms",
         logits_vocab,
+        ctx.len() as f64 / prefill,
         times[times.len() / 2] * 1e3,
         times[0] * 1e3
     );

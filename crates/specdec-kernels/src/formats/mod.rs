@@ -5,13 +5,22 @@
 //!
 //! # The reference arithmetic
 //!
-//! Every dot product here has the same shape, chosen so that a SIMD kernel can reproduce it bit for bit:
-//! within a block, products are summed *exactly* in `i32` into 8 lanes (lane `j` takes the products at
-//! positions `32g + 4j .. 32g + 4j + 4` of every 32-value group `g`, with that sub-block's integer scale
-//! applied), each lane is converted to `f32`, multiplied by the block's combined float scale and added
-//! to a per-lane `f32` accumulator (a multiply then an add, never fused), and after the last block the
-//! 8 accumulators are summed by [`hsum8`]'s fixed tree. The AVX2 kernels produce the same lanes with
-//! `maddubs`/`madd` and the same float operations, so every CPU level returns identical bits.
+//! Every dot product here has a fixed shape, chosen so that a SIMD kernel can reproduce it bit for bit.
+//! Integer products are always summed *exactly* in `i32`, so only the float operations need a fixed
+//! order, and those are a multiply then an add, never fused:
+//!
+//! - **K-quants** (Q4_K, Q6_K): within a block the products go into 8 lanes (lane `j` takes the
+//!   products at positions `32g + 4j .. 32g + 4j + 4` of every 32-value group `g`, with that
+//!   sub-block's integer scale applied); each lane is converted to `f32`, multiplied by the block's
+//!   combined float scale and added to a per-lane `f32` accumulator, and after the last block the 8
+//!   accumulators are summed by [`hsum8`]'s fixed tree.
+//! - **32-value formats** (Q8_0, Q4_0, Q5_0): a block's 32 products are summed into one `i32`, which
+//!   is converted to `f32`, multiplied by `d_w · d_x` and added to a single `f32` accumulator, block
+//!   after block. With one number per block, a kernel can compute 8 weight rows side by side in the
+//!   8 lanes of a vector, so the float work and the scale conversion are shared by 8 rows.
+//!
+//! The AVX2 kernels produce the same integers with `maddubs`/`madd` and the same float operations, so
+//! every CPU level returns identical bits.
 //!
 //! This is llama.cpp's arithmetic up to the grouping of the float operations: ggml's own scalar and
 //! AVX2 dot products already differ from each other in that grouping (and in FMA use), so llama.cpp
@@ -175,22 +184,24 @@ pub(crate) fn dequantize_signed<B: SignedBlock32>(block: &B, out: &mut [f32]) {
     }
 }
 
-/// Reference dot product of a row of [`SignedBlock32`] weights with a Q8_0 activation row (lane
-/// arithmetic as in [`crate::formats`]).
+/// Reference dot product of a row of [`SignedBlock32`] weights with a Q8_0 activation row (one exact
+/// `i32` per block, as in [`crate::formats`]).
 ///
 /// # Panics
 /// If the rows differ in length.
 pub(crate) fn dot_signed_q8_0<B: SignedBlock32>(w: &[B], x: &[ActQ8_0]) -> f32 {
     assert_eq!(w.len(), x.len(), "rows must have the same number of blocks");
-    let mut acc = [0f32; 8];
+    let mut acc = 0f32;
     for (wb, xb) in w.iter().zip(x) {
-        let q = wb.signed_quants().map(i32::from);
-        let d = wb.scale().to_f32() * xb.d;
-        for (j, a) in acc.iter_mut().enumerate() {
-            *a += d * lane4(&q, &xb.qs, j) as f32;
-        }
+        let sum: i32 = wb
+            .signed_quants()
+            .iter()
+            .zip(&xb.qs)
+            .map(|(&q, &y)| i32::from(q) * i32::from(y))
+            .sum();
+        acc += (wb.scale().to_f32() * xb.d) * sum as f32;
     }
-    hsum8(acc)
+    acc
 }
 
 pub(crate) fn le_u16(bytes: &[u8], at: usize) -> u16 {

@@ -79,23 +79,26 @@ pub fn dot_q4_0_q8_0(w: &[BlockQ4_0], x: &[ActQ8_0]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
     use super::BlockQ4_0;
-    use crate::formats::q8_0::avx2::SignedQuants;
+    use crate::formats::q8_0::avx2::Quants32;
     use std::arch::x86_64::*;
 
     pub(crate) struct Q4_0;
 
-    impl SignedQuants for Q4_0 {
+    impl Quants32 for Q4_0 {
         type Block = BlockQ4_0;
+
+        /// The nibbles as they are (`q = nibble - 8`); a pair sum is at most 2 · 15 · 127.
+        const OFFSET: i32 = 8;
 
         #[inline]
         #[target_feature(enable = "avx2,f16c")]
-        unsafe fn quants(block: &BlockQ4_0) -> __m256i {
+        unsafe fn unpack(block: &BlockQ4_0) -> [__m256i; 2] {
             // SAFETY: `block.qs` is 16 bytes, one unaligned 128-bit load.
             let v = unsafe { _mm_loadu_si128(block.qs.as_ptr().cast()) };
             let low = _mm_set1_epi8(0x0f);
             let lo = _mm_and_si128(v, low);
             let hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
-            _mm256_sub_epi8(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(8))
+            [_mm256_set_m128i(hi, lo), _mm256_setzero_si256()]
         }
     }
 }

@@ -86,19 +86,21 @@ pub fn dot_q5_0_q8_0(w: &[BlockQ5_0], x: &[ActQ8_0]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
     use super::BlockQ5_0;
-    use crate::formats::q8_0::avx2::SignedQuants;
+    use crate::formats::q8_0::avx2::Quants32;
     use std::arch::x86_64::*;
 
     pub(crate) struct Q5_0;
 
-    impl SignedQuants for Q5_0 {
+    impl Quants32 for Q5_0 {
         type Block = BlockQ5_0;
 
-        /// Nibbles in value order, then `0xf0` or-ed into every byte whose fifth bit is clear: as an
-        /// `i8` that is `nibble - 16`, and a set bit leaves `nibble = (nibble + 16) - 16`.
+        /// The 5-bit quants as they are (`q = u - 16`); a pair sum is at most 2 · 31 · 127.
+        const OFFSET: i32 = 16;
+
+        /// Nibbles in value order, with `0x10` or-ed into every byte whose fifth bit is set.
         #[inline]
         #[target_feature(enable = "avx2,f16c")]
-        unsafe fn quants(block: &BlockQ5_0) -> __m256i {
+        unsafe fn unpack(block: &BlockQ5_0) -> [__m256i; 2] {
             // SAFETY: `block.qs` is 16 bytes, one unaligned 128-bit load.
             let v = unsafe { _mm_loadu_si128(block.qs.as_ptr().cast()) };
             let low = _mm_set1_epi8(0x0f);
@@ -117,10 +119,10 @@ pub(crate) mod avx2 {
             let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(qh), pick);
             let others = _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe);
             let set = _mm256_cmpeq_epi8(_mm256_or_si256(bytes, others), _mm256_set1_epi8(-1));
-            _mm256_or_si256(
-                nibbles,
-                _mm256_andnot_si256(set, _mm256_set1_epi8(0xf0_u8 as i8)),
-            )
+            [
+                _mm256_or_si256(nibbles, _mm256_and_si256(set, _mm256_set1_epi8(0x10))),
+                _mm256_setzero_si256(),
+            ]
         }
     }
 }

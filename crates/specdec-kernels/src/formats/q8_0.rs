@@ -54,12 +54,15 @@ impl WeightBlock for BlockQ8_0 {
 }
 
 /// A Q8_0-quantised activation block: ggml's `block_q8_0` numbers (the scale is rounded to f16), with
-/// the scale kept widened to `f32` so the hot loop need not convert it. Quants lie in `-127..=127`.
+/// the scale kept widened to `f32` so the hot loop need not convert it, and the sum of the quants (what
+/// a kernel subtracts once per block for weights stored with an offset). Quants lie in `-127..=127`.
 #[derive(Clone, Copy, Debug, PartialEq)]
 #[repr(C)]
 pub struct ActQ8_0 {
     /// Scale: an f16 value, widened.
     pub d: f32,
+    /// The sum of `qs`.
+    pub sum: i32,
     /// Quants, in value order.
     pub qs: [i8; QK8_0],
 }
@@ -91,6 +94,7 @@ pub fn quantize_row_q8_0(x: &[f32], out: &mut [ActQ8_0]) {
             // |v · id| ≤ 127 (up to rounding of id, which round() absorbs), so the cast cannot saturate.
             *q = (v * id).round() as i8;
         }
+        block.sum = block.qs.iter().map(|&q| i32::from(q)).sum();
     }
 }
 
@@ -105,80 +109,60 @@ pub fn dot_q8_0_q8_0(w: &[BlockQ8_0], x: &[ActQ8_0]) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
-    use super::{ActQ8_0, BlockQ8_0};
+    use super::BlockQ8_0;
     use crate::formats::SignedBlock32;
-    use crate::simd::avx2::{f16_to_f32, Dequantizer};
     use std::arch::x86_64::*;
 
-    /// 32 signed weights and their magnitudes (for `maddubs`, whose first operand is unsigned).
-    pub(crate) struct SignedBlock {
-        pub(crate) w: __m256i,
-        pub(crate) abs: __m256i,
-        pub(crate) d: f32,
-    }
-
-    /// Lane `j` = sum of `w[k] · y[k]` over `k` in `4j .. 4j + 4`, then `acc + (dw · dy) · lane`.
-    ///
-    /// Exact: `|w| ≤ 128` and `|y| ≤ 127`, so a `maddubs` pair sum stays below `i16::MAX`; `y` is never
-    /// -128, so `sign(y, w)` cannot overflow.
-    #[inline]
-    #[target_feature(enable = "avx2,f16c")]
-    pub(crate) fn accumulate_signed(w: &SignedBlock, x: &ActQ8_0, acc: __m256) -> __m256 {
-        // SAFETY: `x.qs` is 32 bytes, one unaligned 256-bit load.
-        let y = unsafe { _mm256_loadu_si256(x.qs.as_ptr().cast()) };
-        let p16 = _mm256_maddubs_epi16(w.abs, _mm256_sign_epi8(y, w.w));
-        let lanes = _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
-        _mm256_add_ps(
-            acc,
-            _mm256_mul_ps(_mm256_set1_ps(w.d * x.d), _mm256_cvtepi32_ps(lanes)),
-        )
-    }
-
-    /// The AVX2 half of a 32-value signed format (Q8_0, Q4_0, Q5_0): its quants as 32 `i8` lanes in
-    /// value order. Unpacking and accumulating are then the same for all of them.
-    pub(crate) trait SignedQuants {
+    /// The AVX2 half of a 32-value format (Q8_0, Q4_0, Q5_0): a block's quants in registers, and the
+    /// `i16` pair sums of their products with 32 activation quants. The kernel
+    /// ([`crate::simd::avx2::pass32`]) does the rest, the same for all of them.
+    pub(crate) trait Quants32 {
         /// The weight block.
         type Block: SignedBlock32;
 
+        /// The quants are stored as `u = q + OFFSET` (`u` unsigned); 0 for signed quants.
+        const OFFSET: i32;
+
+        /// The quants in value order: `u` as unsigned bytes, or for `OFFSET == 0` the signed quants
+        /// in `[0]` and their magnitudes in `[1]`.
+        ///
         /// # Safety
         /// The CPU must support AVX2.
-        unsafe fn quants(block: &Self::Block) -> __m256i;
-    }
+        unsafe fn unpack(block: &Self::Block) -> [__m256i; 2];
 
-    impl<T: SignedQuants> Dequantizer for T {
-        type Block = T::Block;
-        type Act = ActQ8_0;
-        type Unpacked = SignedBlock;
-
+        /// The 16 `i16` sums `u[2i] · y[2i] + u[2i + 1] · y[2i + 1]` (or with `q` for signed quants),
+        /// exact for activation quants in `-127..=127`.
+        ///
+        /// # Safety
+        /// The CPU must support AVX2.
         #[inline]
         #[target_feature(enable = "avx2,f16c")]
-        unsafe fn unpack(block: &T::Block) -> SignedBlock {
-            // SAFETY: AVX2 support is the caller's contract.
-            let w = unsafe { T::quants(block) };
-            SignedBlock {
-                w,
-                abs: _mm256_sign_epi8(w, w),
-                d: f16_to_f32(block.scale()),
-            }
-        }
-
-        #[inline]
-        #[target_feature(enable = "avx2,f16c")]
-        unsafe fn accumulate(w: &SignedBlock, x: &ActQ8_0, acc: __m256) -> __m256 {
-            accumulate_signed(w, x, acc)
+        unsafe fn pairs(w: &[__m256i; 2], y: __m256i) -> __m256i {
+            _mm256_maddubs_epi16(w[0], y)
         }
     }
 
     pub(crate) struct Q8_0;
 
-    impl SignedQuants for Q8_0 {
+    impl Quants32 for Q8_0 {
         type Block = BlockQ8_0;
+
+        const OFFSET: i32 = 0;
 
         #[inline]
         #[target_feature(enable = "avx2,f16c")]
-        unsafe fn quants(block: &BlockQ8_0) -> __m256i {
+        unsafe fn unpack(block: &BlockQ8_0) -> [__m256i; 2] {
             // SAFETY: `block.qs` is 32 bytes, one unaligned 256-bit load.
-            unsafe { _mm256_loadu_si256(block.qs.as_ptr().cast()) }
+            let w = unsafe { _mm256_loadu_si256(block.qs.as_ptr().cast()) };
+            [w, _mm256_sign_epi8(w, w)]
+        }
+
+        /// `maddubs(|w|, sign(y, w))`: `|w| ≤ 128` and `|y| ≤ 127`, so a pair sum stays below
+        /// `i16::MAX`; `y` is never -128, so `sign` cannot overflow.
+        #[inline]
+        #[target_feature(enable = "avx2,f16c")]
+        unsafe fn pairs(w: &[__m256i; 2], y: __m256i) -> __m256i {
+            _mm256_maddubs_epi16(w[1], _mm256_sign_epi8(y, w[0]))
         }
     }
 }

@@ -699,12 +699,34 @@ impl Attend<'_> {
             }
             for (g, oh) in out.chunks_exact_mut(hd).enumerate() {
                 let w = &scores[g * n + js..g * n + js + jn];
+                // 64 output elements at a time: eight independent 8-lane sums, so the adds of one
+                // do not wait on the others'.
+                let mut wide = oh.chunks_exact_mut(64);
+                for (c, o) in (&mut wide).enumerate() {
+                    let mut acc = [[0.0f32; 8]; 8];
+                    for (a, o) in acc.iter_mut().zip(o.chunks_exact(8)) {
+                        a.copy_from_slice(o);
+                    }
+                    for (jj, &wj) in w.iter().enumerate() {
+                        let v = &vals[jj * hd + 64 * c..][..64];
+                        for (a, v) in acc.iter_mut().zip(v.chunks_exact(8)) {
+                            for l in 0..8 {
+                                a[l] += wj * v[l];
+                            }
+                        }
+                    }
+                    for (a, o) in acc.iter().zip(o.chunks_exact_mut(8)) {
+                        o.copy_from_slice(a);
+                    }
+                }
+                let done = hd - hd % 64;
+                let oh = wide.into_remainder();
                 let mut chunks = oh.chunks_exact_mut(8);
                 for (c, o) in (&mut chunks).enumerate() {
                     let mut acc = [0.0f32; 8];
                     acc.copy_from_slice(o);
                     for (jj, &wj) in w.iter().enumerate() {
-                        let v = &vals[jj * hd + 8 * c..jj * hd + 8 * c + 8];
+                        let v = &vals[jj * hd + done + 8 * c..][..8];
                         for l in 0..8 {
                             acc[l] += wj * v[l];
                         }

@@ -18,16 +18,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ..LoadOptions::default()
     };
     let model = Arc::new(Model::load(&path, &options)?);
+    // Token ids within any vocabulary, tiny test models' included.
+    let vocab = model.config().vocab as u32;
     let context: u32 = std::env::var("STEP_TIME_CONTEXT").map_or(Ok(64), |s| s.parse())?;
     let mut s = Session::new(model, context as usize + 128);
-    let ctx: Vec<u32> = (0..context).map(|i| 1000 + 7 * (i % 4000)).collect();
+    let ctx: Vec<u32> = (0..context)
+        .map(|i| (1000 + 7 * (i % 4000)) % vocab)
+        .collect();
     let start = Instant::now();
     s.feed(&ctx, 1)?;
     let prefill = start.elapsed().as_secs_f64();
     let mut times = Vec::new();
     for i in 0..64u32 {
         let start = Instant::now();
-        s.feed(&[2000 + i], 1)?;
+        s.feed(&[(2000 + i) % vocab], 1)?;
         times.push(start.elapsed().as_secs_f64());
     }
     times.sort_by(f64::total_cmp);

@@ -11,7 +11,7 @@ use candle_core::quantized::GgmlDType;
 use specdec_runtime::testing::{llama3_rope_freqs, TinySpec};
 use specdec_runtime::Arch;
 
-const USAGE: &str = "usage: write_tiny OUT.gguf [qwen2|llama] [--dtype f32|f16|q8_0|q4_0|q4_1|q5_0|q4_k|q5_k|q6_k] [--head-dim N] [--rope-freqs] [--rope-linear FACTOR] [--ctx N]";
+const USAGE: &str = "usage: write_tiny OUT.gguf [qwen2|llama] [--dtype f32|f16|q8_0|q4_0|q4_1|q5_0|q4_k|q5_k|q6_k] [--head-dim N] [--rope-freqs] [--rope-linear FACTOR] [--ctx N] [--heads Q,KV] [--layers N]";
 
 fn dtype(s: &str) -> Option<GgmlDType> {
     Some(match s {
@@ -37,6 +37,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut rope_freqs = false;
     let mut rope_linear = None;
     let mut ctx = 4096;
+    let mut heads = None;
+    let mut layers = None;
     let mut it = args[1..].iter();
     while let Some(a) = it.next() {
         let mut value = || it.next().ok_or(USAGE);
@@ -48,10 +50,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "--rope-freqs" => rope_freqs = true,
             "--rope-linear" => rope_linear = Some(value()?.parse::<f32>()?),
             "--ctx" => ctx = value()?.parse::<usize>()?,
+            "--heads" => {
+                let (q, kv) = value()?.split_once(',').ok_or(USAGE)?;
+                heads = Some((q.parse::<usize>()?, kv.parse::<usize>()?));
+            }
+            "--layers" => layers = Some(value()?.parse::<usize>()?),
             _ => return Err(format!("unknown argument `{a}`\n{USAGE}").into()),
         }
     }
-    let base = TinySpec::new(arch, ty);
+    let mut base = TinySpec::new(arch, ty);
+    if let Some((q, kv)) = heads {
+        (base.n_head, base.n_head_kv) = (q, kv);
+    }
+    base.n_layer = layers.unwrap_or(base.n_layer);
     let rope_dim = head_dim.unwrap_or(base.n_embd / base.n_head);
     TinySpec {
         ctx,

@@ -734,19 +734,23 @@ impl Profile {
     }
 }
 
-/// `r[m - 1]`, continued past the end with the last slope.
+/// `r[m - 1]` read as a cost curve: never below 1 nor below the cost of fewer tokens (scoring more
+/// tokens cannot cost less, so a noisy measurement under an earlier one reads as that one), and past
+/// the end continued with the last non-negative slope.
 fn curve_r(r: &[f64], m: usize) -> f64 {
-    match r.get(m.max(1) - 1) {
-        Some(&v) => v,
-        None => {
-            let n = r.len();
-            let Some(&last) = r.last() else {
-                return 1.0;
-            };
-            let slope = if n >= 2 { last - r[n - 2] } else { 0.0 };
-            last + slope * (m - n) as f64
-        }
+    let m = m.max(1);
+    let upto = m.min(r.len());
+    let here = r[..upto].iter().copied().fold(1.0, f64::max);
+    if m <= r.len() {
+        return here;
     }
+    let n = r.len();
+    if n == 0 {
+        return 1.0;
+    }
+    let before = r[..n - 1].iter().copied().fold(1.0, f64::max);
+    let slope = if n >= 2 { here - before } else { 0.0 };
+    here + slope * (m - n) as f64
 }
 
 /// The cost model's view of one round, handed to drafters in [`crate::DraftRequest::costs`]; every
@@ -914,6 +918,22 @@ pub fn best_draft_len_with(
         }
     }
     best
+}
+
+#[cfg(test)]
+mod curve_tests {
+    use super::curve_r;
+
+    #[test]
+    fn a_noisy_cost_curve_reads_as_non_decreasing_and_at_least_one() {
+        let r = [1.0, 0.84, 0.95, 1.16, 1.76, 1.5];
+        let read: Vec<f64> = (1..=8).map(|m| curve_r(&r, m)).collect();
+        assert_eq!(read, [1.0, 1.0, 1.0, 1.16, 1.76, 1.76, 1.76, 1.76]);
+        let rising = [1.0, 1.2, 1.5];
+        assert!((curve_r(&rising, 5) - 2.1).abs() < 1e-12);
+        assert_eq!(curve_r(&[], 3), 1.0);
+        assert_eq!(curve_r(&[0.5], 0), 1.0);
+    }
 }
 
 #[cfg(test)]

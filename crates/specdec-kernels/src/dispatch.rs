@@ -11,7 +11,8 @@ pub const LEVEL_ENV: &str = "SPECDEC_KERNELS";
 pub enum CpuLevel {
     /// Portable Rust, the reference.
     Scalar,
-    /// x86-64 AVX2 and F16C (`maddubs`/`madd` integer dot products).
+    /// x86-64 AVX2, F16C and FMA (`maddubs`/`madd` integer dot products; fused multiply-adds in
+    /// attention).
     Avx2,
 }
 
@@ -36,6 +37,7 @@ impl CpuLevel {
             CpuLevel::Avx2 => {
                 std::arch::is_x86_feature_detected!("avx2")
                     && std::arch::is_x86_feature_detected!("f16c")
+                    && std::arch::is_x86_feature_detected!("fma")
             }
             #[cfg(not(target_arch = "x86_64"))]
             CpuLevel::Avx2 => false,

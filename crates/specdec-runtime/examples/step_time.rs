@@ -1,6 +1,8 @@
 //! Median time of a single-token step of a model, optionally with a restricted logits vocabulary:
 //! `cargo run --release -p specdec-runtime --example step_time -- MODEL.gguf [LOGITS_VOCAB]`
-//! (`STEP_TIME_CONTEXT=N` sets the context before the timed steps; default 64).
+//! (`STEP_TIME_CONTEXT=N` sets the context before the timed steps, default 64; `STEP_TIME_STEPS=N`
+//! the number of timed steps, default 64;
+//! `STEP_TIME_THREADS=N` the kernel threads).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -13,15 +15,21 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .next()
         .ok_or("usage: step_time MODEL.gguf [LOGITS_VOCAB]")?;
     let logits_vocab = args.next().map(|s| s.parse::<usize>()).transpose()?;
+    let threads = std::env::var("STEP_TIME_THREADS")
+        .ok()
+        .map(|s| s.parse::<usize>())
+        .transpose()?;
     let options = LoadOptions {
         logits_vocab,
+        threads,
         ..LoadOptions::default()
     };
     let model = Arc::new(Model::load(&path, &options)?);
     // Token ids within any vocabulary, tiny test models' included.
     let vocab = model.config().vocab as u32;
     let context: u32 = std::env::var("STEP_TIME_CONTEXT").map_or(Ok(64), |s| s.parse())?;
-    let mut s = Session::new(model, context as usize + 128);
+    let steps: u32 = std::env::var("STEP_TIME_STEPS").map_or(Ok(64), |s| s.parse())?;
+    let mut s = Session::new(model, (context + steps) as usize + 1);
     let ctx: Vec<u32> = (0..context)
         .map(|i| (1000 + 7 * (i % 4000)) % vocab)
         .collect();
@@ -29,7 +37,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     s.feed(&ctx, 1)?;
     let prefill = start.elapsed().as_secs_f64();
     let mut times = Vec::new();
-    for i in 0..64u32 {
+    for i in 0..steps {
         let start = Instant::now();
         s.feed(&[(2000 + i) % vocab], 1)?;
         times.push(start.elapsed().as_secs_f64());

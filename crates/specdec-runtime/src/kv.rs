@@ -10,13 +10,15 @@ use specdec_kernels::F16;
 
 use crate::error::{Error, Result};
 
-/// Keys and values per layer, `[capacity, kv_dim]` f16 bit patterns each, of which the first `len`
-/// rows are valid.
+/// Keys and values per layer, `[heads, capacity, head_dim]` f16 bit patterns each (one KV head's
+/// positions contiguous, so attention over a head reads one stream), of which the first `len`
+/// positions are valid.
 #[derive(Clone, Debug)]
 pub struct KvCache {
     k: Vec<Vec<u16>>,
     v: Vec<Vec<u16>>,
-    kv_dim: usize,
+    heads: usize,
+    head_dim: usize,
     capacity: usize,
     len: usize,
     /// The forward pass's buffers, reused from one pass to the next.
@@ -24,12 +26,15 @@ pub struct KvCache {
 }
 
 impl KvCache {
-    /// A cache for `n_layer` layers of `kv_dim` values per position and `capacity` positions.
-    pub fn new(n_layer: usize, kv_dim: usize, capacity: usize) -> Self {
+    /// A cache for `n_layer` layers of `heads` KV heads of `head_dim` values per position, and
+    /// `capacity` positions.
+    pub fn new(n_layer: usize, heads: usize, head_dim: usize, capacity: usize) -> Self {
+        let size = heads * capacity * head_dim;
         Self {
-            k: (0..n_layer).map(|_| vec![0; capacity * kv_dim]).collect(),
-            v: (0..n_layer).map(|_| vec![0; capacity * kv_dim]).collect(),
-            kv_dim,
+            k: (0..n_layer).map(|_| vec![0; size]).collect(),
+            v: (0..n_layer).map(|_| vec![0; size]).collect(),
+            heads,
+            head_dim,
             capacity,
             len: 0,
             scratch: crate::model::Scratch::default(),
@@ -80,26 +85,37 @@ impl KvCache {
         Ok(())
     }
 
-    /// Writes rows `pos..pos + m` of layer `layer` (`k` and `v` are `[m, kv_dim]`), rounded to f16.
+    /// Writes positions `pos..pos + m` of layer `layer` (`k` and `v` are `[m, heads * head_dim]`),
+    /// rounded to f16.
     pub(crate) fn write(&mut self, layer: usize, pos: usize, k: &[f32], v: &[f32]) {
-        let (a, b) = (pos * self.kv_dim, pos * self.kv_dim + k.len());
-        for (d, &x) in self.k[layer][a..b].iter_mut().zip(k) {
-            *d = F16::from_f32(x).0;
-        }
-        for (d, &x) in self.v[layer][a..b].iter_mut().zip(v) {
-            *d = F16::from_f32(x).0;
+        let hd = self.head_dim;
+        let stride = self.head_stride();
+        for (src, dst) in [(k, &mut self.k[layer]), (v, &mut self.v[layer])] {
+            for (r, row) in src.chunks_exact(self.heads * hd).enumerate() {
+                for (h, head) in row.chunks_exact(hd).enumerate() {
+                    let at = h * stride + (pos + r) * hd;
+                    for (d, &x) in dst[at..at + hd].iter_mut().zip(head) {
+                        *d = F16::from_f32(x).0;
+                    }
+                }
+            }
         }
     }
 
     /// Bytes of keys and values held per position (all layers).
     pub fn bytes_per_position(&self) -> usize {
-        2 * self.k.len() * self.kv_dim * std::mem::size_of::<u16>()
+        2 * self.k.len() * self.heads * self.head_dim * std::mem::size_of::<u16>()
     }
 
-    /// Keys and values of layer `layer` for positions `0..upto`, as f16 bit patterns.
-    pub(crate) fn layer(&self, layer: usize, upto: usize) -> (&[u16], &[u16]) {
-        let n = upto * self.kv_dim;
-        (&self.k[layer][..n], &self.v[layer][..n])
+    /// Keys and values of layer `layer`, as f16 bit patterns: KV head `h`'s position `j` is at
+    /// `h * head_stride() + j * head_dim`.
+    pub(crate) fn layer(&self, layer: usize) -> (&[u16], &[u16]) {
+        (&self.k[layer], &self.v[layer])
+    }
+
+    /// The distance between the first values of two consecutive KV heads.
+    pub(crate) fn head_stride(&self) -> usize {
+        self.capacity * self.head_dim
     }
 
     /// Marks `len` positions valid after a forward pass wrote them.

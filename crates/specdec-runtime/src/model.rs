@@ -248,7 +248,12 @@ impl Model {
 
     /// A KV cache sized for this model.
     pub fn cache(&self, capacity: usize) -> KvCache {
-        KvCache::new(self.config.n_layer, self.config.kv_dim(), capacity)
+        KvCache::new(
+            self.config.n_layer,
+            self.config.n_head_kv,
+            self.config.head_dim,
+            capacity,
+        )
     }
 
     /// Runs `tokens` at positions `cache.len()..`, appending their keys and values to `cache`, and
@@ -365,12 +370,11 @@ impl Model {
                     &k[a * kv_dim..b * kv_dim],
                     &v[a * kv_dim..b * kv_dim],
                 );
-                let (keys, values) = p.cache.layer(li, pos + n);
+                let (keys, values) = p.cache.layer(li);
                 attention(
                     c,
                     &q[a * q_dim..b * q_dim],
-                    keys,
-                    values,
+                    (keys, values, p.cache.head_stride()),
                     pos,
                     &mut attn[a * q_dim..b * q_dim],
                     pool,
@@ -576,8 +580,7 @@ fn check_tensors(g: &Gguf, c: &ModelConfig) -> Result<()> {
 fn attention(
     c: &ModelConfig,
     q: &[f32],
-    keys: &[u16],
-    values: &[u16],
+    (keys, values, head_stride): (&[u16], &[u16], usize),
     pos: usize,
     out: &mut [f32],
     pool: &ThreadPool,
@@ -585,7 +588,6 @@ fn attention(
     let hd = c.head_dim;
     let group = c.n_head / c.n_head_kv;
     let q_dim = c.q_dim();
-    let kv_dim = c.kv_dim();
     let m = q.len() / q_dim;
     let scale = 1.0 / (hd as f32).sqrt();
     let heads = group * hd;
@@ -593,8 +595,8 @@ fn attention(
     let avx2 = Kernels::get().level() == CpuLevel::Avx2;
     pool.for_chunks(m * c.n_head_kv, 1, &|items| {
         let out_ptr = &out_ptr;
-        SCORES.with(|scores| {
-            let mut scores = scores.borrow_mut();
+        SCRATCH.with(|scratch| {
+            let (ref mut scores, ref mut tail) = *scratch.borrow_mut();
             for item in items {
                 let (i, kvh) = (item / c.n_head_kv, item % c.n_head_kv);
                 let at = i * q_dim + kvh * heads;
@@ -606,28 +608,28 @@ fn attention(
                     keys,
                     values,
                     n: pos + i + 1,
-                    off: kvh * hd,
-                    kv_dim,
+                    off: kvh * head_stride,
                     hd,
                     group,
                     scale,
                 };
                 #[cfg(target_arch = "x86_64")]
                 if avx2 {
-                    // SAFETY: `CpuLevel::Avx2` is only chosen on CPUs with AVX2 and F16C.
-                    unsafe { job.run_avx2(oh, &mut scores) };
+                    // SAFETY: `CpuLevel::Avx2` is only chosen on CPUs with AVX2, F16C and FMA.
+                    unsafe { job.run_avx2(oh, scores, tail) };
                     continue;
                 }
                 let _ = avx2;
-                job.run::<Portable>(oh, &mut scores);
+                job.run::<Portable>(oh, scores, tail);
             }
         });
     });
 }
 
 thread_local! {
-    /// Attention scores of the item a thread is working on (grown, never shrunk).
-    static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// Attention scores and widened values of the item a thread is working on, and a copy of its
+    /// last block of keys (grown, never shrunk).
+    static SCRATCH: RefCell<(Vec<f32>, Vec<u16>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
 /// An output pointer shared by the threads of one attention call, each writing its own heads.
@@ -644,45 +646,71 @@ struct Attend<'a> {
     values: &'a [u16],
     /// Keys `0..n` are visible.
     n: usize,
-    /// Offset of this KV head within a cache row.
+    /// Where this KV head's position 0 is in `keys` and `values` (its positions follow, `hd`
+    /// apart).
     off: usize,
-    kv_dim: usize,
     hd: usize,
     group: usize,
     scale: f32,
 }
 
 impl Attend<'_> {
-    /// The loops compiled for AVX2, with F16C for widening the cache rows.
+    /// The loops compiled for AVX2, with F16C for widening the cache rows and FMA.
     #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,f16c")]
-    unsafe fn run_avx2(&self, out: &mut [f32], scores: &mut Vec<f32>) {
-        self.run::<Avx2>(out, scores)
+    #[target_feature(enable = "avx2,f16c,fma")]
+    unsafe fn run_avx2(&self, out: &mut [f32], scores: &mut Vec<f32>, tail: &mut Vec<u16>) {
+        self.run::<Avx2>(out, scores, tail)
     }
 
     #[inline(always)]
-    fn run<L: HalfOps>(&self, out: &mut [f32], scores: &mut Vec<f32>) {
+    fn run<L: HalfOps>(&self, out: &mut [f32], scores: &mut Vec<f32>, tail: &mut Vec<u16>) {
         let (n, hd, group) = (self.n, self.hd, self.group);
-        // [group, n] scores, turned into weights in place, one widened key row, and a block of
-        // widened value rows.
+        // [group, n] scores, turned into weights in place, a block of widened value rows, and a
+        // padded copy of a last block of fewer than 8 keys.
         scores.clear();
-        scores.resize(group * n + hd + VALUE_BLOCK * hd, 0.0);
-        let (scores, rest) = scores.split_at_mut(group * n);
-        let (row, vals) = rest.split_at_mut(hd);
-        for j in 0..n {
-            // SAFETY: `L` is only instantiated where the CPU supports it (see `run_avx2`).
-            unsafe { L::widen(&self.keys[j * self.kv_dim + self.off..][..hd], row) };
+        scores.resize(group * n + VALUE_BLOCK * hd, 0.0);
+        let (scores, vals) = scores.split_at_mut(group * n);
+        tail.clear();
+        tail.resize(8 * hd, 0);
+        // Keys 8 at a time: each query head is dotted with 8 key rows side by side (8 independent
+        // sums). A last block of fewer than 8 is copied, its last row repeated, so that every key's
+        // score comes from the same arithmetic.
+        for js in (0..n).step_by(8) {
+            let first = js * hd + self.off;
+            let keys = if js + 8 <= n {
+                if js + KEYS_AHEAD + 8 <= n {
+                    for jj in 0..8 {
+                        let ahead = first + (KEYS_AHEAD + jj) * hd;
+                        // SAFETY: `L` is only instantiated where the CPU supports it (see
+                        // `run_avx2`).
+                        unsafe { L::prefetch(&self.keys[ahead..][..hd]) };
+                    }
+                }
+                &self.keys[first..first + 8 * hd]
+            } else {
+                let last = &self.keys[first..first + (n - js) * hd];
+                for (jj, dst) in tail.chunks_exact_mut(hd).enumerate() {
+                    let src = (jj * hd).min(last.len() - hd);
+                    dst.copy_from_slice(&last[src..src + hd]);
+                }
+                &tail[..]
+            };
             for g in 0..group {
-                scores[g * n + j] = dot(&self.q[g * hd..(g + 1) * hd], row) * self.scale;
+                let q = &self.q[g * hd..(g + 1) * hd];
+                // SAFETY: as above.
+                let sums = unsafe { L::dot8(q, keys, hd) };
+                for (s, v) in scores[g * n + js..(g + 1) * n].iter_mut().zip(sums) {
+                    *s = v * self.scale;
+                }
             }
         }
         for w in scores.chunks_exact_mut(n) {
             let max = w.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-            // The exponentials first (a loop the compiler vectorises), then their sum in order.
+            // The exponentials first (a loop the compiler vectorises), then their sum.
             for x in w.iter_mut() {
                 *x = exp(*x - max);
             }
-            let total = w.iter().fold(0.0f32, |a, &b| a + b);
+            let total = sum8(w);
             for x in w.iter_mut() {
                 *x /= total;
             }
@@ -693,56 +721,135 @@ impl Attend<'_> {
         for js in (0..n).step_by(VALUE_BLOCK) {
             let jn = VALUE_BLOCK.min(n - js);
             for (jj, dst) in vals.chunks_exact_mut(hd).take(jn).enumerate() {
-                let src = &self.values[(js + jj) * self.kv_dim + self.off..][..hd];
+                let src = &self.values[(js + jj) * hd + self.off..][..hd];
                 // SAFETY: as above.
                 unsafe { L::widen(src, dst) };
+                if js + jj + VALUE_BLOCK < n {
+                    let ahead = (js + jj + VALUE_BLOCK) * hd + self.off;
+                    // SAFETY: as above.
+                    unsafe { L::prefetch(&self.values[ahead..][..hd]) };
+                }
             }
             for (g, oh) in out.chunks_exact_mut(hd).enumerate() {
                 let w = &scores[g * n + js..g * n + js + jn];
-                // 64 output elements at a time: eight independent 8-lane sums, so the adds of one
-                // do not wait on the others'.
-                let mut wide = oh.chunks_exact_mut(64);
-                for (c, o) in (&mut wide).enumerate() {
-                    let mut acc = [[0.0f32; 8]; 8];
-                    for (a, o) in acc.iter_mut().zip(o.chunks_exact(8)) {
-                        a.copy_from_slice(o);
-                    }
-                    for (jj, &wj) in w.iter().enumerate() {
-                        let v = &vals[jj * hd + 64 * c..][..64];
-                        for (a, v) in acc.iter_mut().zip(v.chunks_exact(8)) {
-                            for l in 0..8 {
-                                a[l] += wj * v[l];
-                            }
-                        }
-                    }
-                    for (a, o) in acc.iter().zip(o.chunks_exact_mut(8)) {
-                        o.copy_from_slice(a);
-                    }
-                }
-                let done = hd - hd % 64;
-                let oh = wide.into_remainder();
-                let mut chunks = oh.chunks_exact_mut(8);
-                for (c, o) in (&mut chunks).enumerate() {
-                    let mut acc = [0.0f32; 8];
-                    acc.copy_from_slice(o);
-                    for (jj, &wj) in w.iter().enumerate() {
-                        let v = &vals[jj * hd + done + 8 * c..][..8];
-                        for l in 0..8 {
-                            acc[l] += wj * v[l];
-                        }
-                    }
-                    o.copy_from_slice(&acc);
-                }
-                let done = hd - hd % 8;
-                for (i, o) in chunks.into_remainder().iter_mut().enumerate() {
-                    for (jj, &wj) in w.iter().enumerate() {
-                        *o += wj * vals[jj * hd + done + i];
-                    }
-                }
+                // SAFETY: as above.
+                unsafe { L::weighted_sum(w, &vals[..jn * hd], oh) };
             }
         }
     }
 }
+
+/// The sum of `w`: eight partial sums of every eighth element, in order, then added in order from the
+/// first, then the last `w.len() % 8` elements in order.
+#[inline(always)]
+fn sum8(w: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let chunks = w.chunks_exact(8);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for l in 0..8 {
+            acc[l] += c[l];
+        }
+    }
+    rest.iter().fold(acc.iter().sum::<f32>(), |a, &b| a + b)
+}
+
+/// The dot products of `q` with 8 rows of the f16 cache, row `k` at `keys[k * stride..][..q.len()]`,
+/// each with 8 lane sums of fused multiply-adds over the whole chunks in order, the lanes added in
+/// order, then the products of the tail. The reference for [`HalfOps::dot8`].
+#[inline(always)]
+fn dot8_portable(q: &[f32], keys: &[u16], stride: usize) -> [f32; 8] {
+    let hd = q.len();
+    let body = hd - hd % 8;
+    let mut acc = [[0.0f32; 8]; 8];
+    for c in (0..body).step_by(8) {
+        let qc = &q[c..c + 8];
+        for (k, a) in acc.iter_mut().enumerate() {
+            let kc = &keys[k * stride + c..][..8];
+            for l in 0..8 {
+                a[l] = qc[l].mul_add(f16_to_f32(kc[l]), a[l]);
+            }
+        }
+    }
+    let mut sums = acc.map(|a| a.iter().sum::<f32>());
+    add_tails(q, keys, stride, &mut sums);
+    sums
+}
+
+/// Adds to each of the 8 dot products of [`dot8_portable`] the products of the last `q.len() % 8`
+/// elements, summed in order.
+#[inline(always)]
+fn add_tails(q: &[f32], keys: &[u16], stride: usize, sums: &mut [f32; 8]) {
+    let hd = q.len();
+    let body = hd - hd % 8;
+    if body == hd {
+        return;
+    }
+    for (k, s) in sums.iter_mut().enumerate() {
+        let tail: f32 = q[body..]
+            .iter()
+            .zip(&keys[k * stride + body..k * stride + hd])
+            .map(|(x, &y)| x * f16_to_f32(y))
+            .sum();
+        *s += tail;
+    }
+}
+
+/// `out[i] = fma(w[j], vals[j][i], out[i])` for j = 0, 1, ... in order (`vals` is `[w.len(), out.len()]`): the
+/// reference for [`HalfOps::weighted_sum`]. 64 output elements at a time, eight independent 8-lane
+/// sums, so the adds of one do not wait on the others'.
+#[inline(always)]
+fn weighted_sum_portable(w: &[f32], vals: &[f32], out: &mut [f32]) {
+    let hd = out.len();
+    let mut wide = out.chunks_exact_mut(64);
+    for (c, o) in (&mut wide).enumerate() {
+        let mut acc = [[0.0f32; 8]; 8];
+        for (a, o) in acc.iter_mut().zip(o.chunks_exact(8)) {
+            a.copy_from_slice(o);
+        }
+        for (jj, &wj) in w.iter().enumerate() {
+            let v = &vals[jj * hd + 64 * c..][..64];
+            for (a, v) in acc.iter_mut().zip(v.chunks_exact(8)) {
+                for l in 0..8 {
+                    a[l] = wj.mul_add(v[l], a[l]);
+                }
+            }
+        }
+        for (a, o) in acc.iter().zip(o.chunks_exact_mut(8)) {
+            o.copy_from_slice(a);
+        }
+    }
+    let done = hd - hd % 64;
+    weighted_sum_narrow(w, vals, hd, done, wide.into_remainder());
+}
+
+/// [`weighted_sum_portable`] for the output elements `done..` (fewer than 64), 8 at a time and then
+/// one at a time.
+#[inline(always)]
+fn weighted_sum_narrow(w: &[f32], vals: &[f32], hd: usize, done: usize, out: &mut [f32]) {
+    let mut chunks = out.chunks_exact_mut(8);
+    for (c, o) in (&mut chunks).enumerate() {
+        let mut acc = [0.0f32; 8];
+        acc.copy_from_slice(o);
+        for (jj, &wj) in w.iter().enumerate() {
+            let v = &vals[jj * hd + done + 8 * c..][..8];
+            for l in 0..8 {
+                acc[l] = wj.mul_add(v[l], acc[l]);
+            }
+        }
+        o.copy_from_slice(&acc);
+    }
+    let done = hd - hd % 8;
+    for (i, o) in chunks.into_remainder().iter_mut().enumerate() {
+        for (jj, &wj) in w.iter().enumerate() {
+            *o = wj.mul_add(vals[jj * hd + done + i], *o);
+        }
+    }
+}
+
+/// How many key rows ahead attention asks for the cache lines it will read (the cache of a long
+/// context is read from memory, one head's part of each row with gaps between them).
+const KEYS_AHEAD: usize = 16;
 
 /// Value rows widened and applied together by attention (a 16 KiB block at head size 128).
 const VALUE_BLOCK: usize = 32;
@@ -754,6 +861,24 @@ trait HalfOps {
     /// # Safety
     /// The CPU must support the implementation's instructions.
     unsafe fn widen(src: &[u16], dst: &mut [f32]);
+
+    /// [`dot8_portable`]'s values.
+    ///
+    /// # Safety
+    /// The CPU must support the implementation's instructions.
+    unsafe fn dot8(q: &[f32], keys: &[u16], stride: usize) -> [f32; 8];
+
+    /// [`weighted_sum_portable`]'s values.
+    ///
+    /// # Safety
+    /// The CPU must support the implementation's instructions.
+    unsafe fn weighted_sum(w: &[f32], vals: &[f32], out: &mut [f32]);
+
+    /// Asks for the cache lines of `src` ahead of their use (a hint: no effect on any value).
+    ///
+    /// # Safety
+    /// The CPU must support the implementation's instructions.
+    unsafe fn prefetch(src: &[u16]);
 }
 
 struct Portable;
@@ -765,6 +890,19 @@ impl HalfOps for Portable {
             *d = f16_to_f32(h);
         }
     }
+
+    #[inline(always)]
+    unsafe fn dot8(q: &[f32], keys: &[u16], stride: usize) -> [f32; 8] {
+        dot8_portable(q, keys, stride)
+    }
+
+    #[inline(always)]
+    unsafe fn weighted_sum(w: &[f32], vals: &[f32], out: &mut [f32]) {
+        weighted_sum_portable(w, vals, out)
+    }
+
+    #[inline(always)]
+    unsafe fn prefetch(_: &[u16]) {}
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -773,7 +911,7 @@ struct Avx2;
 #[cfg(target_arch = "x86_64")]
 impl HalfOps for Avx2 {
     #[inline]
-    #[target_feature(enable = "avx2,f16c")]
+    #[target_feature(enable = "avx2,f16c,fma")]
     unsafe fn widen(src: &[u16], dst: &mut [f32]) {
         use std::arch::x86_64::*;
         let n = src.len().min(dst.len());
@@ -789,6 +927,118 @@ impl HalfOps for Avx2 {
         for (d, &h) in dst[i..n].iter_mut().zip(&src[i..n]) {
             *d = f16_to_f32(h);
         }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma")]
+    unsafe fn prefetch(src: &[u16]) {
+        use std::arch::x86_64::*;
+        // 32 halves per 64-byte line.
+        for i in (0..src.len()).step_by(32) {
+            // SAFETY: `i` is within `src`; a prefetch does not fault in any case.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(src.as_ptr().add(i).cast()) };
+        }
+    }
+
+    /// Eight 8-lane sums, one per key row, then an 8 × 8 transpose (lane `l` of every sum into
+    /// vector `l`) and the 8 vectors added in order: each row's lanes in order from lane 0, as
+    /// [`dot8_portable`] adds them.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma")]
+    unsafe fn dot8(q: &[f32], keys: &[u16], stride: usize) -> [f32; 8] {
+        use std::arch::x86_64::*;
+        let hd = q.len();
+        let body = hd - hd % 8;
+        assert!(keys.len() >= 7 * stride + hd);
+        let (qp, kp) = (q.as_ptr(), keys.as_ptr());
+        let mut out = [0.0f32; 8];
+        // SAFETY: `c + 8 <= body <= hd` and `k < 8`, so every load is within `q` and `keys`
+        // (asserted above).
+        unsafe {
+            let mut acc = [_mm256_setzero_ps(); 8];
+            for c in (0..body).step_by(8) {
+                let qv = _mm256_loadu_ps(qp.add(c));
+                for (k, a) in acc.iter_mut().enumerate() {
+                    let kv = _mm256_cvtph_ps(_mm_loadu_si128(kp.add(k * stride + c).cast()));
+                    *a = _mm256_fmadd_ps(qv, kv, *a);
+                }
+            }
+            // Rows 2p and 2p + 1 interleaved: lanes 0, 1 | 4, 5 (lo) and 2, 3 | 6, 7 (hi).
+            let (lo01, hi01) = (
+                _mm256_unpacklo_ps(acc[0], acc[1]),
+                _mm256_unpackhi_ps(acc[0], acc[1]),
+            );
+            let (lo23, hi23) = (
+                _mm256_unpacklo_ps(acc[2], acc[3]),
+                _mm256_unpackhi_ps(acc[2], acc[3]),
+            );
+            let (lo45, hi45) = (
+                _mm256_unpacklo_ps(acc[4], acc[5]),
+                _mm256_unpackhi_ps(acc[4], acc[5]),
+            );
+            let (lo67, hi67) = (
+                _mm256_unpacklo_ps(acc[6], acc[7]),
+                _mm256_unpackhi_ps(acc[6], acc[7]),
+            );
+            // `aN` holds lane N | N + 4 of rows 0..4, `bN` the same of rows 4..8.
+            let a0 = _mm256_shuffle_ps::<0x44>(lo01, lo23);
+            let a1 = _mm256_shuffle_ps::<0xEE>(lo01, lo23);
+            let a2 = _mm256_shuffle_ps::<0x44>(hi01, hi23);
+            let a3 = _mm256_shuffle_ps::<0xEE>(hi01, hi23);
+            let b0 = _mm256_shuffle_ps::<0x44>(lo45, lo67);
+            let b1 = _mm256_shuffle_ps::<0xEE>(lo45, lo67);
+            let b2 = _mm256_shuffle_ps::<0x44>(hi45, hi67);
+            let b3 = _mm256_shuffle_ps::<0xEE>(hi45, hi67);
+            let lanes = [
+                _mm256_permute2f128_ps::<0x20>(a0, b0),
+                _mm256_permute2f128_ps::<0x20>(a1, b1),
+                _mm256_permute2f128_ps::<0x20>(a2, b2),
+                _mm256_permute2f128_ps::<0x20>(a3, b3),
+                _mm256_permute2f128_ps::<0x31>(a0, b0),
+                _mm256_permute2f128_ps::<0x31>(a1, b1),
+                _mm256_permute2f128_ps::<0x31>(a2, b2),
+                _mm256_permute2f128_ps::<0x31>(a3, b3),
+            ];
+            let mut s = lanes[0];
+            for &l in &lanes[1..] {
+                s = _mm256_add_ps(s, l);
+            }
+            _mm256_storeu_ps(out.as_mut_ptr(), s);
+        }
+        add_tails(q, keys, stride, &mut out);
+        out
+    }
+
+    /// The 64-wide part in registers (eight accumulators, one broadcast weight per value row), the
+    /// rest as [`weighted_sum_portable`]; the same operations in the same order.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma")]
+    unsafe fn weighted_sum(w: &[f32], vals: &[f32], out: &mut [f32]) {
+        use std::arch::x86_64::*;
+        let hd = out.len();
+        let wide = hd - hd % 64;
+        assert!(vals.len() >= w.len() * hd);
+        let (vp, op) = (vals.as_ptr(), out.as_mut_ptr());
+        for c in (0..wide).step_by(64) {
+            // SAFETY: `c + 64 <= hd` and `j < w.len()`, so every access is within `out` and `vals`.
+            unsafe {
+                let mut acc: [__m256; 8] = [_mm256_setzero_ps(); 8];
+                for (i, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_loadu_ps(op.add(c + 8 * i));
+                }
+                for (j, &wj) in w.iter().enumerate() {
+                    let wv = _mm256_set1_ps(wj);
+                    let row = vp.add(j * hd + c);
+                    for (i, a) in acc.iter_mut().enumerate() {
+                        *a = _mm256_fmadd_ps(wv, _mm256_loadu_ps(row.add(8 * i)), *a);
+                    }
+                }
+                for (i, a) in acc.iter().enumerate() {
+                    _mm256_storeu_ps(op.add(c + 8 * i), *a);
+                }
+            }
+        }
+        weighted_sum_narrow(w, vals, hd, wide, &mut out[wide..]);
     }
 }
 
@@ -884,6 +1134,128 @@ mod tests {
         assert_eq!(exp(-1000.0), exp(-87.0));
         assert!(exp(-87.0) > 0.0 && exp(-87.0).is_normal());
     }
+
+    use specdec_kernels::f16::f32_to_f16;
+
+    /// Values with very different magnitudes, so that any change of the order of additions shows.
+    fn spread(i: usize) -> f32 {
+        let x = ((i * 2_654_435_761) % 1_000_003) as f32 / 1_000_003.0 - 0.5;
+        x * 10f32.powi((i % 7) as i32 - 3)
+    }
+
+    /// The attention levels this CPU can run.
+    fn levels() -> Vec<(&'static str, AttnFns)> {
+        let mut levels: Vec<(&'static str, AttnFns)> = vec![(
+            "portable",
+            (
+                |q, k, stride| unsafe { Portable::dot8(q, k, stride) },
+                |w, v, o| unsafe { Portable::weighted_sum(w, v, o) },
+            ),
+        )];
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("f16c")
+            && std::arch::is_x86_feature_detected!("fma")
+        {
+            levels.push((
+                "avx2",
+                (
+                    |q, k, stride| unsafe { Avx2::dot8(q, k, stride) },
+                    |w, v, o| unsafe { Avx2::weighted_sum(w, v, o) },
+                ),
+            ));
+        }
+        levels
+    }
+
+    type AttnFns = (
+        fn(&[f32], &[u16], usize) -> [f32; 8],
+        fn(&[f32], &[f32], &mut [f32]),
+    );
+
+    #[test]
+    fn dot8_gives_the_reference_bits_at_every_level() {
+        for hd in [8, 13, 64, 80, 128] {
+            // Rows of `hd` halves `stride` apart, as one KV head's part of the cache rows.
+            let stride = 2 * hd + 3;
+            let q: Vec<f32> = (0..hd).map(spread).collect();
+            let keys: Vec<u16> = (0..8 * stride)
+                .map(|i| f32_to_f16(spread(i + 7919)))
+                .collect();
+            let want: Vec<u32> = (0..8)
+                .map(|k| {
+                    let row: Vec<f32> = keys[k * stride..][..hd]
+                        .iter()
+                        .map(|&h| f16_to_f32(h))
+                        .collect();
+                    // Lane l sums elements l, l + 8, ... of the whole chunks with fused
+                    // multiply-adds; the lanes are added in order, then the tail's products.
+                    let body = hd - hd % 8;
+                    let mut lanes = [0.0f32; 8];
+                    for i in 0..body {
+                        lanes[i % 8] = q[i].mul_add(row[i], lanes[i % 8]);
+                    }
+                    let mut s = lanes[0];
+                    for &l in &lanes[1..] {
+                        s += l;
+                    }
+                    let mut tail = -0.0f32;
+                    for i in body..hd {
+                        tail += q[i] * row[i];
+                    }
+                    (s + tail).to_bits()
+                })
+                .collect();
+            for (name, (dot8, _)) in levels() {
+                let got = dot8(&q, &keys, stride).map(f32::to_bits);
+                assert_eq!(got.to_vec(), want, "{name}, head size {hd}");
+            }
+        }
+    }
+
+    #[test]
+    fn sum8_is_eight_partial_sums_in_order() {
+        for n in [0, 1, 7, 8, 9, 64, 1000, 1003] {
+            let w: Vec<f32> = (0..n).map(|i| spread(i + 11).abs()).collect();
+            let mut lanes = [0.0f32; 8];
+            for (i, &x) in w.iter().enumerate().take(n - n % 8) {
+                lanes[i % 8] += x;
+            }
+            let mut want = 0.0f32;
+            for l in lanes {
+                want += l;
+            }
+            for &x in &w[n - n % 8..] {
+                want += x;
+            }
+            assert_eq!(sum8(&w).to_bits(), want.to_bits(), "{n} values");
+        }
+    }
+
+    #[test]
+    fn weighted_sum_adds_rows_in_order_at_every_level() {
+        for (hd, rows) in [(8, 3), (13, 5), (64, 32), (80, 7), (128, 32), (200, 1)] {
+            let w: Vec<f32> = (0..rows).map(|i| spread(i + 31).abs()).collect();
+            let vals: Vec<f32> = (0..rows * hd).map(|i| spread(i + 101)).collect();
+            let start: Vec<f32> = (0..hd).map(|i| spread(i + 5)).collect();
+            let want: Vec<u32> = (0..hd)
+                .map(|i| {
+                    let mut o = start[i];
+                    for (j, &wj) in w.iter().enumerate() {
+                        o = wj.mul_add(vals[j * hd + i], o);
+                    }
+                    o.to_bits()
+                })
+                .collect();
+            for (name, (_, weighted_sum)) in levels() {
+                let mut out = start.clone();
+                weighted_sum(&w, &vals, &mut out);
+                let got: Vec<u32> = out.iter().map(|x| x.to_bits()).collect();
+                assert_eq!(got, want, "{name}, head size {hd}, {rows} rows");
+            }
+        }
+    }
+
     use crate::config::{Arch, RopeScaling};
 
     fn config(rope_scaling: RopeScaling) -> ModelConfig {

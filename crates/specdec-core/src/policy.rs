@@ -921,8 +921,8 @@ pub fn best_draft_len_with(
 }
 
 #[cfg(test)]
-mod curve_tests {
-    use super::curve_r;
+mod tests {
+    use super::*;
 
     #[test]
     fn a_noisy_cost_curve_reads_as_non_decreasing_and_at_least_one() {
@@ -934,11 +934,6 @@ mod curve_tests {
         assert_eq!(curve_r(&[], 3), 1.0);
         assert_eq!(curve_r(&[0.5], 0), 1.0);
     }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
 
     fn round(drafted: usize, accepted: usize) -> Round {
         Round {

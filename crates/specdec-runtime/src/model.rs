@@ -575,8 +575,9 @@ fn check_tensors(g: &Gguf, c: &ModelConfig) -> Result<()> {
 /// exactly, in order, with no mask, so its result is independent of the other rows.
 ///
 /// The work is split over `pool` by (row, KV head): each item computes the query heads that share one
-/// KV head, reading each key and value once for all of them. Which thread computes an item does not
-/// change its arithmetic.
+/// KV head, scoring a block of 8 keys for each of them in turn (the block stays in the L1 cache) and
+/// widening each value row once for all of them. Which thread computes an item does not change its
+/// arithmetic.
 fn attention(
     c: &ModelConfig,
     q: &[f32],
@@ -795,8 +796,8 @@ fn add_tails(q: &[f32], keys: &[u16], stride: usize, sums: &mut [f32; 8]) {
     }
 }
 
-/// `out[i] = fma(w[j], vals[j][i], out[i])` for j = 0, 1, ... in order (`vals` is `[w.len(), out.len()]`): the
-/// reference for [`HalfOps::weighted_sum`]. 64 output elements at a time, eight independent 8-lane
+/// `out[i] = fma(w[j], vals[j][i], out[i])` for j = 0, 1, ... in order (`vals` is
+/// `[w.len(), out.len()]`): the reference for [`HalfOps::weighted_sum`]. 64 output elements at a time, eight independent 8-lane
 /// sums, so the adds of one do not wait on the others'.
 #[inline(always)]
 fn weighted_sum_portable(w: &[f32], vals: &[f32], out: &mut [f32]) {
@@ -847,8 +848,8 @@ fn weighted_sum_narrow(w: &[f32], vals: &[f32], hd: usize, done: usize, out: &mu
     }
 }
 
-/// How many key rows ahead attention asks for the cache lines it will read (the cache of a long
-/// context is read from memory, one head's part of each row with gaps between them).
+/// How many key rows ahead attention asks for the cache lines it will read (a long context's cache
+/// is read from memory).
 const KEYS_AHEAD: usize = 16;
 
 /// Value rows widened and applied together by attention (a 16 KiB block at head size 128).

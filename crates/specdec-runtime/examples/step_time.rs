@@ -1,8 +1,7 @@
 //! Median time of a single-token step of a model, optionally with a restricted logits vocabulary:
 //! `cargo run --release -p specdec-runtime --example step_time -- MODEL.gguf [LOGITS_VOCAB]`
 //! (`STEP_TIME_CONTEXT=N` sets the context before the timed steps, default 64; `STEP_TIME_STEPS=N`
-//! the number of timed steps, default 64;
-//! `STEP_TIME_THREADS=N` the kernel threads).
+//! the number of timed steps, default 64; `STEP_TIME_THREADS=N` the kernel threads).
 
 use std::sync::Arc;
 use std::time::Instant;

@@ -671,8 +671,6 @@ impl Attend<'_> {
         scores.clear();
         scores.resize(group * n + VALUE_BLOCK * hd, 0.0);
         let (scores, vals) = scores.split_at_mut(group * n);
-        tail.clear();
-        tail.resize(8 * hd, 0);
         // Keys 8 at a time: each query head is dotted with 8 key rows side by side (8 independent
         // sums). A last block of fewer than 8 is copied, its last row repeated, so that every key's
         // score comes from the same arithmetic.
@@ -690,6 +688,8 @@ impl Attend<'_> {
                 &self.keys[first..first + 8 * hd]
             } else {
                 let last = &self.keys[first..first + (n - js) * hd];
+                tail.clear();
+                tail.resize(8 * hd, 0);
                 for (jj, dst) in tail.chunks_exact_mut(hd).enumerate() {
                     let src = (jj * hd).min(last.len() - hd);
                     dst.copy_from_slice(&last[src..src + hd]);
@@ -717,7 +717,7 @@ impl Attend<'_> {
             }
         }
         // Values: a block of rows is widened once, then each output element accumulates over the
-        // block in a register. Every element still sums `w_j · v_j` for j = 0, 1, ... in order from 0.
+        // block in a register. Every element adds `w_j · v_j` (fused) for j = 0, 1, ... in order.
         out.fill(0.0);
         for js in (0..n).step_by(VALUE_BLOCK) {
             let jn = VALUE_BLOCK.min(n - js);

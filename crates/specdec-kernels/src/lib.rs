@@ -9,7 +9,7 @@
 //! - [`formats`]: ggml's `block_q8_0`, `block_q4_0`, `block_q5_0`, `block_q4_K`, `block_q6_K` and `block_q8_K`
 //!   byte-for-byte, their dequantisation, activation quantisation ([`quantize_row_q8_k`],
 //!   [`quantize_row_q8_0`], exactly ggml's `_ref` functions) and the scalar reference dot products.
-//! - [`Kernels`]: the matmul at a [`CpuLevel`] (portable scalar, AVX2 with F16C), detected once per
+//! - [`Kernels`]: the matmul at a [`CpuLevel`] (portable scalar, AVX2 with F16C and FMA), detected once per
 //!   process and overridable with `SPECDEC_KERNELS=scalar|avx2|auto`; [`Kernels::matmul_threaded`]
 //!   splits the output columns over a [`ThreadPool`].
 //! - [`pool`]: the fork-join [`ThreadPool`].

@@ -90,6 +90,28 @@ def test_logprobs(server):
         assert t.top_logprobs[0].logprob == pytest.approx(t.logprob, abs=1e-5)
 
 
+def test_logprob_bytes_are_each_tokens_own_bytes(server):
+    """A token that holds part of a character (emoji and CJK text split into byte tokens) reports its
+    own bytes, so the tokens' bytes together spell the reply, and its `token` is `bytes:` with escapes
+    rather than a replacement character."""
+    c = client(server)
+    msgs = [{"role": "user", "content": "Reply with three animal emoji and the Chinese word for cat, nothing else."}]
+    r = c.chat.completions.create(model=model_id(c), messages=msgs, max_tokens=24, temperature=0,
+                                  logprobs=True, top_logprobs=2)
+    text = r.choices[0].message.content
+    content = r.choices[0].logprobs.content
+    for t in [*content, *(alt for t in content for alt in t.top_logprobs)]:
+        b = bytes(t.bytes)
+        try:
+            assert t.token == b.decode("utf-8")
+        except UnicodeDecodeError:
+            assert t.token.startswith("bytes:"), t
+    raw = b"".join(bytes(t.bytes) for t in content)
+    if "\ufffd" in text:
+        pytest.skip(f"the reply holds broken UTF-8 (a random tiny model): {text!r}")
+    assert raw.decode("utf-8") == text
+
+
 def test_drafters_give_the_same_greedy_text(server):
     c = client(server)
     m = model_id(c)

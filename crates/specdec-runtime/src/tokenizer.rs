@@ -34,6 +34,36 @@ pub struct Tokenizer {
     add_bos: bool,
     stop: Vec<TokenId>,
     chat_template: Option<String>,
+    /// How a vocabulary entry spells its bytes.
+    pieces: Pieces,
+    /// Added (special or user-defined) tokens, whose entries are their literal text.
+    added: std::collections::HashSet<TokenId>,
+}
+
+/// How the vocabulary's entries spell the bytes a token stands for (GGUF `tokenizer.ggml.model`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Pieces {
+    /// `gpt2`: byte-level BPE, every byte written as one character of GPT-2's byte alphabet.
+    ByteLevel,
+    /// `llama`: SentencePiece, `▁` for a space and `<0xNN>` for a byte-fallback token.
+    SentencePiece,
+    /// Anything else: the token decoded alone.
+    Decoded,
+}
+
+/// The byte a character of GPT-2's byte-level alphabet stands for: the printable bytes `!`..=`~`,
+/// `¡`..=`¬` and `®`..=`ÿ` are themselves, and the other 68 bytes, in increasing order, are
+/// U+0100..=U+0143.
+fn byte_level_byte(c: char) -> Option<u8> {
+    let c = u32::from(c);
+    let byte = match c {
+        33..=126 | 161..=172 | 174..=255 => c,
+        256..=288 => c - 256,
+        289..=322 => c - 289 + 127,
+        323 => 173,
+        _ => return None,
+    };
+    u8::try_from(byte).ok()
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -92,12 +122,18 @@ impl Tokenizer {
         }
         let mut plain = inner.clone();
         plain.set_encode_special_tokens(true);
-        let specials = inner
-            .get_added_tokens_decoder()
+        let added_tokens = inner.get_added_tokens_decoder();
+        let added = added_tokens.keys().copied().collect();
+        let specials = added_tokens
             .into_values()
             .filter(|t| t.special && !t.content.is_empty())
             .map(|t| t.content)
             .collect();
+        let pieces = match g.str("tokenizer.ggml.model") {
+            Ok("gpt2") => Pieces::ByteLevel,
+            Ok("llama") => Pieces::SentencePiece,
+            _ => Pieces::Decoded,
+        };
         Ok(Self {
             inner,
             plain,
@@ -108,6 +144,8 @@ impl Tokenizer {
             add_bos: g.bool_opt("tokenizer.ggml.add_bos_token")?.unwrap_or(false),
             stop,
             chat_template: g.str("tokenizer.chat_template").ok().map(str::to_string),
+            pieces,
+            added,
         })
     }
 
@@ -256,6 +294,37 @@ impl Tokenizer {
     /// The token's text, for diagnostics.
     pub fn token_text(&self, id: TokenId) -> Option<String> {
         self.inner.id_to_token(id)
+    }
+
+    /// The bytes the token stands for, which need not be whole UTF-8 characters (a byte-level token
+    /// may hold part of one). With a byte-level vocabulary the bytes of a sequence's tokens,
+    /// concatenated, are its decoded text; a SentencePiece token keeps the space of its `▁`, which
+    /// decoding drops at the start of a text. `None` for an id outside the vocabulary.
+    pub fn token_bytes(&self, id: TokenId) -> Option<Vec<u8>> {
+        let piece = self.inner.id_to_token(id)?;
+        if self.added.contains(&id) {
+            return Some(piece.into_bytes());
+        }
+        let decoded = || self.decode(&[id]).ok().map(String::into_bytes);
+        match self.pieces {
+            Pieces::ByteLevel => piece
+                .chars()
+                .map(byte_level_byte)
+                .collect::<Option<Vec<u8>>>()
+                .or_else(decoded),
+            Pieces::SentencePiece => {
+                let hex = piece
+                    .strip_prefix("<0x")
+                    .and_then(|h| h.strip_suffix('>'))
+                    .filter(|h| h.len() == 2)
+                    .and_then(|h| u8::from_str_radix(h, 16).ok());
+                Some(match hex {
+                    Some(byte) => vec![byte],
+                    None => piece.replace('\u{2581}', " ").into_bytes(),
+                })
+            }
+            Pieces::Decoded => decoded(),
+        }
     }
 
     /// Whether the model ships a chat template.

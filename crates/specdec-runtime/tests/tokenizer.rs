@@ -6,6 +6,7 @@
 mod common;
 
 use candle_core::quantized::GgmlDType;
+use specdec_core::TokenId;
 use specdec_runtime::testing::TinySpec;
 use specdec_runtime::{Arch, Gguf, Message, Tokenizer};
 
@@ -22,6 +23,20 @@ fn tiny_tokenizer_round_trips_and_streams() {
     // Byte-level with no merges: one token per UTF-8 byte, so an emoji takes 4 tokens and must be held
     // back until complete.
     assert_eq!(t.encode("🦀", false).unwrap().len(), 4);
+}
+
+#[test]
+fn each_byte_token_stands_for_one_byte_and_a_special_token_for_its_text() {
+    let (_d, t) = tiny_tokenizer();
+    let mut seen = [false; 256];
+    for id in 0..256 {
+        let bytes = t.token_bytes(id).unwrap();
+        assert_eq!(bytes.len(), 1, "token {id}: {bytes:?}");
+        assert!(!seen[usize::from(bytes[0])], "byte {} twice", bytes[0]);
+        seen[usize::from(bytes[0])] = true;
+    }
+    assert_eq!(t.token_bytes(257).unwrap(), b"<|im_start|>");
+    assert_eq!(t.token_bytes(t.vocab_size() as TokenId), None);
 }
 
 #[test]

@@ -12,7 +12,7 @@ use serde_json::{json, Map, Value};
 use specdec_core::{DraftLenPolicy, GenerateConfig, SamplingParams, TokenId, VerifyMode};
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::engine::{Codec, DrafterKind, Event, Info, Job, Summary, TokenOut};
+use crate::engine::{token_string, Codec, DrafterKind, Event, Info, Job, Summary, TokenOut};
 use crate::error::ApiError;
 
 /// The most stop strings a request may give.
@@ -525,10 +525,6 @@ pub fn speculative(s: &Summary) -> Value {
     })
 }
 
-fn bytes(s: &str) -> Vec<u8> {
-    s.as_bytes().to_vec()
-}
-
 /// Chat `logprobs.content` entries.
 pub fn chat_logprobs(tokens: &[TokenOut], codec: &dyn Codec) -> Value {
     let content: Vec<Value> = tokens
@@ -539,14 +535,14 @@ pub fn chat_logprobs(tokens: &[TokenOut], codec: &dyn Codec) -> Value {
                 .top
                 .iter()
                 .map(|&(id, l)| {
-                    let text = codec.decode(&[id]);
-                    json!({"token": text, "logprob": l, "bytes": bytes(&text)})
+                    let bytes = codec.token_bytes(id);
+                    json!({"token": token_string(&bytes), "logprob": l, "bytes": bytes})
                 })
                 .collect();
             Some(json!({
                 "token": t.text,
                 "logprob": lp.logprob,
-                "bytes": bytes(&t.text),
+                "bytes": t.bytes,
                 "top_logprobs": top,
             }))
         })
@@ -568,11 +564,11 @@ pub fn completion_logprobs(tokens: &[TokenOut], codec: &dyn Codec, offset: usize
         let top: Map<String, Value> = lp
             .top
             .iter()
-            .map(|&(id, l)| (codec.decode(&[id]), json!(l)))
+            .map(|&(id, l)| (token_string(&codec.token_bytes(id)), json!(l)))
             .collect();
         tops.push(Value::Object(top));
         offs.push(json!(at));
-        at += t.text.len();
+        at += t.bytes.len();
     }
     json!({"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs})
 }

@@ -35,6 +35,11 @@ pub trait Codec: Send + Sync + 'static {
     fn encode_chat(&self, messages: &[(String, String)]) -> Result<Vec<TokenId>, String>;
     /// Decodes tokens (an incomplete UTF-8 character becomes U+FFFD).
     fn decode(&self, ids: &[TokenId]) -> String;
+    /// The bytes one token stands for, possibly part of a UTF-8 character (log-probabilities report
+    /// them). By default the token decoded alone.
+    fn token_bytes(&self, id: TokenId) -> Vec<u8> {
+        self.decode(&[id]).into_bytes()
+    }
     /// The tokens that end generation (end of turn, end of text).
     fn stop_tokens(&self) -> Vec<TokenId>;
 }
@@ -54,6 +59,10 @@ impl Codec for specdec_runtime::Tokenizer {
 
     fn decode(&self, ids: &[TokenId]) -> String {
         specdec_runtime::Tokenizer::decode(self, ids).unwrap_or_default()
+    }
+
+    fn token_bytes(&self, id: TokenId) -> Vec<u8> {
+        specdec_runtime::Tokenizer::token_bytes(self, id).unwrap_or_default()
     }
 
     fn stop_tokens(&self) -> Vec<TokenId> {
@@ -246,12 +255,34 @@ pub struct Job {
 pub struct TokenOut {
     /// Its id.
     pub id: TokenId,
-    /// Its text alone (lossy for a piece of a character).
+    /// Its text alone: the text when its bytes are whole UTF-8 characters, else `bytes:` and `\xNN`
+    /// escapes (OpenAI's spelling).
     pub text: String,
+    /// The bytes it stands for (possibly part of a UTF-8 character).
+    pub bytes: Vec<u8>,
     /// Drafted and accepted, rather than chosen by the target.
     pub drafted: bool,
     /// The target's log-probabilities, when asked.
     pub logprob: Option<TokenLogprob>,
+}
+
+/// A token's bytes as the `token` of OpenAI's log-probabilities: the text when the bytes are whole
+/// UTF-8 characters, else `bytes:` followed by the bytes with each one outside a whole character
+/// written `\xNN` (OpenAI's spelling; the exact bytes are in the `bytes` field beside it).
+pub(crate) fn token_string(bytes: &[u8]) -> String {
+    match std::str::from_utf8(bytes) {
+        Ok(text) => text.to_string(),
+        Err(_) => {
+            let mut s = String::from("bytes:");
+            for chunk in bytes.utf8_chunks() {
+                s.push_str(chunk.valid());
+                for b in chunk.invalid() {
+                    s.push_str(&format!("\\x{b:02x}"));
+                }
+            }
+            s
+        }
+    }
 }
 
 /// Running speculation counters of a request.
@@ -750,9 +781,11 @@ impl<M: Target, T: Target> Engine<M, T> {
 impl Active {
     fn on_token(&mut self, codec: &dyn Codec, e: &Emitted) -> ControlFlow<()> {
         let piece = self.detok.push(codec, e.token);
+        let bytes = codec.token_bytes(e.token);
         self.pending.push(TokenOut {
             id: e.token,
-            text: codec.decode(&[e.token]),
+            text: token_string(&bytes),
+            bytes,
             drafted: e.drafted,
             logprob: e.logprob.clone(),
         });
@@ -822,4 +855,20 @@ pub async fn collect(
         }
     }
     (text, tokens, Err("the engine stopped".into()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::token_string;
+
+    #[test]
+    fn a_token_string_is_its_text_or_its_escaped_bytes() {
+        assert_eq!(token_string(b"hello"), "hello");
+        assert_eq!(token_string("é".as_bytes()), "é");
+        assert_eq!(token_string(b""), "");
+        // Part of a character: the whole characters stay text, the rest is escaped.
+        assert_eq!(token_string(&[0xc3]), "bytes:\\xc3");
+        assert_eq!(token_string(&[b' ', 0xf0, 0x9f]), "bytes: \\xf0\\x9f");
+        assert_eq!(token_string(&[0x80, b'a']), "bytes:\\x80a");
+    }
 }

@@ -47,6 +47,10 @@ impl Codec for ByteCodec {
         String::from_utf8_lossy(&bytes).into_owned()
     }
 
+    fn token_bytes(&self, id: TokenId) -> Vec<u8> {
+        u8::try_from(id).map(|b| vec![b]).unwrap_or_default()
+    }
+
     fn stop_tokens(&self) -> Vec<TokenId> {
         vec![EOT]
     }
@@ -689,4 +693,38 @@ async fn free_slots_take_requests_even_with_no_queue() {
     let c = app.clone().oneshot(stream(3)).await.unwrap();
     assert_eq!(c.status(), StatusCode::TOO_MANY_REQUESTS);
     drop((a, b));
+}
+
+#[tokio::test]
+async fn logprobs_carry_each_tokens_own_bytes() {
+    let app = app();
+    let body = chat_body(json!({"logprobs": true, "top_logprobs": 2, "temperature": 0}));
+    let (s, v) = post(&app, "/v1/chat/completions", body).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    let text = v["choices"][0]["message"]["content"].as_str().unwrap();
+    let bytes_of = |t: &Value| -> Vec<u8> {
+        let b = t["bytes"].as_array().unwrap();
+        b.iter()
+            .map(|b| u8::try_from(b.as_u64().unwrap()).unwrap())
+            .collect()
+    };
+    // A token is its text, or `bytes:` and escapes when it holds part of a character.
+    let check = |t: &Value| {
+        let bytes = bytes_of(t);
+        match std::str::from_utf8(&bytes) {
+            Ok(s) => assert_eq!(t["token"], s),
+            Err(_) => assert!(t["token"].as_str().unwrap().starts_with("bytes:"), "{t}"),
+        }
+        bytes
+    };
+    let mut raw = Vec::new();
+    for t in content {
+        raw.extend(check(t));
+        for alt in t["top_logprobs"].as_array().unwrap() {
+            check(alt);
+        }
+    }
+    // Together the tokens spell the text (the end-of-turn token has no bytes).
+    assert_eq!(String::from_utf8_lossy(&raw), text);
 }

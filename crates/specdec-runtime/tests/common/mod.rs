@@ -61,6 +61,12 @@ pub fn check_round_trips(t: &Tokenizer) {
     for text in EDGE_CASES {
         let ids = t.encode(text, false).unwrap();
         assert_eq!(t.decode(&ids).unwrap(), text, "round trip of {text:?}");
+        // The tokens' own bytes, concatenated, are the text (pieces of characters included).
+        let bytes: Vec<u8> = ids
+            .iter()
+            .flat_map(|&id| t.token_bytes(id).unwrap())
+            .collect();
+        assert_eq!(bytes, text.as_bytes(), "token bytes of {text:?}");
         // Streaming yields the same text and never a replacement character.
         let mut stream = StreamDecoder::new();
         let mut out = String::new();

@@ -1,5 +1,6 @@
 //! Quick r(m) of the matmul per format on a 1.5B-like FFN shape, threaded as the runtime runs it:
-//! `cargo run --release -p specdec-kernels --example rcurve [threads]`.
+//! `cargo run --release -p specdec-kernels --example rcurve [threads] [rows] [every]` (`every`: r(m)
+//! for every m in 1..=16, not only powers of two).
 
 use specdec_kernels::{BlockFormat, Kernels, QMatrix, ThreadPool};
 use std::time::Instant;
@@ -47,7 +48,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let w = QMatrix::from_bytes(format, rows, cols, &raw)?;
         let mut t1 = 0.0;
         let mut line = Vec::new();
-        for m in [1usize, 2, 4, 8, 16, 32] {
+        let every = std::env::args().nth(3).is_some_and(|s| s == "every");
+        let ms: Vec<usize> = if every {
+            (1..=16).collect()
+        } else {
+            vec![1, 2, 4, 8, 16, 32]
+        };
+        for m in ms {
             let x: Vec<f32> = bytes(m as u64, m * cols)
                 .iter()
                 .map(|&b| f32::from(b) / 64.0 - 2.0)

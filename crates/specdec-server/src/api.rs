@@ -540,7 +540,7 @@ pub fn chat_logprobs(tokens: &[TokenOut], codec: &dyn Codec) -> Value {
                 })
                 .collect();
             Some(json!({
-                "token": t.text,
+                "token": token_string(&t.bytes),
                 "logprob": lp.logprob,
                 "bytes": t.bytes,
                 "top_logprobs": top,
@@ -559,7 +559,7 @@ pub fn completion_logprobs(tokens: &[TokenOut], codec: &dyn Codec, offset: usize
     let mut offs = Vec::new();
     for t in tokens {
         let Some(lp) = &t.logprob else { continue };
-        toks.push(Value::String(t.text.clone()));
+        toks.push(Value::String(token_string(&t.bytes)));
         lps.push(json!(lp.logprob));
         let top: Map<String, Value> = lp
             .top

@@ -255,9 +255,6 @@ pub struct Job {
 pub struct TokenOut {
     /// Its id.
     pub id: TokenId,
-    /// Its text alone: the text when its bytes are whole UTF-8 characters, else `bytes:` and `\xNN`
-    /// escapes (OpenAI's spelling).
-    pub text: String,
     /// The bytes it stands for (possibly part of a UTF-8 character).
     pub bytes: Vec<u8>,
     /// Drafted and accepted, rather than chosen by the target.
@@ -781,11 +778,9 @@ impl<M: Target, T: Target> Engine<M, T> {
 impl Active {
     fn on_token(&mut self, codec: &dyn Codec, e: &Emitted) -> ControlFlow<()> {
         let piece = self.detok.push(codec, e.token);
-        let bytes = codec.token_bytes(e.token);
         self.pending.push(TokenOut {
             id: e.token,
-            text: token_string(&bytes),
-            bytes,
+            bytes: codec.token_bytes(e.token),
             drafted: e.drafted,
             logprob: e.logprob.clone(),
         });

@@ -6,9 +6,10 @@
 //! activation rows. Row-by-row kernels stream every weight block `m` times; [`Kernels::matmul`] unpacks
 //! each weight block once per pass of up to 16 rows and dots it against all of them.
 //!
-//! - [`formats`]: ggml's `block_q8_0`, `block_q4_0`, `block_q5_0`, `block_q4_K`, `block_q6_K` and `block_q8_K`
-//!   byte-for-byte, their dequantisation, activation quantisation ([`quantize_row_q8_k`],
-//!   [`quantize_row_q8_0`], exactly ggml's `_ref` functions) and the scalar reference dot products.
+//! - [`formats`]: ggml's `block_q8_0`, `block_q4_0`, `block_q5_0`, `block_q4_K` and `block_q6_K`
+//!   byte-for-byte and `block_q8_K` with its quants interleaved for the kernels, their dequantisation,
+//!   activation quantisation ([`quantize_row_q8_k`], [`quantize_row_q8_0`], exactly ggml's `_ref`
+//!   functions) and the scalar reference dot products.
 //! - [`Kernels`]: the matmul at a [`CpuLevel`] (portable scalar, AVX2 with F16C and FMA), detected once per
 //!   process and overridable with `SPECDEC_KERNELS=scalar|avx2|auto`; [`Kernels::matmul_threaded`]
 //!   splits the output columns over a [`ThreadPool`].
@@ -52,8 +53,9 @@ pub use dispatch::{CpuLevel, Kernels, LEVEL_ENV};
 pub use f16::F16;
 pub use formats::{
     dequantize_row, dot_q4_0_q8_0, dot_q4_k_q8_k, dot_q5_0_q8_0, dot_q6_k_q8_k, dot_q8_0_q8_0,
-    hsum8, quantize_row_q8_0, quantize_row_q8_k, ActQ8_0, ActivationFormat, BlockFormat, BlockQ4K,
-    BlockQ4_0, BlockQ5_0, BlockQ6K, BlockQ8K, BlockQ8_0, WeightBlock,
+    hsum8, q8k_position, q8k_value, quantize_row_q8_0, quantize_row_q8_k, ActQ8_0,
+    ActivationFormat, BlockFormat, BlockQ4K, BlockQ4_0, BlockQ5_0, BlockQ6K, BlockQ8K, BlockQ8_0,
+    WeightBlock,
 };
 pub use matrix::{matmul, QMatrix, QuantizedActivations, Weights};
 pub use pool::ThreadPool;

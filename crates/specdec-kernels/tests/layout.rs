@@ -17,7 +17,8 @@ fn blocks_have_ggml_sizes() {
     assert_eq!(BlockQ5_0::BYTES, size_of::<BlockQ5_0>());
     assert_eq!(size_of::<BlockQ4K>(), 144);
     assert_eq!(size_of::<BlockQ6K>(), 210);
-    assert_eq!(size_of::<BlockQ8K>(), 292);
+    assert_eq!(size_of::<BlockQ8K>(), 320);
+    assert_eq!(align_of::<BlockQ8K>(), 32);
     assert_eq!(align_of::<BlockQ6K>(), 2);
     assert_eq!(BlockQ8_0::BYTES, size_of::<BlockQ8_0>());
     assert_eq!(BlockQ4_0::BYTES, size_of::<BlockQ4_0>());

@@ -10,22 +10,25 @@
 //! order, and those are a multiply then an add, never fused:
 //!
 //! - **K-quants** (Q4_K, Q6_K): within a block the products go into 8 lanes (lane `j` takes the
-//!   products at positions `32g + 4j .. 32g + 4j + 4` of every 32-value group `g`, with that
-//!   sub-block's integer scale applied); each lane is converted to `f32`, multiplied by the block's
-//!   combined float scale and added to a per-lane `f32` accumulator, and after the last block the 8
-//!   accumulators are summed by [`hsum8`]'s fixed tree.
+//!   products at positions `32t + 4j .. 32t + 4j + 4` of every 32-byte vector `t` of the activation
+//!   block, whose quants are stored in the interleaved order described at [`BlockQ8K`], each with
+//!   its sub-block's integer scale applied); each lane is converted to `f32`, multiplied by the
+//!   block's combined float scale and added to a per-lane `f32` accumulator, and after the last block
+//!   the 8 accumulators are summed by [`hsum8`]'s fixed tree.
 //! - **32-value formats** (Q8_0, Q4_0, Q5_0): a block's 32 products are summed into one `i32`, which
 //!   is converted to `f32`, multiplied by `d_w · d_x` and added to a single `f32` accumulator, block
 //!   after block. With one number per block, a kernel can compute 8 weight rows side by side in the
 //!   8 lanes of a vector, so the float work and the scale conversion are shared by 8 rows.
 //!
 //! The AVX2 kernels produce the same integers with `maddubs`/`madd` and the same float operations, so
-//! every CPU level returns identical bits.
+//! every CPU level returns identical bits. (For the K-quants they add two vectors' `maddubs` results
+//! in `i16` before one `madd` by the scales, which the interleaved activation order makes possible.)
 //!
 //! This is llama.cpp's arithmetic up to the grouping of the float operations: ggml's own scalar and
 //! AVX2 dot products already differ from each other in that grouping (and in FMA use), so llama.cpp
 //! results agree with ours to rounding, not bit for bit. Quantisation of activations
-//! ([`quantize_row_q8_k`], [`quantize_row_q8_0`]) follows ggml's `_ref` functions exactly.
+//! ([`quantize_row_q8_k`], [`quantize_row_q8_0`]) follows ggml's `_ref` functions exactly; only the
+//! order in which [`BlockQ8K`] stores its quants is ours.
 
 use crate::f16::F16;
 
@@ -41,7 +44,7 @@ pub use q4_k::{dot_q4_k_q8_k, BlockQ4K};
 pub use q5_0::{dot_q5_0_q8_0, BlockQ5_0};
 pub use q6_k::{dot_q6_k_q8_k, BlockQ6K};
 pub use q8_0::{dot_q8_0_q8_0, quantize_row_q8_0, ActQ8_0, BlockQ8_0};
-pub use q8_k::{quantize_row_q8_k, BlockQ8K};
+pub use q8_k::{q8k_position, q8k_value, quantize_row_q8_k, BlockQ8K};
 
 /// Values per K-quant super-block (ggml's `QK_K`).
 pub const QK_K: usize = 256;
@@ -158,13 +161,6 @@ pub fn dequantize_row<B: WeightBlock>(blocks: &[B], out: &mut [f32]) {
 pub fn hsum8(a: [f32; 8]) -> f32 {
     let s = [a[0] + a[4], a[1] + a[5], a[2] + a[6], a[3] + a[7]];
     (s[0] + s[2]) + (s[1] + s[3])
-}
-
-/// Sum of the four products `w[k] · y[k]`, `k` in `4j .. 4j + 4`, of a 32-value group: one lane of a
-/// `maddubs` + `madd` pair.
-#[inline]
-fn lane4(w: &[i32; 32], y: &[i8], j: usize) -> i32 {
-    (4 * j..4 * j + 4).map(|k| w[k] * i32::from(y[k])).sum()
 }
 
 /// A 32-value block whose values are `d · q` with signed integer quants (Q8_0, Q4_0, Q5_0).

@@ -1,7 +1,7 @@
 //! Q4_K: 256 values in 8 sub-blocks of 32; sub-block `s` has a 6-bit scale `sc[s]` and min `m[s]`, and
 //! `value = d · sc[s] · q - dmin · m[s]` with `q` a 4-bit quant.
 
-use super::{hsum8, lane4, le_u16, BlockFormat, BlockQ8K, WeightBlock, QK_K};
+use super::{hsum8, le_u16, q8k_value, BlockFormat, BlockQ8K, WeightBlock, QK_K};
 use crate::f16::F16;
 
 /// A Q4_K block, byte-identical to ggml's `block_q4_K` (144 bytes).
@@ -88,8 +88,9 @@ impl WeightBlock for BlockQ4K {
 
 /// Reference dot product of a Q4_K weight row with a Q8_K activation row.
 ///
-/// Per block, exactly in `i32`: lane `j` sums `sc[s] · q · y` over the positions `32 s + 4 j .. + 4` of
-/// every sub-block `s`, and `mins[j] = m[j] · (bsums[2j] + bsums[2j+1])`; then
+/// Per block, exactly in `i32`: lane `j` sums `sc[s] · q · y` over the activation positions `32 t + 4 j
+/// .. + 4` of every vector `t` of [`BlockQ8K`]'s order (`s` the sub-block of the value at that position),
+/// and `mins[j] = m[j] · (bsums[2j] + bsums[2j+1])`; then
 /// `acc[j] = (acc[j] + (d · dy) · lane[j]) - (dmin · dy) · mins[j]`, and [`hsum8`] at the end.
 ///
 /// # Panics
@@ -99,12 +100,12 @@ pub fn dot_q4_k_q8_k(w: &[BlockQ4K], x: &[BlockQ8K]) -> f32 {
     let mut acc = [0f32; 8];
     for (wb, xb) in w.iter().zip(x) {
         let (sc, m) = wb.scales_mins();
+        let q: [[u8; 32]; 8] = std::array::from_fn(|s| wb.sub_block(s));
         let mut lanes = [0i32; 8];
-        for (s, (&scale, y)) in sc.iter().zip(xb.qs.chunks_exact(32)).enumerate() {
-            let q = wb.sub_block(s).map(i32::from);
-            for (j, lane) in lanes.iter_mut().enumerate() {
-                *lane += i32::from(scale) * lane4(&q, y, j);
-            }
+        for (i, &y) in xb.qs.iter().enumerate() {
+            let v = q8k_value(i);
+            lanes[(i % 32) / 4] +=
+                i32::from(sc[v / 32]) * i32::from(q[v / 32][v % 32]) * i32::from(y);
         }
         let dd = wb.d.to_f32() * xb.d;
         let dm = wb.dmin.to_f32() * xb.d;
@@ -120,16 +121,27 @@ pub fn dot_q4_k_q8_k(w: &[BlockQ4K], x: &[BlockQ8K]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
     use super::{BlockQ4K, BlockQ8K};
-    use crate::simd::avx2::{f16_to_f32, scaled_lanes, Dequantizer};
+    use crate::simd::avx2::{f16_to_f32, paired_lanes, pick_i16, shuffle, Dequantizer};
     use std::arch::x86_64::*;
 
     pub(crate) struct Q4K;
 
+    /// Pair `p` holds groups `g`, `g + 2` (g = 0, 1, 4, 5): lanes 0..2 of each half take the scale of
+    /// `g`, lanes 2..4 that of `g + 2` (`i16` scales 0..8 in both halves of the source).
+    const PICK: [[u8; 32]; 4] = {
+        const fn pair(g: u8) -> [u8; 32] {
+            let (a, b) = (g, g + 2);
+            let lanes = [a, a, a, a, b, b, b, b];
+            pick_i16(lanes, lanes)
+        }
+        [pair(0), pair(1), pair(4), pair(5)]
+    };
+
     pub(crate) struct Unpacked {
-        /// Sub-block `s` as 32 unsigned nibbles.
+        /// The nibbles as unsigned bytes in [`BlockQ8K`]'s order: vectors `2p`, `2p + 1` of pair `p`.
         q: [__m256i; 8],
-        /// Sub-block `s`'s scale in every `i16` lane.
-        sc: [__m256i; 8],
+        /// Pair `p`'s scales: `i16` lanes `2j`, `2j + 1` hold the scale of the sub-block in lane `j`.
+        sc: [__m256i; 4],
         /// `i16` lanes `2k`, `2k + 1` hold min `k`.
         mins: __m256i,
         d: f32,
@@ -166,23 +178,31 @@ pub(crate) mod avx2 {
             let scales = _mm256_permute2x128_si256(sm, sm, 0x00);
             let m = _mm256_extracti128_si256(sm, 1);
             let mins = _mm256_set_m128i(_mm_unpackhi_epi16(m, m), _mm_unpacklo_epi16(m, m));
+            // Bytes `32c ..` hold sub-block `2c` in their low nibbles and `2c + 1` in their high
+            // ones. Interleaving the 8-byte words of chunks `2k` and `2k + 1` puts groups `4k`, `4k + 2`
+            // (low nibbles) and `4k + 1`, `4k + 3` (high) into pairs `2k` and `2k + 1` of the order.
             let low = _mm256_set1_epi8(0x0f);
             let mut q = [_mm256_setzero_si256(); 8];
-            let mut sc = [_mm256_setzero_si256(); 8];
-            for c in 0..4 {
-                // SAFETY: `block.qs` is 128 bytes; bytes 32c .. 32c + 32 are in bounds for c < 4.
-                let v = unsafe { _mm256_loadu_si256(block.qs.as_ptr().add(32 * c).cast()) };
-                q[2 * c] = _mm256_and_si256(v, low);
-                q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            for k in 0..2 {
+                // SAFETY: `block.qs` is 128 bytes; bytes 64k .. 64k + 64 are in bounds for k < 2.
+                let (v0, v1) = unsafe {
+                    (
+                        _mm256_loadu_si256(block.qs.as_ptr().add(64 * k).cast()),
+                        _mm256_loadu_si256(block.qs.as_ptr().add(64 * k + 32).cast()),
+                    )
+                };
+                let (a, b) = (_mm256_unpacklo_epi64(v0, v1), _mm256_unpackhi_epi64(v0, v1));
+                q[4 * k] = _mm256_and_si256(a, low);
+                q[4 * k + 1] = _mm256_and_si256(b, low);
+                q[4 * k + 2] = _mm256_and_si256(_mm256_srli_epi16(a, 4), low);
+                q[4 * k + 3] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
             }
-            for (s, v) in sc.iter_mut().enumerate() {
-                // Every i16 lane takes scale `s` (bytes 2s, 2s + 1 of each 128-bit half).
-                let b = (2 * s) as i8;
-                *v = _mm256_shuffle_epi8(
-                    scales,
-                    _mm256_set1_epi16(i16::from_le_bytes([b as u8, b as u8 + 1])),
-                );
-            }
+            let sc = [
+                shuffle(scales, &PICK[0]),
+                shuffle(scales, &PICK[1]),
+                shuffle(scales, &PICK[2]),
+                shuffle(scales, &PICK[3]),
+            ];
             Unpacked {
                 q,
                 sc,
@@ -192,8 +212,8 @@ pub(crate) mod avx2 {
             }
         }
 
-        /// Exact integer lanes: a nibble times a quant is ≤ 15 · 127, so `maddubs` pair sums fit `i16`,
-        /// and a lane's total over the block is ≤ 8 · 63 · 4 · 15 · 127 < 2^24 (exact in f32 too).
+        /// Exact integer lanes: a nibble times a quant is ≤ 15 · 127, so the `i16` sums of 4 products
+        /// fit, and a lane's total over the block is ≤ 63 · 32 · 15 · 127 < 2^24 (exact in f32 too).
         #[inline]
         #[target_feature(enable = "avx2,f16c")]
         unsafe fn accumulate(w: &Unpacked, x: &BlockQ8K, acc: __m256) -> __m256 {
@@ -203,7 +223,7 @@ pub(crate) mod avx2 {
             acc[0]
         }
 
-        /// Sub-block by sub-block through [`scaled_lanes`], then each row's float arithmetic.
+        /// Pair by pair through [`paired_lanes`], then each row's float arithmetic.
         #[inline]
         #[target_feature(enable = "avx2,f16c")]
         unsafe fn accumulate_rows<const R: usize>(
@@ -211,7 +231,7 @@ pub(crate) mod avx2 {
             x: [&BlockQ8K; R],
             acc: &mut [__m256],
         ) {
-            let lanes = scaled_lanes(&w.q, &w.sc, x);
+            let lanes = paired_lanes(&w.q, &w.sc, x);
             for ((a, l), x) in acc.iter_mut().zip(lanes).zip(x) {
                 // SAFETY: `x.bsums` is 16 `i16`, 32 bytes.
                 let bsums = unsafe { _mm256_loadu_si256(x.bsums.as_ptr().cast()) };

@@ -1,7 +1,7 @@
 //! Q6_K: 256 values in 16 sub-blocks of 16 with `i8` scales; `value = d · sc[p / 16] · (q - 32)` with `q`
 //! a 6-bit quant.
 
-use super::{hsum8, le_u16, BlockFormat, BlockQ8K, WeightBlock, QK_K};
+use super::{hsum8, le_u16, q8k_value, BlockFormat, BlockQ8K, WeightBlock, QK_K};
 use crate::f16::F16;
 
 /// A Q6_K block, byte-identical to ggml's `block_q6_K` (210 bytes).
@@ -73,10 +73,10 @@ impl WeightBlock for BlockQ6K {
 
 /// Reference dot product of a Q6_K weight row with a Q8_K activation row.
 ///
-/// Per block, exactly in `i32`: lane `j` sums `sc[2g + j / 4] · q · y` (unsigned `q`) over positions
-/// `32 g + 4 j .. + 4` of every 32-value group `g`, minus `32 · (sc[2j] · bsums[2j] + sc[2j+1] ·
-/// bsums[2j+1])` (the offset of 32, via the activation sums); then `acc[j] += (d · dy) · lane[j]`, and
-/// [`hsum8`] at the end.
+/// Per block, exactly in `i32`: lane `j` sums `sc[v / 16] · q · y` (unsigned `q` of value `v`) over the
+/// activation positions `32 t + 4 j .. + 4` of every vector `t` of [`BlockQ8K`]'s order, minus `32 ·
+/// (sc[2j] · bsums[2j] + sc[2j+1] · bsums[2j+1])` (the offset of 32, via the activation sums); then
+/// `acc[j] += (d · dy) · lane[j]`, and [`hsum8`] at the end.
 ///
 /// # Panics
 /// If the rows differ in length.
@@ -87,14 +87,11 @@ pub fn dot_q6_k_q8_k(w: &[BlockQ6K], x: &[BlockQ8K]) -> f32 {
         let q = wb.quants();
         let sc = wb.scales.map(i32::from);
         let mut lanes = [0i32; 8];
+        for (i, &y) in xb.qs.iter().enumerate() {
+            let v = q8k_value(i);
+            lanes[(i % 32) / 4] += sc[v / 16] * i32::from(q[v]) * i32::from(y);
+        }
         for (j, lane) in lanes.iter_mut().enumerate() {
-            for g in 0..8 {
-                let p0 = 32 * g + 4 * j;
-                let s: i32 = (p0..p0 + 4)
-                    .map(|p| i32::from(q[p]) * i32::from(xb.qs[p]))
-                    .sum();
-                *lane += sc[2 * g + j / 4] * s;
-            }
             let offset = sc[2 * j] * i32::from(xb.bsums[2 * j])
                 + sc[2 * j + 1] * i32::from(xb.bsums[2 * j + 1]);
             *lane -= 32 * offset;
@@ -110,16 +107,30 @@ pub fn dot_q6_k_q8_k(w: &[BlockQ6K], x: &[BlockQ8K]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
     use super::{BlockQ6K, BlockQ8K};
-    use crate::simd::avx2::{f16_to_f32, scaled_lanes, Dequantizer};
+    use crate::simd::avx2::{f16_to_f32, paired_lanes, pick_i16, shuffle, Dequantizer};
     use std::arch::x86_64::*;
 
     pub(crate) struct Q6K;
 
+    /// Lane `j` of half `h` of pair `p` (groups `g`, `g + 2`) holds 16-value sub-block `2 (g + 2s) + h`,
+    /// `s = j / 2`. From `i16` scales 0..8 in both halves for pairs 0 and 1 (`g` = 0, 1), and from
+    /// scales 8..16 for pairs 2 and 3 (`g` = 4, 5) with the same controls.
+    const PICK: [[u8; 32]; 2] = {
+        const fn pair(g: u8) -> [u8; 32] {
+            let (a, b) = (2 * g, 2 * g + 4);
+            pick_i16(
+                [a, a, a, a, b, b, b, b],
+                [a + 1, a + 1, a + 1, a + 1, b + 1, b + 1, b + 1, b + 1],
+            )
+        }
+        [pair(0), pair(1)]
+    };
+
     pub(crate) struct Unpacked {
-        /// Values `32 g .. 32 g + 32` as unsigned 6-bit quants.
+        /// The unsigned 6-bit quants in [`BlockQ8K`]'s order: vectors `2p`, `2p + 1` of pair `p`.
         q: [__m256i; 8],
-        /// Scale `2g` in the low 8 `i16` lanes, scale `2g + 1` in the high 8.
-        sc: [__m256i; 8],
+        /// Pair `p`'s scales: `i16` lanes `2j`, `2j + 1` hold the scale of the sub-block in lane `j`.
+        sc: [__m256i; 4],
         /// The 16 scales as `i16`.
         scales: __m256i,
         d: f32,
@@ -135,7 +146,8 @@ pub(crate) mod avx2 {
         unsafe fn unpack(block: &BlockQ6K) -> Unpacked {
             let low = _mm256_set1_epi8(0x0f);
             let high = _mm256_set1_epi8(0x30);
-            let mut q = [_mm256_setzero_si256(); 8];
+            // Values `32 g .. 32 g + 32` in `v[g]`.
+            let mut v = [_mm256_setzero_si256(); 8];
             for h in 0..2 {
                 // SAFETY: `ql` is 128 bytes and `qh` 64; offsets 64h + 32 + 32 ≤ 128 and 32h + 32 ≤ 64.
                 let (qla, qlb, qh) = unsafe {
@@ -146,19 +158,19 @@ pub(crate) mod avx2 {
                     )
                 };
                 // Bits 2g, 2g + 1 of `qh` move to bits 4, 5; bits shifted across a byte are masked off.
-                q[4 * h] = _mm256_or_si256(
+                v[4 * h] = _mm256_or_si256(
                     _mm256_and_si256(qla, low),
                     _mm256_and_si256(_mm256_slli_epi16(qh, 4), high),
                 );
-                q[4 * h + 1] = _mm256_or_si256(
+                v[4 * h + 1] = _mm256_or_si256(
                     _mm256_and_si256(qlb, low),
                     _mm256_and_si256(_mm256_slli_epi16(qh, 2), high),
                 );
-                q[4 * h + 2] = _mm256_or_si256(
+                v[4 * h + 2] = _mm256_or_si256(
                     _mm256_and_si256(_mm256_srli_epi16(qla, 4), low),
                     _mm256_and_si256(qh, high),
                 );
-                q[4 * h + 3] = _mm256_or_si256(
+                v[4 * h + 3] = _mm256_or_si256(
                     _mm256_and_si256(_mm256_srli_epi16(qlb, 4), low),
                     _mm256_and_si256(_mm256_srli_epi16(qh, 2), high),
                 );
@@ -166,22 +178,26 @@ pub(crate) mod avx2 {
             // SAFETY: `scales` is 16 bytes, one unaligned 128-bit load.
             let scales =
                 _mm256_cvtepi8_epi16(unsafe { _mm_loadu_si128(block.scales.as_ptr().cast()) });
-            // Scales 0..8 in both halves, then 8..16 in both halves.
+            // Groups `g` and `g + 2` (g = 0, 1, 4, 5) word by word into pair `p`: 8-byte word `2h + s`
+            // of either vector is half `h` of group `g + 2s`.
+            let q = [
+                _mm256_unpacklo_epi64(v[0], v[2]),
+                _mm256_unpackhi_epi64(v[0], v[2]),
+                _mm256_unpacklo_epi64(v[1], v[3]),
+                _mm256_unpackhi_epi64(v[1], v[3]),
+                _mm256_unpacklo_epi64(v[4], v[6]),
+                _mm256_unpackhi_epi64(v[4], v[6]),
+                _mm256_unpacklo_epi64(v[5], v[7]),
+                _mm256_unpackhi_epi64(v[5], v[7]),
+            ];
             let first = _mm256_permute2x128_si256(scales, scales, 0x00);
             let second = _mm256_permute2x128_si256(scales, scales, 0x11);
-            let mut sc = [_mm256_setzero_si256(); 8];
-            for (g, v) in sc.iter_mut().enumerate() {
-                // Low half: scale 2g in every i16 lane; high half: scale 2g + 1.
-                let src = if g < 4 { first } else { second };
-                let (lo, hi) = ((4 * (g % 4)) as u8, (4 * (g % 4) + 2) as u8);
-                let pick = _mm256_set_epi64x(
-                    i64::from_le_bytes([hi, hi + 1, hi, hi + 1, hi, hi + 1, hi, hi + 1]),
-                    i64::from_le_bytes([hi, hi + 1, hi, hi + 1, hi, hi + 1, hi, hi + 1]),
-                    i64::from_le_bytes([lo, lo + 1, lo, lo + 1, lo, lo + 1, lo, lo + 1]),
-                    i64::from_le_bytes([lo, lo + 1, lo, lo + 1, lo, lo + 1, lo, lo + 1]),
-                );
-                *v = _mm256_shuffle_epi8(src, pick);
-            }
+            let sc = [
+                shuffle(first, &PICK[0]),
+                shuffle(first, &PICK[1]),
+                shuffle(second, &PICK[0]),
+                shuffle(second, &PICK[1]),
+            ];
             Unpacked {
                 q,
                 sc,
@@ -190,8 +206,8 @@ pub(crate) mod avx2 {
             }
         }
 
-        /// Exact integer lanes: `maddubs` pair sums are ≤ 2 · 63 · 127 < 2^15, a lane's total is
-        /// ≤ 8 · 128 · 4 · 63 · 127 < 2^31, and the offset term ≤ 32 · 2 · 128 · 2032.
+        /// Exact integer lanes: the `i16` sums of 4 products are ≤ 4 · 63 · 127 = 32004 < 2^15, a
+        /// lane's total is ≤ 128 · 32 · 63 · 127 < 2^31, and the offset term ≤ 32 · 2 · 128 · 2032.
         #[inline]
         #[target_feature(enable = "avx2,f16c")]
         unsafe fn accumulate(w: &Unpacked, x: &BlockQ8K, acc: __m256) -> __m256 {
@@ -201,7 +217,7 @@ pub(crate) mod avx2 {
             acc[0]
         }
 
-        /// Group by group through [`scaled_lanes`], then each row's float arithmetic.
+        /// Pair by pair through [`paired_lanes`], then each row's float arithmetic.
         #[inline]
         #[target_feature(enable = "avx2,f16c")]
         unsafe fn accumulate_rows<const R: usize>(
@@ -209,7 +225,7 @@ pub(crate) mod avx2 {
             x: [&BlockQ8K; R],
             acc: &mut [__m256],
         ) {
-            let lanes = scaled_lanes(&w.q, &w.sc, x);
+            let lanes = paired_lanes(&w.q, &w.sc, x);
             for ((a, l), x) in acc.iter_mut().zip(lanes).zip(x) {
                 // SAFETY: `x.bsums` is 16 `i16`, 32 bytes.
                 let bsums = unsafe { _mm256_loadu_si256(x.bsums.as_ptr().cast()) };

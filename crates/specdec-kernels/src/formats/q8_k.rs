@@ -2,16 +2,57 @@
 
 use super::QK_K;
 
-/// A Q8_K block, byte-identical to ggml's `block_q8_K` (292 bytes). Quants lie in `-127..=127`.
+/// A Q8_K block: the fields and values of ggml's `block_q8_K`, with the quants in the order the K-quant
+/// kernels read them. Quants lie in `-127..=127`.
+///
+/// # The order of the quants
+///
+/// `qs` holds the block's 256 quants in runs of 8 consecutive values: run `r` (positions `8r .. 8r + 8`)
+/// holds values `q8k_value(8r) ..+ 8` ([`q8k_value`], inverse [`q8k_position`]). Seen as 8 vectors of 32
+/// bytes, vectors `2p` and `2p + 1` hold the same two 32-value groups `g` and `g + 2` (`g` = 0, 1, 4, 5 for
+/// `p` = 0..4) in the same 8-byte words: word `2h + s` of either vector comes from group `g + 2s`, half `h`.
+/// So every 4-byte lane of the two vectors belongs to one group (and one 16-value Q6_K sub-block), and
+/// a kernel can add the two vectors' `maddubs` products in `i16` before applying one scale per lane:
+/// one `madd` per 64 values instead of two. A Q4_K block's nibbles reach this order with two `unpack`
+/// instructions per 64 bytes, a Q6_K block's quants with two per 64 values.
+///
+/// The quants come first and the block is aligned to 32 bytes (320 bytes in all), so that no 32-byte
+/// vector of quants straddles two cache lines.
 #[derive(Clone, Copy, Debug, PartialEq)]
-#[repr(C)]
+#[repr(C, align(32))]
 pub struct BlockQ8K {
+    /// Quants, in the kernels' order (see above): value `v` is at `qs[q8k_position(v)]`.
+    pub qs: [i8; QK_K],
+    /// `bsums[i]` = sum of the quants of values `16 i .. 16 i + 16`.
+    pub bsums: [i16; QK_K / 16],
     /// Scale (negative when the largest-magnitude value is positive, as in ggml).
     pub d: f32,
-    /// Quants, in value order.
-    pub qs: [i8; QK_K],
-    /// `bsums[i]` = sum of `qs[16 i .. 16 i + 16]`.
-    pub bsums: [i16; QK_K / 16],
+}
+
+/// The value (0..256) whose quant is at position `i` of [`BlockQ8K::qs`].
+///
+/// # Panics
+/// If `i >= 256`.
+pub const fn q8k_value(i: usize) -> usize {
+    assert!(i < QK_K, "a Q8_K block holds 256 values");
+    let (t, word, b) = (i / 32, (i % 32) / 8, i % 8);
+    let (p, e) = (t / 2, t % 2); // the vector pair and the vector within it
+    let (h, s) = (word / 2, word % 2); // the half of the group and which group of the pair
+    let g = 4 * (p / 2) + p % 2 + 2 * s;
+    32 * g + 16 * h + 8 * e + b
+}
+
+/// The position in [`BlockQ8K::qs`] of value `v` (0..256): the inverse of [`q8k_value`].
+///
+/// # Panics
+/// If `v >= 256`.
+pub const fn q8k_position(v: usize) -> usize {
+    assert!(v < QK_K, "a Q8_K block holds 256 values");
+    let (g, h, e, b) = (v / 32, (v % 32) / 16, (v % 16) / 8, v % 8);
+    let s = (g / 2) % 2;
+    let first = g - 2 * s; // 0, 1, 4 or 5
+    let p = 2 * (first / 4) + first % 2;
+    32 * (2 * p + e) + 8 * (2 * h + s) + b
 }
 
 /// ggml's `nearest_int`: round to nearest, ties to even, through the float adder (valid for
@@ -23,7 +64,8 @@ fn nearest_int(x: f32) -> i32 {
 
 /// Quantises `x` (a multiple of 256 long) to Q8_K exactly as ggml's `quantize_row_q8_K_ref`: the value
 /// of largest magnitude `max` (first one on ties) gives `iscale = -127 / max`, `q = min(127,
-/// nearest_int(iscale · x))`, `d = 1 / iscale`; an all-zero block gets `d = 0`.
+/// nearest_int(iscale · x))`, `d = 1 / iscale`; an all-zero block gets `d = 0`. The quants are stored
+/// in [`BlockQ8K`]'s order.
 ///
 /// # Panics
 /// If `out.len() * 256 != x.len()`.
@@ -46,27 +88,44 @@ pub fn quantize_row_q8_k(x: &[f32], out: &mut [BlockQ8K]) {
             continue;
         }
         let iscale = -127.0 / max;
-        for (q, &v) in block.qs.iter_mut().zip(x) {
-            // nearest_int(iscale · v) ≥ -127 since |iscale · v| ≤ 127 up to rounding; min caps the top.
-            *q = nearest_int(iscale * v).min(127) as i8;
+        for (r, run) in block.qs.chunks_exact_mut(8).enumerate() {
+            let v = q8k_value(8 * r);
+            for (q, &v) in run.iter_mut().zip(&x[v..v + 8]) {
+                // nearest_int(iscale · v) ≥ -127 since |iscale · v| ≤ 127 up to rounding; min caps
+                // the top.
+                *q = nearest_int(iscale * v).min(127) as i8;
+            }
         }
-        for (sum, qs) in block.bsums.iter_mut().zip(block.qs.chunks_exact(16)) {
-            // 16 values of magnitude ≤ 127: |sum| ≤ 2032.
-            *sum = qs.iter().map(|&q| i16::from(q)).sum();
+        for (i, sum) in block.bsums.iter_mut().enumerate() {
+            // Two runs of 8 values of magnitude ≤ 127: |sum| ≤ 2032.
+            let (a, b) = (q8k_position(16 * i), q8k_position(16 * i + 8));
+            *sum = block.qs[a..a + 8]
+                .iter()
+                .chain(&block.qs[b..b + 8])
+                .map(|&q| i16::from(q))
+                .sum();
         }
         block.d = 1.0 / iscale;
     }
 }
 
 impl BlockQ8K {
-    /// Dequantises into `out` (256 long): `d · q`.
+    /// The quant of value `v` (0..256).
+    ///
+    /// # Panics
+    /// If `v >= 256`.
+    pub fn quant(&self, v: usize) -> i8 {
+        self.qs[q8k_position(v)]
+    }
+
+    /// Dequantises into `out` (256 long, value order): `d · q`.
     ///
     /// # Panics
     /// If `out.len() != 256`.
     pub fn dequantize(&self, out: &mut [f32]) {
         assert_eq!(out.len(), QK_K, "a Q8_K block holds 256 values");
-        for (o, &q) in out.iter_mut().zip(&self.qs) {
-            *o = self.d * f32::from(q);
+        for (v, o) in out.iter_mut().enumerate() {
+            *o = self.d * f32::from(self.quant(v));
         }
     }
 }
@@ -97,19 +156,40 @@ mod tests {
         quantize_row_q8_k(&x, &mut out);
         let b = &out[0];
         // The largest magnitude is the last value (positive), so its quant is -127 and d < 0.
-        assert_eq!(b.qs[QK_K - 1], -127);
+        assert_eq!(b.quant(QK_K - 1), -127);
         assert!(b.d < 0.0);
         for (i, s) in b.bsums.iter().enumerate() {
             assert_eq!(
                 i32::from(*s),
-                b.qs[16 * i..16 * i + 16]
-                    .iter()
-                    .map(|&q| i32::from(q))
+                (16 * i..16 * i + 16)
+                    .map(|v| i32::from(b.quant(v)))
                     .sum::<i32>()
             );
         }
         for (i, &v) in x.iter().enumerate() {
-            assert!((b.d * f32::from(b.qs[i]) - v).abs() <= b.d.abs() * 0.5 + 1e-5);
+            assert!((b.d * f32::from(b.quant(i)) - v).abs() <= b.d.abs() * 0.5 + 1e-5);
+        }
+        let mut back = [0f32; QK_K];
+        b.dequantize(&mut back);
+        for (i, &v) in back.iter().enumerate() {
+            assert_eq!(v, b.d * f32::from(b.quant(i)));
+        }
+    }
+
+    #[test]
+    fn the_order_is_a_permutation_of_8_value_runs_with_one_group_per_lane() {
+        let mut seen = [false; QK_K];
+        for i in 0..QK_K {
+            let v = q8k_value(i);
+            assert!(!seen[v], "value {v} twice");
+            seen[v] = true;
+            assert_eq!(q8k_position(v), i);
+            // Runs of 8 consecutive values.
+            assert_eq!(v % 8, i % 8);
+            // Both vectors of a pair put the same 32-value group (so the same 16-value sub-block) in
+            // each 4-byte lane.
+            let twin = i ^ 32;
+            assert_eq!(q8k_value(twin) / 16, v / 16, "position {i}");
         }
     }
 

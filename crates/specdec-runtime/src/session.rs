@@ -13,13 +13,72 @@ use crate::model::Model;
 /// Prompt tokens per forward pass during prefill; bounds the activations' memory.
 pub const PREFILL_CHUNK: usize = 256;
 
+/// One sequence's KV cache and the tokens whose keys and values it holds, in order: the state that
+/// [`Session`] keeps for its one sequence and [`crate::Sessions`] for each of its sequences.
+#[derive(Debug)]
+pub(crate) struct Seq {
+    pub(crate) cache: KvCache,
+    pub(crate) tokens: Vec<TokenId>,
+}
+
+impl Seq {
+    pub(crate) fn new(cache: KvCache) -> Self {
+        Self {
+            cache,
+            tokens: Vec::new(),
+        }
+    }
+
+    /// How many leading tokens the cache shares with `seq`.
+    pub(crate) fn common_prefix(&self, seq: &[TokenId]) -> usize {
+        common_prefix(&self.tokens, seq)
+    }
+
+    /// Rolls back to the first `len` tokens in O(1); growing is an error.
+    pub(crate) fn rollback(&mut self, len: usize) -> Result<()> {
+        self.cache.truncate(len)?;
+        self.tokens.truncate(len);
+        Ok(())
+    }
+
+    /// Readies the cache for a [`Target::score`] request and returns the tokens to feed: the cached
+    /// prefix is kept, but the last context token is always fed again (its logits are the first row
+    /// asked for), then the draft. The logits wanted are those of the last `draft.len() + 1` tokens.
+    ///
+    /// # Errors
+    /// [`Error::EmptyContext`], or [`Error::ContextOverflow`] if context and draft exceed `capacity`.
+    pub(crate) fn prepare(&mut self, req: &Score<'_>, capacity: usize) -> Result<Vec<TokenId>> {
+        let ctx = req.context;
+        if ctx.is_empty() {
+            return Err(Error::EmptyContext);
+        }
+        let total = ctx.len() + req.draft.len();
+        if total > capacity {
+            return Err(Error::ContextOverflow {
+                len: total,
+                capacity,
+            });
+        }
+        let keep = self.common_prefix(ctx).min(ctx.len() - 1);
+        self.rollback(keep)?;
+        let mut feed = Vec::with_capacity(total - keep);
+        feed.extend_from_slice(&ctx[keep..]);
+        feed.extend_from_slice(req.draft);
+        Ok(feed)
+    }
+
+    /// [`Target::commit`]: keeps the cached tokens that agree with `committed`.
+    pub(crate) fn commit(&mut self, committed: &[TokenId]) -> Result<()> {
+        let keep = self.common_prefix(committed);
+        self.rollback(keep)
+    }
+}
+
 /// One sequence on a model.
 #[derive(Debug)]
 pub struct Session {
     model: Arc<Model>,
-    cache: KvCache,
-    /// The tokens whose keys and values the cache holds, in order.
-    tokens: Vec<TokenId>,
+    seq: Seq,
     logits: Vec<f32>,
 }
 
@@ -28,9 +87,8 @@ impl Session {
     pub fn new(model: Arc<Model>, capacity: usize) -> Self {
         let capacity = capacity.min(model.config().ctx_train).max(1);
         Self {
-            cache: model.cache(capacity),
+            seq: Seq::new(model.cache(capacity)),
             model,
-            tokens: Vec::new(),
             logits: Vec::new(),
         }
     }
@@ -42,19 +100,17 @@ impl Session {
 
     /// The tokens in the cache.
     pub fn tokens(&self) -> &[TokenId] {
-        &self.tokens
+        &self.seq.tokens
     }
 
     /// The most tokens the session can hold.
     pub fn capacity(&self) -> usize {
-        self.cache.capacity()
+        self.seq.cache.capacity()
     }
 
     /// Rolls back to the first `len` tokens in O(1); growing is an error.
     pub fn rollback(&mut self, len: usize) -> Result<()> {
-        self.cache.truncate(len)?;
-        self.tokens.truncate(len);
-        Ok(())
+        self.seq.rollback(len)
     }
 
     /// Appends `tokens` and returns the logits of the last `rows` of them (`[rows, vocab]`). Long
@@ -75,11 +131,11 @@ impl Session {
         rows: usize,
         logits: &mut Vec<f32>,
     ) -> Result<()> {
-        let end = self.tokens.len() + tokens.len();
-        if end > self.cache.capacity() {
+        let end = self.seq.tokens.len() + tokens.len();
+        if end > self.capacity() {
             return Err(Error::ContextOverflow {
                 len: end,
-                capacity: self.cache.capacity(),
+                capacity: self.capacity(),
             });
         }
         if rows > tokens.len() {
@@ -103,18 +159,15 @@ impl Session {
             return Ok(());
         }
         // A failed pass leaves the cache as it was: `forward` marks positions valid only at the end.
-        self.model.forward(&mut self.cache, tokens, rows, logits)?;
-        self.tokens.extend_from_slice(tokens);
+        self.model
+            .forward(&mut self.seq.cache, tokens, rows, logits)?;
+        self.seq.tokens.extend_from_slice(tokens);
         Ok(())
-    }
-
-    fn common_prefix(&self, seq: &[TokenId]) -> usize {
-        common_prefix(&self.tokens, seq)
     }
 }
 
 /// How many leading tokens `a` and `b` share.
-pub(crate) fn common_prefix(a: &[TokenId], b: &[TokenId]) -> usize {
+fn common_prefix(a: &[TokenId], b: &[TokenId]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
@@ -126,31 +179,15 @@ impl Target for Session {
     }
 
     fn capacity(&self) -> usize {
-        self.cache.capacity()
+        self.seq.cache.capacity()
     }
 
     fn score(&mut self, batch: &[Score<'_>], out: &mut [Logits]) -> Result<()> {
         let [req] = batch else {
             return Err(Error::BatchUnsupported(batch.len()));
         };
-        let ctx = req.context;
-        if ctx.is_empty() {
-            return Err(Error::EmptyContext);
-        }
-        let total = ctx.len() + req.draft.len();
-        if total > self.cache.capacity() {
-            return Err(Error::ContextOverflow {
-                len: total,
-                capacity: self.cache.capacity(),
-            });
-        }
-        // Reuse the cached prefix, but re-run from the last context token: its logits are the first
-        // row asked for.
-        let keep = self.common_prefix(ctx).min(ctx.len() - 1);
-        self.rollback(keep)?;
-        let mut feed = Vec::with_capacity(total - keep);
-        feed.extend_from_slice(&ctx[keep..]);
-        feed.extend_from_slice(req.draft);
+        let capacity = self.capacity();
+        let feed = self.seq.prepare(req, capacity)?;
         let rows = req.draft.len() + 1;
         let vocab = self.vocab_size();
         // The logits go straight into the verifier's buffer.
@@ -158,7 +195,6 @@ impl Target for Session {
     }
 
     fn commit(&mut self, _seq: SeqId, committed: &[TokenId]) -> Result<()> {
-        let keep = self.common_prefix(committed);
-        self.rollback(keep)
+        self.seq.commit(committed)
     }
 }

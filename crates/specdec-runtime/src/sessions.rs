@@ -15,31 +15,11 @@ use std::sync::Arc;
 use specdec_core::{Logits, Score, SeqId, Target, TokenId};
 
 use crate::error::{Error, Result};
-use crate::kv::KvCache;
 use crate::model::{Model, Part, Scratch};
-use crate::session::{common_prefix, PREFILL_CHUNK};
+use crate::session::{Seq, PREFILL_CHUNK};
 
 /// Released caches kept for reuse (and their prefixes), at most this many.
 pub const SPARE_CACHES: usize = 8;
-
-/// One sequence's cache and the tokens in it.
-#[derive(Debug)]
-struct Seq {
-    cache: KvCache,
-    tokens: Vec<TokenId>,
-}
-
-impl Seq {
-    fn common_prefix(&self, seq: &[TokenId]) -> usize {
-        common_prefix(&self.tokens, seq)
-    }
-
-    fn rollback(&mut self, len: usize) -> Result<()> {
-        self.cache.truncate(len)?;
-        self.tokens.truncate(len);
-        Ok(())
-    }
-}
 
 /// Sequences on a shared model, each with its own KV cache of `capacity` positions, created on first
 /// use and freed by [`Target::release`].
@@ -110,10 +90,7 @@ impl Sessions {
                 self.reused_tokens += keep as u64;
                 Ok(s)
             }
-            None => Ok(Seq {
-                cache: self.model.cache(self.capacity),
-                tokens: Vec::new(),
-            }),
+            None => Ok(Seq::new(self.model.cache(self.capacity))),
         }
     }
 
@@ -133,23 +110,7 @@ impl Sessions {
         // token, whose logits are the first row asked for) to the end of its draft.
         let mut feeds = Vec::with_capacity(batch.len());
         for (req, s) in batch.iter().zip(seqs.iter_mut()) {
-            let ctx = req.context;
-            if ctx.is_empty() {
-                return Err(Error::EmptyContext);
-            }
-            let total = ctx.len() + req.draft.len();
-            if total > self.capacity {
-                return Err(Error::ContextOverflow {
-                    len: total,
-                    capacity: self.capacity,
-                });
-            }
-            let keep = s.common_prefix(ctx).min(ctx.len() - 1);
-            s.rollback(keep)?;
-            let mut feed = Vec::with_capacity(total - keep);
-            feed.extend_from_slice(&ctx[keep..]);
-            feed.extend_from_slice(req.draft);
-            feeds.push(feed);
+            feeds.push(s.prepare(req, self.capacity)?);
         }
         // Long prompts first, up to the rows asked for: in rounds of one chunk per sequence, all
         // sequences' chunks of a round in one pass, at most `PREFILL_CHUNK` rows per pass.
@@ -269,10 +230,7 @@ impl Target for Sessions {
 
     fn commit(&mut self, seq: SeqId, committed: &[TokenId]) -> Result<()> {
         match self.seqs.get_mut(&seq) {
-            Some(s) => {
-                let keep = s.common_prefix(committed);
-                s.rollback(keep)
-            }
+            Some(s) => s.commit(committed),
             None => Ok(()),
         }
     }

@@ -7,36 +7,61 @@ use specdec_core::TokenId;
 use crate::engine::Codec;
 
 /// Decodes tokens one at a time into the text they complete.
+///
+/// A token whose text ends inside a UTF-8 character releases the complete characters before it at
+/// once and holds back only the incomplete one, so a stop string in that text ends generation at this
+/// token, not the next.
 #[derive(Clone, Debug, Default)]
 pub struct Detokenizer {
     ids: Vec<TokenId>,
+    /// Decoding restarts at `ids[prefix]` (a few tokens of context, for decoders that look at the
+    /// previous token, such as SentencePiece's leading space).
     prefix: usize,
+    /// `ids[prefix..read]` decode to text already released in full.
     read: usize,
+    /// Bytes of the text of `ids[read..]` already released (its complete characters).
+    sent: usize,
 }
 
 impl Detokenizer {
-    /// Adds a token; returns the new text it completes (empty while a character is incomplete).
+    /// Adds a token; returns the new text it completes (without a trailing incomplete character).
     pub fn push(&mut self, codec: &dyn Codec, id: TokenId) -> String {
         self.ids.push(id);
         let before = codec.decode(&self.ids[self.prefix..self.read]);
         let now = codec.decode(&self.ids[self.prefix..]);
-        if now.len() > before.len() && !now.ends_with('\u{FFFD}') && now.starts_with(&before) {
-            let piece = now[before.len()..].to_string();
+        if !now.starts_with(&before) {
+            return String::new();
+        }
+        // An incomplete character decodes as U+FFFD at the end; the characters before it are final.
+        let complete = !now.ends_with('\u{FFFD}');
+        let end = now.trim_end_matches('\u{FFFD}').len();
+        let from = before.len() + self.sent;
+        let piece = match now.get(from..end) {
+            Some(p) if end > from => p.to_string(),
+            _ => String::new(),
+        };
+        if complete && end > before.len() {
             self.prefix = self.read;
             self.read = self.ids.len();
-            piece
+            self.sent = 0;
         } else {
-            String::new()
+            self.sent += piece.len();
         }
+        piece
     }
 
     /// Whatever is still held back at the end (an incomplete character, as U+FFFD).
     pub fn finish(&mut self, codec: &dyn Codec) -> String {
         let before = codec.decode(&self.ids[self.prefix..self.read]);
         let now = codec.decode(&self.ids[self.prefix..]);
+        let from = before.len() + self.sent;
         self.prefix = self.ids.len();
         self.read = self.ids.len();
-        now.strip_prefix(&before).unwrap_or_default().to_string()
+        self.sent = 0;
+        match now.get(from..) {
+            Some(rest) if now.starts_with(&before) => rest.to_string(),
+            _ => String::new(),
+        }
     }
 }
 
@@ -141,6 +166,88 @@ mod tests {
         assert_eq!(run(&["café", "é!"], &["é!"]), ("café".into(), true));
         assert_eq!(run(&["caf", "é!"], &["é!"]), ("caf".into(), true));
         assert_eq!(run(&["日本", "語"], &["本語"]), ("日".into(), true));
+    }
+
+    /// Tokens standing for raw bytes, decoded as UTF-8 with U+FFFD for what is not (as the real
+    /// tokenizers do).
+    struct Bytes(Vec<&'static [u8]>);
+
+    impl Codec for Bytes {
+        fn encode(&self, _: &str) -> Result<Vec<TokenId>, String> {
+            Err("not used".into())
+        }
+        fn encode_chat(&self, _: &[(String, String)]) -> Result<Vec<TokenId>, String> {
+            Err("not used".into())
+        }
+        fn decode(&self, ids: &[TokenId]) -> String {
+            let bytes: Vec<u8> = ids
+                .iter()
+                .flat_map(|&i| self.0[i as usize].to_vec())
+                .collect();
+            String::from_utf8_lossy(&bytes).into_owned()
+        }
+        fn stop_tokens(&self) -> Vec<TokenId> {
+            Vec::new()
+        }
+    }
+
+    #[test]
+    fn complete_characters_are_released_with_the_token_that_ends_them() {
+        // "é" is C3 A9, "日" E6 97 A5: token 1 ends with half of "é", token 3 starts "日".
+        let codec = Bytes(vec![b"ab", b"c\xC3", b"\xA9d", b"e\xE6", b"\x97", b"\xA5!"]);
+        let mut d = Detokenizer::default();
+        let pieces: Vec<String> = (0..6).map(|i| d.push(&codec, i)).collect();
+        assert_eq!(pieces, ["ab", "c", "éd", "e", "", "日!"]);
+        assert_eq!(d.finish(&codec), "");
+        // An incomplete character at the end comes out as U+FFFD, once.
+        let codec = Bytes(vec![b"x\xE6", b"\x97"]);
+        let mut d = Detokenizer::default();
+        assert_eq!(d.push(&codec, 0), "x");
+        assert_eq!(d.push(&codec, 1), "");
+        assert_eq!(d.finish(&codec), "\u{FFFD}");
+    }
+
+    #[test]
+    fn a_stop_string_before_an_incomplete_character_stops_at_that_token() {
+        // Token 1 completes the stop string "END" and begins a character.
+        let codec = Bytes(vec![b"x EN", b"D\xC3", b"\xA9"]);
+        let mut d = Detokenizer::default();
+        let mut st = StopText::new(vec!["END".into()]);
+        assert_eq!(st.push(&d.push(&codec, 0)), Release::Text("x ".into()));
+        assert_eq!(st.push(&d.push(&codec, 1)), Release::Stopped(String::new()));
+    }
+
+    proptest! {
+        #[test]
+        fn pieces_concatenate_to_the_decoded_text(
+            text in "[aé日🐱]{0,12}",
+            cuts in proptest::collection::vec(0usize..64, 0..10),
+        ) {
+            // Split the bytes anywhere, also inside characters.
+            let bytes = text.as_bytes();
+            let mut at: Vec<usize> = cuts.iter().map(|c| c % (bytes.len() + 1)).collect();
+            at.push(0);
+            at.push(bytes.len());
+            at.sort_unstable();
+            at.dedup();
+            let tokens: Vec<&'static [u8]> = at
+                .windows(2)
+                .map(|w| &*Box::leak(bytes[w[0]..w[1]].to_vec().into_boxed_slice()))
+                .collect();
+            let n = tokens.len();
+            let codec = Bytes(tokens);
+            let mut d = Detokenizer::default();
+            let mut out = String::new();
+            for i in 0..n {
+                let piece = d.push(&codec, i as TokenId);
+                prop_assert!(!piece.contains('\u{FFFD}'), "a released piece is all complete characters");
+                out.push_str(&piece);
+                // Everything released so far is a prefix of the text.
+                prop_assert!(text.starts_with(&out));
+            }
+            out.push_str(&d.finish(&codec));
+            prop_assert_eq!(out, text);
+        }
     }
 
     #[test]

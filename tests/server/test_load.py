@@ -12,7 +12,7 @@ import sys
 import time
 import urllib.request
 
-from conftest import ROOT, Server, tiny_models
+from conftest import ROOT, WRITE_TINY, Server, tiny_models
 
 
 def get(base, path):
@@ -77,15 +77,21 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot(tiny_server):
         time.sleep(0.05)
 
 
+def post_stream(port, request):
+    """Sends a completion request on a raw socket (read the response with `recv`)."""
+    body = json.dumps(request).encode()
+    conn = socket.create_connection(("127.0.0.1", port), timeout=60)
+    conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    return conn
+
+
 def test_sigterm_finishes_in_flight_requests_and_exits_cleanly(tmp_path):
     target, draft = tiny_models(tmp_path)
     s = Server(["--target", str(target), "--draft", str(draft), "--drafter", "model", "--ctx", "1024",
                 "--shutdown-grace", "30"])
     try:
-        body = json.dumps({"prompt": "abc", "max_tokens": 300, "stream": True}).encode()
-        conn = socket.create_connection(("127.0.0.1", s.port), timeout=60)
-        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        conn = post_stream(s.port, {"prompt": "abc", "max_tokens": 300, "stream": True})
         got = conn.recv(4096)
         assert b"200 OK" in got
         s.proc.send_signal(signal.SIGTERM)
@@ -95,6 +101,33 @@ def test_sigterm_finishes_in_flight_requests_and_exits_cleanly(tmp_path):
             got += more
         assert b'"finish_reason":"length"' in got or b'"finish_reason":"stop"' in got
         conn.close()
+        assert s.proc.wait(timeout=60) == 0, s.output()
+    finally:
+        s.stop()
+
+
+def test_requests_cut_by_shutdown_end_with_an_error_after_their_text(tmp_path):
+    # No grace period: a long request still running at SIGTERM is cancelled. OpenAI has no finish
+    # reason for that, so the stream carries the text generated so far, then an error, then [DONE].
+    target = tmp_path / "tiny-long.gguf"
+    subprocess.run([str(WRITE_TINY), str(target), "qwen2", "--dtype", "q8_0", "--ctx", "8192"], check=True)
+    s = Server(["--target", str(target), "--drafter", "ngram", "--ctx", "8192", "--ignore-eos",
+                "--shutdown-grace", "0"])
+    try:
+        conn = post_stream(s.port, {"prompt": "abc", "max_tokens": 8000, "stream": True})
+        got = b""
+        while b'"text"' not in got:
+            more = conn.recv(65536)
+            assert more, "the stream ended before any text"
+            got += more
+        s.proc.send_signal(signal.SIGTERM)
+        while b"[DONE]" not in got:
+            more = conn.recv(65536)
+            assert more, "the stream ended without [DONE]"
+            got += more
+        conn.close()
+        assert b"finish_reason\":\"cancelled" not in got
+        assert b"the server shut down before the request finished" in got, got[-600:]
         assert s.proc.wait(timeout=60) == 0, s.output()
     finally:
         s.stop()

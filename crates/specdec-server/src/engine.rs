@@ -300,8 +300,6 @@ pub enum Finish {
     Stop,
     /// The token limit or the context.
     Length,
-    /// The client left or the server shut down.
-    Cancelled,
 }
 
 impl Finish {
@@ -310,7 +308,6 @@ impl Finish {
         match self {
             Finish::Stop => "stop",
             Finish::Length => "length",
-            Finish::Cancelled => "cancelled",
         }
     }
 }
@@ -746,7 +743,16 @@ impl<M: Target, T: Target> Engine<M, T> {
             match output.stop_reason {
                 Some(StopReason::StopToken(_)) => Finish::Stop,
                 Some(StopReason::MaxTokens) | Some(StopReason::ContextFull) => Finish::Length,
-                Some(StopReason::Cancelled) | None => Finish::Cancelled,
+                // Cut short: by a client that left (it hears nothing) or by the server shutting
+                // down. OpenAI has no finish reason for that, so the client gets an error after the
+                // text it already has.
+                Some(StopReason::Cancelled) | None => {
+                    let _ = a.events.send(Event::Failed(format!(
+                        "the server shut down before the request finished ({} tokens generated)",
+                        output.tokens.len()
+                    )));
+                    return;
+                }
             }
         };
         let _ = a.events.send(Event::Done(Box::new(Summary {

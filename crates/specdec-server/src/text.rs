@@ -36,10 +36,7 @@ impl Detokenizer {
         let complete = !now.ends_with('\u{FFFD}');
         let end = now.trim_end_matches('\u{FFFD}').len();
         let from = before.len() + self.sent;
-        let piece = match now.get(from..end) {
-            Some(p) if end > from => p.to_string(),
-            _ => String::new(),
-        };
+        let piece = now.get(from..end).unwrap_or_default().to_string();
         if complete && end > before.len() {
             self.prefix = self.read;
             self.read = self.ids.len();
@@ -170,7 +167,13 @@ mod tests {
 
     /// Tokens standing for raw bytes, decoded as UTF-8 with U+FFFD for what is not (as the real
     /// tokenizers do).
-    struct Bytes(Vec<&'static [u8]>);
+    struct Bytes(Vec<Vec<u8>>);
+
+    impl Bytes {
+        fn of(tokens: &[&[u8]]) -> Self {
+            Bytes(tokens.iter().map(|t| t.to_vec()).collect())
+        }
+    }
 
     impl Codec for Bytes {
         fn encode(&self, _: &str) -> Result<Vec<TokenId>, String> {
@@ -182,7 +185,7 @@ mod tests {
         fn decode(&self, ids: &[TokenId]) -> String {
             let bytes: Vec<u8> = ids
                 .iter()
-                .flat_map(|&i| self.0[i as usize].to_vec())
+                .flat_map(|&i| self.0[i as usize].iter().copied())
                 .collect();
             String::from_utf8_lossy(&bytes).into_owned()
         }
@@ -194,13 +197,13 @@ mod tests {
     #[test]
     fn complete_characters_are_released_with_the_token_that_ends_them() {
         // "é" is C3 A9, "日" E6 97 A5: token 1 ends with half of "é", token 3 starts "日".
-        let codec = Bytes(vec![b"ab", b"c\xC3", b"\xA9d", b"e\xE6", b"\x97", b"\xA5!"]);
+        let codec = Bytes::of(&[b"ab", b"c\xC3", b"\xA9d", b"e\xE6", b"\x97", b"\xA5!"]);
         let mut d = Detokenizer::default();
         let pieces: Vec<String> = (0..6).map(|i| d.push(&codec, i)).collect();
         assert_eq!(pieces, ["ab", "c", "éd", "e", "", "日!"]);
         assert_eq!(d.finish(&codec), "");
         // An incomplete character at the end comes out as U+FFFD, once.
-        let codec = Bytes(vec![b"x\xE6", b"\x97"]);
+        let codec = Bytes::of(&[b"x\xE6", b"\x97"]);
         let mut d = Detokenizer::default();
         assert_eq!(d.push(&codec, 0), "x");
         assert_eq!(d.push(&codec, 1), "");
@@ -210,7 +213,7 @@ mod tests {
     #[test]
     fn a_stop_string_before_an_incomplete_character_stops_at_that_token() {
         // Token 1 completes the stop string "END" and begins a character.
-        let codec = Bytes(vec![b"x EN", b"D\xC3", b"\xA9"]);
+        let codec = Bytes::of(&[b"x EN", b"D\xC3", b"\xA9"]);
         let mut d = Detokenizer::default();
         let mut st = StopText::new(vec!["END".into()]);
         assert_eq!(st.push(&d.push(&codec, 0)), Release::Text("x ".into()));
@@ -230,10 +233,7 @@ mod tests {
             at.push(bytes.len());
             at.sort_unstable();
             at.dedup();
-            let tokens: Vec<&'static [u8]> = at
-                .windows(2)
-                .map(|w| &*Box::leak(bytes[w[0]..w[1]].to_vec().into_boxed_slice()))
-                .collect();
+            let tokens: Vec<Vec<u8>> = at.windows(2).map(|w| bytes[w[0]..w[1]].to_vec()).collect();
             let n = tokens.len();
             let codec = Bytes(tokens);
             let mut d = Detokenizer::default();

@@ -10,8 +10,9 @@
 //!   byte-for-byte and `block_q8_K` with its quants interleaved for the kernels, their dequantisation,
 //!   activation quantisation ([`quantize_row_q8_k`], [`quantize_row_q8_0`], exactly ggml's `_ref`
 //!   functions) and the scalar reference dot products.
-//! - [`Kernels`]: the matmul at a [`CpuLevel`] (portable scalar, AVX2 with F16C and FMA), detected once per
-//!   process and overridable with `SPECDEC_KERNELS=scalar|avx2|auto`; [`Kernels::matmul_threaded`]
+//! - [`Kernels`]: the matmul at a [`CpuLevel`] (portable scalar, AVX2 with F16C and FMA, and AVX2 with
+//!   AVX-512 VNNI dot products), detected once per process and overridable with
+//!   `SPECDEC_KERNELS=scalar|avx2|avx512vnni|auto`; [`Kernels::matmul_threaded`]
 //!   splits the output columns over a [`ThreadPool`].
 //! - [`pool`]: the fork-join [`ThreadPool`].
 //! - [`mod@f16`]: exact f16 conversions.
@@ -147,7 +148,7 @@ pub enum KernelError {
         level: &'static str,
     },
     /// An unknown level name (in `SPECDEC_KERNELS` or [`CpuLevel::parse`]).
-    #[error("unknown kernel level {name:?} (expected scalar, avx2 or auto)")]
+    #[error("unknown kernel level {name:?} (expected scalar, avx2, avx512vnni or auto)")]
     UnknownLevel {
         /// The name given.
         name: String,

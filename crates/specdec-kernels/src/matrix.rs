@@ -59,7 +59,7 @@ pub struct QMatrix {
 
 fn blocks_per_row(format: BlockFormat, cols: usize) -> Result<usize, KernelError> {
     let block_len = format.block_len();
-    if cols % block_len != 0 {
+    if !cols.is_multiple_of(block_len) {
         return Err(KernelError::RaggedRow {
             format,
             cols,
@@ -224,7 +224,7 @@ impl QuantizedActivations {
     /// As [`QuantizedActivations::quantize`].
     pub fn requantize(&mut self, rows: usize, cols: usize, x: &[f32]) -> Result<(), KernelError> {
         let block_len = self.format().block_len();
-        if cols % block_len != 0 {
+        if !cols.is_multiple_of(block_len) {
             return Err(KernelError::RaggedActivations { cols, block_len });
         }
         if x.len() != rows * cols {

@@ -25,10 +25,16 @@ pub(crate) trait Format {
     /// The CPU must support AVX2 and F16C; `out` as [`pass`].
     #[cfg(target_arch = "x86_64")]
     unsafe fn avx2_pass(w: &[Self::Block], nb: usize, x: &[Self::Act], out: Out);
+    /// [`pass`] at [`CpuLevel::Avx512Vnni`].
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, F16C, AVX512F, AVX512VL and AVX512_VNNI; `out` as [`pass`].
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn vnni_pass(w: &[Self::Block], nb: usize, x: &[Self::Act], out: Out);
 }
 
 macro_rules! format {
-    ($name:ident, $block:ty, $act:ty, $dot:path, $pass:ident, $avx2:path) => {
+    ($name:ident, $block:ty, $act:ty, $dot:path, $pass:ident, $vnni:ident, $avx2:path) => {
         pub(crate) struct $name;
         impl Format for $name {
             type Block = $block;
@@ -41,6 +47,11 @@ macro_rules! format {
                 // SAFETY: the caller's contract.
                 unsafe { avx2::$pass::<$avx2>(w, nb, x, out) }
             }
+            #[cfg(target_arch = "x86_64")]
+            unsafe fn vnni_pass(w: &[$block], nb: usize, x: &[$act], out: Out) {
+                // SAFETY: the caller's contract.
+                unsafe { avx2::$vnni::<$avx2>(w, nb, x, out) }
+            }
         }
     };
 }
@@ -51,6 +62,7 @@ format!(
     ActQ8_0,
     dot_q8_0_q8_0,
     pass32,
+    pass32_vnni,
     crate::formats::q8_0::avx2::Q8_0
 );
 format!(
@@ -59,6 +71,7 @@ format!(
     ActQ8_0,
     dot_q4_0_q8_0,
     pass32,
+    pass32_vnni,
     crate::formats::q4_0::avx2::Q4_0
 );
 format!(
@@ -67,6 +80,7 @@ format!(
     ActQ8_0,
     dot_q5_0_q8_0,
     pass32,
+    pass32_vnni,
     crate::formats::q5_0::avx2::Q5_0
 );
 format!(
@@ -75,6 +89,7 @@ format!(
     BlockQ8K,
     dot_q4_k_q8_k,
     pass,
+    pass_vnni,
     crate::formats::q4_k::avx2::Q4K
 );
 format!(
@@ -83,6 +98,7 @@ format!(
     BlockQ8K,
     dot_q6_k_q8_k,
     pass,
+    pass_vnni,
     crate::formats::q6_k::avx2::Q6K
 );
 
@@ -122,9 +138,12 @@ pub(crate) unsafe fn pass<F: Format>(
         // SAFETY: `level` is supported by this CPU (the caller's contract, upheld by `Kernels`).
         #[cfg(target_arch = "x86_64")]
         CpuLevel::Avx2 => unsafe { F::avx2_pass(w, nb, x, out) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        CpuLevel::Avx512Vnni => unsafe { F::vnni_pass(w, nb, x, out) },
         // SAFETY: the caller's contract.
         #[cfg(not(target_arch = "x86_64"))]
-        CpuLevel::Avx2 => unsafe { scalar_rows(F::dot, w, nb, x, out) },
+        CpuLevel::Avx2 | CpuLevel::Avx512Vnni => unsafe { scalar_rows(F::dot, w, nb, x, out) },
     }
 }
 
@@ -190,6 +209,28 @@ pub(crate) mod avx2 {
                 *a = unsafe { Self::accumulate(w, x, *a) };
             }
         }
+
+        /// [`Dequantizer::unpack`] for [`Dequantizer::accumulate_rows_vnni`] (by default the same).
+        ///
+        /// # Safety
+        /// The CPU must support AVX2.
+        #[inline]
+        #[target_feature(enable = "avx2,f16c")]
+        unsafe fn unpack_vnni(block: &Self::Block) -> Self::Unpacked {
+            // SAFETY: the caller's contract.
+            unsafe { Self::unpack(block) }
+        }
+
+        /// [`Dequantizer::accumulate_rows`] with the dot products of AVX-512 VNNI: the same integer
+        /// lanes and the same float arithmetic, so bit-identical results in fewer instructions.
+        ///
+        /// # Safety
+        /// The CPU must support AVX2, F16C, AVX512F, AVX512VL and AVX512_VNNI.
+        unsafe fn accumulate_rows_vnni<const R: usize>(
+            w: &Self::Unpacked,
+            x: [&Self::Act; R],
+            acc: &mut [__m256],
+        );
     }
 
     /// The integer lanes of `R` Q8_K activation blocks against a K-quant block unpacked into
@@ -220,6 +261,65 @@ pub(crate) mod avx2 {
                     _mm256_maddubs_epi16(q[2 * p + 1], y1),
                 );
                 *l = _mm256_add_epi32(*l, _mm256_madd_epi16(pair, sc));
+            }
+        }
+        lanes
+    }
+
+    /// [`paired_lanes`] with each pair's `madd` and `add` fused into one `vpdpwssd` (for Q6_K, whose
+    /// pair sums need the `i16` bound that two `maddubs` keep).
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,avx512f,avx512vl,avx512vnni")]
+    pub(crate) fn paired_lanes_vnni<const R: usize>(
+        q: &[__m256i; 8],
+        sc: &[__m256i; 4],
+        x: [&crate::formats::BlockQ8K; R],
+    ) -> [__m256i; R] {
+        let mut lanes = [_mm256_setzero_si256(); R];
+        for (p, &sc) in sc.iter().enumerate() {
+            for (l, x) in lanes.iter_mut().zip(x) {
+                // SAFETY: `x.qs` is 256 bytes; bytes 64p .. 64p + 64 are in bounds for p < 4.
+                let (y0, y1) = unsafe {
+                    (
+                        _mm256_loadu_si256(x.qs.as_ptr().add(64 * p).cast()),
+                        _mm256_loadu_si256(x.qs.as_ptr().add(64 * p + 32).cast()),
+                    )
+                };
+                let pair = _mm256_add_epi16(
+                    _mm256_maddubs_epi16(q[2 * p], y0),
+                    _mm256_maddubs_epi16(q[2 * p + 1], y1),
+                );
+                *l = _mm256_dpwssd_epi32(*l, pair, sc);
+            }
+        }
+        lanes
+    }
+
+    /// [`paired_lanes`] for quants below 16 (Q4_K) with AVX-512 VNNI: per pair and row, two chained
+    /// `vpdpbusd` sum the 8 products of each 4-byte lane of the pair's two vectors into an `i32`
+    /// (at most 8 · 15 · 127 < 2^15 in magnitude), and one `vpdpwssd` multiplies it by the lane's
+    /// scale and adds. `sc` must hold each lane's scale in its low `i16` and 0 in its high one: the
+    /// high `i16` of a negative sum is -1, and the low one alone is the sum.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,avx512f,avx512vl,avx512vnni")]
+    pub(crate) fn chained_lanes_vnni<const R: usize>(
+        q: &[__m256i; 8],
+        sc: &[__m256i; 4],
+        x: [&crate::formats::BlockQ8K; R],
+    ) -> [__m256i; R] {
+        let mut lanes = [_mm256_setzero_si256(); R];
+        for (p, &sc) in sc.iter().enumerate() {
+            for (l, x) in lanes.iter_mut().zip(x) {
+                // SAFETY: `x.qs` is 256 bytes; bytes 64p .. 64p + 64 are in bounds for p < 4.
+                let (y0, y1) = unsafe {
+                    (
+                        _mm256_loadu_si256(x.qs.as_ptr().add(64 * p).cast()),
+                        _mm256_loadu_si256(x.qs.as_ptr().add(64 * p + 32).cast()),
+                    )
+                };
+                let sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q[2 * p], y0);
+                let sums = _mm256_dpbusd_epi32(sums, q[2 * p + 1], y1);
+                *l = _mm256_dpwssd_epi32(*l, sums, sc);
             }
         }
         lanes
@@ -265,139 +365,34 @@ pub(crate) mod avx2 {
         _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)))
     }
 
-    /// `N` activation rows against the weight rows in `w` (`nb` blocks each).
-    ///
-    /// # Safety
-    /// The CPU must support AVX2 and F16C; `out` as [`super::pass`].
-    #[target_feature(enable = "avx2,f16c")]
-    unsafe fn rows<D: Dequantizer, const N: usize>(
-        w: &[D::Block],
-        nb: usize,
-        x: &[D::Act],
-        out: super::Out,
-    ) {
-        assert_eq!(x.len(), N * nb, "a pass holds N rows of nb blocks");
-        // Up to 4 rows go together, each unpacked vector loaded once for all of them, and 5 rows as
-        // 3 + 2. From 6 rows up, one row at a time with the unpacked block in registers, in a loop
-        // kept rolled (`black_box` hides the constant): unrolled, the rows interleave and spill to the
-        // stack. Measured with `examples/step_time.rs` on the 1.5B target: blocks of 5, 6, 8 and 12
-        // tokens 8-15% faster than groups of 4 rows (and 6, 7, 8 rows as 3 + 3, 4 + 3, 4 + 4 slower
-        // than one at a time by 4-14%); 2-4 rows together as fast as before.
-        let rows = std::hint::black_box(N);
-        for (c, wrow) in w.chunks_exact(nb).enumerate() {
-            let mut acc = [_mm256_setzero_ps(); N];
-            for (b, block) in wrow.iter().enumerate() {
-                // The rows of a pass are adjacent: fetch the bytes `PREFETCH` ahead of this block.
-                let ahead = std::ptr::from_ref(block)
-                    .cast::<i8>()
-                    .wrapping_add(PREFETCH);
-                for line in (0..std::mem::size_of::<D::Block>()).step_by(64) {
-                    // A prefetch reads nothing the program sees and cannot fault.
-                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line));
-                }
-                // SAFETY: AVX2 is enabled for this function (caller's contract).
-                let u = unsafe { D::unpack(block) };
-                // Block `b` of row `r` is `xb.add(r * nb)`, in bounds for r < N (asserted above).
-                let xb = x[b..].as_ptr();
-                if N <= 4 {
-                    // SAFETY: as above; rows 0 .. N.
-                    unsafe { group::<D, N>(&u, xb, nb, 0, &mut acc) };
-                } else if N == 5 {
-                    // SAFETY: as above; rows 0 .. 5.
-                    unsafe {
-                        group::<D, 3>(&u, xb, nb, 0, &mut acc);
-                        group::<D, 2>(&u, xb, nb, 3, &mut acc);
-                    }
-                } else {
-                    for r in 0..rows {
-                        // SAFETY: as above; r < N.
-                        unsafe { group::<D, 1>(&u, xb, nb, r, &mut acc) };
-                    }
-                }
+    /// `$f::<$t, N>(args)` with the row count `$rows` (1 ..= [`super::MAX_PASS_ROWS`]) as the constant
+    /// `N`, so that the accumulators of a pass live in registers.
+    macro_rules! by_rows {
+        ($rows:expr, $f:ident::<$t:ident>($($arg:expr),*)) => {
+            match $rows {
+                1 => $f::<$t, 1>($($arg),*),
+                2 => $f::<$t, 2>($($arg),*),
+                3 => $f::<$t, 3>($($arg),*),
+                4 => $f::<$t, 4>($($arg),*),
+                5 => $f::<$t, 5>($($arg),*),
+                6 => $f::<$t, 6>($($arg),*),
+                7 => $f::<$t, 7>($($arg),*),
+                8 => $f::<$t, 8>($($arg),*),
+                9 => $f::<$t, 9>($($arg),*),
+                10 => $f::<$t, 10>($($arg),*),
+                11 => $f::<$t, 11>($($arg),*),
+                12 => $f::<$t, 12>($($arg),*),
+                13 => $f::<$t, 13>($($arg),*),
+                14 => $f::<$t, 14>($($arg),*),
+                15 => $f::<$t, 15>($($arg),*),
+                16 => $f::<$t, 16>($($arg),*),
+                _ => {}
             }
-            for (r, a) in acc.into_iter().enumerate() {
-                // SAFETY: the caller's contract.
-                unsafe { out.write(r, c, hsum(a)) };
-            }
-        }
+        };
     }
 
     /// How far ahead of the block being unpacked [`rows`] prefetches weights, in bytes.
     const PREFETCH: usize = 4096;
-
-    /// Rows `r .. r + G` of one block through [`Dequantizer::accumulate_rows`]: row `i`'s activation
-    /// block is `xb.add(i * nb)`.
-    ///
-    /// # Safety
-    /// The CPU must support AVX2 and F16C; `xb.add((r + G - 1) * nb)` must point to a block, and
-    /// `r + G <= acc.len()`.
-    #[inline]
-    #[target_feature(enable = "avx2,f16c")]
-    unsafe fn group<D: Dequantizer, const G: usize>(
-        u: &D::Unpacked,
-        xb: *const D::Act,
-        nb: usize,
-        r: usize,
-        acc: &mut [__m256],
-    ) {
-        // SAFETY: the caller's contract.
-        let x: [&D::Act; G] = std::array::from_fn(|i| unsafe { &*xb.add((r + i) * nb) });
-        // SAFETY: AVX2 support is the caller's contract.
-        unsafe { D::accumulate_rows::<G>(u, x, &mut acc[r..r + G]) };
-    }
-
-    /// Runs one pass (1 ..= [`super::MAX_PASS_ROWS`] activation rows) with the row count as a constant,
-    /// so the accumulators live in registers.
-    ///
-    /// # Safety
-    /// The CPU must support AVX2 and F16C; `out` as [`super::pass`].
-    pub(crate) unsafe fn pass<D: Dequantizer>(
-        w: &[D::Block],
-        nb: usize,
-        x: &[D::Act],
-        out: super::Out,
-    ) {
-        macro_rules! by_rows {
-            ($($n:literal)*) => {
-                match x.len() / nb {
-                    $($n => {
-                        // SAFETY: AVX2 support is the caller's contract.
-                        unsafe { rows::<D, $n>(w, nb, x, out) }
-                    })*
-                    _ => {}
-                }
-            };
-        }
-        by_rows!(1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16)
-    }
-
-    /// The 32-value formats' pass: 8 weight rows (output columns) side by side, lane `k` of a vector
-    /// for column `k` of the group. Per block, each row's 32 products are summed exactly into one
-    /// `i32` (`maddubs`, `madd`, then a horizontal reduction that leaves column `k`'s sum in lane
-    /// `k`), the weights' offset is taken off once per activation block, and the float scale
-    /// conversion, multiply and add run once for all 8 columns.
-    ///
-    /// # Safety
-    /// The CPU must support AVX2 and F16C; `out` as [`super::pass`].
-    pub(crate) unsafe fn pass32<Q: Quants32>(
-        w: &[Q::Block],
-        nb: usize,
-        x: &[ActQ8_0],
-        out: super::Out,
-    ) {
-        macro_rules! by_rows {
-            ($($n:literal)*) => {
-                match x.len() / nb {
-                    $($n => {
-                        // SAFETY: AVX2 support is the caller's contract.
-                        unsafe { rows32::<Q, $n>(w, nb, x, out) }
-                    })*
-                    _ => {}
-                }
-            };
-        }
-        by_rows!(1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16)
-    }
 
     /// Lane `k` = the sum of the 8 `i32` lanes of `p[k]`.
     #[inline]
@@ -417,98 +412,237 @@ pub(crate) mod avx2 {
         )
     }
 
-    /// `N` activation rows against the weight rows in `w` (`nb` blocks each), 8 weight rows at a
-    /// time; a last group of fewer than 8 repeats its last row in the spare lanes and does not write
-    /// them.
-    ///
-    /// # Safety
-    /// The CPU must support AVX2 and F16C; `out` as [`super::pass`].
-    #[target_feature(enable = "avx2,f16c")]
-    unsafe fn rows32<Q: Quants32, const N: usize>(
-        w: &[Q::Block],
-        nb: usize,
-        x: &[ActQ8_0],
-        out: super::Out,
-    ) {
-        let cols = w.len() / nb;
-        let ones = _mm256_set1_epi16(1);
-        for c in (0..cols).step_by(8) {
-            // The 8 weight rows of the group, by pointer: `wp[k].add(b)` is block `b` of row `k`.
-            let wp: [*const Q::Block; 8] =
-                std::array::from_fn(|k| w[(c + k).min(cols - 1) * nb..].as_ptr());
-            let mut acc = [_mm256_setzero_ps(); N];
-            // The 8 rows are adjacent, so the group reads one contiguous run of bytes, but as 8
-            // interleaved streams, which the hardware prefetchers follow poorly from memory: each
-            // block step prefetches its share of the next group's run instead.
-            let group_bytes = 8 * nb * std::mem::size_of::<Q::Block>();
-            let step_bytes = 8 * std::mem::size_of::<Q::Block>();
-            let next = wp[0].cast::<i8>().wrapping_add(group_bytes);
-            for b in 0..nb {
-                let mut line = b * step_bytes;
-                while line < (b + 1) * step_bytes {
-                    // A prefetch reads nothing the program sees and cannot fault.
-                    _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(line));
-                    line += 64;
-                }
-                // SAFETY: `b < nb` and each row pointer starts a row of `nb` blocks of `w`.
-                let bl = |k: usize| unsafe { &*wp[k].add(b) };
-                // SAFETY (all unsafe calls of this loop): AVX2 support is the caller's contract.
-                let u = unsafe {
-                    [
-                        Q::unpack(bl(0)),
-                        Q::unpack(bl(1)),
-                        Q::unpack(bl(2)),
-                        Q::unpack(bl(3)),
-                        Q::unpack(bl(4)),
-                        Q::unpack(bl(5)),
-                        Q::unpack(bl(6)),
-                        Q::unpack(bl(7)),
-                    ]
-                };
-                let h = |k: usize| bl(k).scale().0 as i16;
-                let d = _mm256_cvtph_ps(_mm_set_epi16(
-                    h(7),
-                    h(6),
-                    h(5),
-                    h(4),
-                    h(3),
-                    h(2),
-                    h(1),
-                    h(0),
-                ));
-                for (r, a) in acc.iter_mut().enumerate() {
-                    let xb = &x[r * nb + b];
-                    // SAFETY: `xb.qs` is 32 bytes, one unaligned 256-bit load.
-                    let y = unsafe { _mm256_loadu_si256(xb.qs.as_ptr().cast()) };
-                    let p = unsafe {
-                        [
-                            _mm256_madd_epi16(Q::pairs(&u[0], y), ones),
-                            _mm256_madd_epi16(Q::pairs(&u[1], y), ones),
-                            _mm256_madd_epi16(Q::pairs(&u[2], y), ones),
-                            _mm256_madd_epi16(Q::pairs(&u[3], y), ones),
-                            _mm256_madd_epi16(Q::pairs(&u[4], y), ones),
-                            _mm256_madd_epi16(Q::pairs(&u[5], y), ones),
-                            _mm256_madd_epi16(Q::pairs(&u[6], y), ones),
-                            _mm256_madd_epi16(Q::pairs(&u[7], y), ones),
-                        ]
-                    };
-                    let mut sums = reduce8(p);
-                    if Q::OFFSET != 0 {
-                        sums = _mm256_sub_epi32(sums, _mm256_set1_epi32(Q::OFFSET * xb.sum));
+    /// The multi-row loops, compiled once per level: `$features` are the level's target features,
+    /// and the levels differ only in the per-row integer dot products the loops call (`$unpack`,
+    /// `$accumulate` for the K-quants, `$quads` for the 32-value formats), which give the same integer
+    /// lanes at every level.
+    macro_rules! multi_row {
+        (
+            features: $features:literal,
+            pass: $pass:ident, rows: $rows:ident, group: $group:ident,
+            pass32: $pass32:ident, rows32: $rows32:ident,
+            unpack: $unpack:ident, accumulate: $accumulate:ident, quads: $quads:ident $(,)?
+        ) => {
+            /// `N` activation rows against the weight rows in `w` (`nb` blocks each).
+            ///
+            /// # Safety
+            /// The CPU must support the target features of this level; `out` as [`super::pass`].
+            #[target_feature(enable = $features)]
+            unsafe fn $rows<D: Dequantizer, const N: usize>(
+                w: &[D::Block],
+                nb: usize,
+                x: &[D::Act],
+                out: super::Out,
+            ) {
+                assert_eq!(x.len(), N * nb, "a pass holds N rows of nb blocks");
+                // Up to 4 rows go together, each unpacked vector loaded once for all of them, and 5 rows as
+                // 3 + 2. From 6 rows up, one row at a time with the unpacked block in registers, in a loop
+                // kept rolled (`black_box` hides the constant): unrolled, the rows interleave and spill to the
+                // stack. Measured with `examples/step_time.rs` on the 1.5B target: blocks of 5, 6, 8 and 12
+                // tokens 8-15% faster than groups of 4 rows (and 6, 7, 8 rows as 3 + 3, 4 + 3, 4 + 4 slower
+                // than one at a time by 4-14%); 2-4 rows together as fast as before.
+                let rows = std::hint::black_box(N);
+                for (c, wrow) in w.chunks_exact(nb).enumerate() {
+                    let mut acc = [_mm256_setzero_ps(); N];
+                    for (b, block) in wrow.iter().enumerate() {
+                        // The rows of a pass are adjacent: fetch the bytes `PREFETCH` ahead of this block.
+                        let ahead = std::ptr::from_ref(block)
+                            .cast::<i8>()
+                            .wrapping_add(PREFETCH);
+                        for line in (0..std::mem::size_of::<D::Block>()).step_by(64) {
+                            // A prefetch reads nothing the program sees and cannot fault.
+                            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line));
+                        }
+                        // SAFETY: AVX2 is enabled for this function (caller's contract).
+                        let u = unsafe { D::$unpack(block) };
+                        // Block `b` of row `r` is `xb.add(r * nb)`, in bounds for r < N (asserted above).
+                        let xb = x[b..].as_ptr();
+                        if N <= 4 {
+                            // SAFETY: as above; rows 0 .. N.
+                            unsafe { $group::<D, N>(&u, xb, nb, 0, &mut acc) };
+                        } else if N == 5 {
+                            // SAFETY: as above; rows 0 .. 5.
+                            unsafe {
+                                $group::<D, 3>(&u, xb, nb, 0, &mut acc);
+                                $group::<D, 2>(&u, xb, nb, 3, &mut acc);
+                            }
+                        } else {
+                            for r in 0..rows {
+                                // SAFETY: as above; r < N.
+                                unsafe { $group::<D, 1>(&u, xb, nb, r, &mut acc) };
+                            }
+                        }
                     }
-                    let dd = _mm256_mul_ps(d, _mm256_set1_ps(xb.d));
-                    *a = _mm256_add_ps(*a, _mm256_mul_ps(dd, _mm256_cvtepi32_ps(sums)));
+                    for (r, a) in acc.into_iter().enumerate() {
+                        // SAFETY: the caller's contract.
+                        unsafe { out.write(r, c, hsum(a)) };
+                    }
                 }
             }
-            for (r, a) in acc.iter().enumerate() {
-                let mut lanes = [0f32; 8];
-                // SAFETY: `lanes` is 8 floats.
-                unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), *a) };
-                for (k, &v) in lanes.iter().enumerate().take(cols - c) {
-                    // SAFETY: the caller's contract (column `c + k < cols`).
-                    unsafe { out.write(r, c + k, v) };
+
+            /// Rows `r .. r + G` of one block through [`Dequantizer::accumulate_rows`]: row `i`'s activation
+            /// block is `xb.add(i * nb)`.
+            ///
+            /// # Safety
+            /// The CPU must support the target features of this level; `xb.add((r + G - 1) * nb)` must point
+            /// to a block, and
+            /// `r + G <= acc.len()`.
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn $group<D: Dequantizer, const G: usize>(
+                u: &D::Unpacked,
+                xb: *const D::Act,
+                nb: usize,
+                r: usize,
+                acc: &mut [__m256],
+            ) {
+                // SAFETY: the caller's contract.
+                let x: [&D::Act; G] = std::array::from_fn(|i| unsafe { &*xb.add((r + i) * nb) });
+                // SAFETY: the caller's contract.
+                unsafe { D::$accumulate::<G>(u, x, &mut acc[r..r + G]) };
+            }
+
+            /// Runs one pass (1 ..= [`super::MAX_PASS_ROWS`] activation rows) with the row count as a constant,
+            /// so the accumulators live in registers.
+            ///
+            /// # Safety
+            /// The CPU must support the target features of this level; `out` as [`super::pass`].
+            pub(crate) unsafe fn $pass<D: Dequantizer>(
+                w: &[D::Block],
+                nb: usize,
+                x: &[D::Act],
+                out: super::Out,
+            ) {
+                // SAFETY: the caller's contract.
+                unsafe { by_rows!(x.len() / nb, $rows::<D>(w, nb, x, out)) }
+            }
+
+            /// The 32-value formats' pass: 8 weight rows (output columns) side by side, lane `k` of a vector
+            /// for column `k` of the group. Per block, each row's 32 products are summed exactly into one
+            /// `i32` (`maddubs`, `madd`, then a horizontal reduction that leaves column `k`'s sum in lane
+            /// `k`), the weights' offset is taken off once per activation block, and the float scale
+            /// conversion, multiply and add run once for all 8 columns.
+            ///
+            /// # Safety
+            /// The CPU must support the target features of this level; `out` as [`super::pass`].
+            pub(crate) unsafe fn $pass32<Q: Quants32>(
+                w: &[Q::Block],
+                nb: usize,
+                x: &[ActQ8_0],
+                out: super::Out,
+            ) {
+                // SAFETY: the caller's contract.
+                unsafe { by_rows!(x.len() / nb, $rows32::<Q>(w, nb, x, out)) }
+            }
+
+            /// `N` activation rows against the weight rows in `w` (`nb` blocks each), 8 weight rows at a
+            /// time; a last group of fewer than 8 repeats its last row in the spare lanes and does not write
+            /// them.
+            ///
+            /// # Safety
+            /// The CPU must support the target features of this level; `out` as [`super::pass`].
+            #[target_feature(enable = $features)]
+            unsafe fn $rows32<Q: Quants32, const N: usize>(
+                w: &[Q::Block],
+                nb: usize,
+                x: &[ActQ8_0],
+                out: super::Out,
+            ) {
+                let cols = w.len() / nb;
+                for c in (0..cols).step_by(8) {
+                    // The 8 weight rows of the group, by pointer: `wp[k].add(b)` is block `b` of row `k`.
+                    let wp: [*const Q::Block; 8] =
+                        std::array::from_fn(|k| w[(c + k).min(cols - 1) * nb..].as_ptr());
+                    let mut acc = [_mm256_setzero_ps(); N];
+                    // The 8 rows are adjacent, so the group reads one contiguous run of bytes, but as 8
+                    // interleaved streams, which the hardware prefetchers follow poorly from memory: each
+                    // block step prefetches its share of the next group's run instead.
+                    let group_bytes = 8 * nb * std::mem::size_of::<Q::Block>();
+                    let step_bytes = 8 * std::mem::size_of::<Q::Block>();
+                    let next = wp[0].cast::<i8>().wrapping_add(group_bytes);
+                    for b in 0..nb {
+                        let mut line = b * step_bytes;
+                        while line < (b + 1) * step_bytes {
+                            // A prefetch reads nothing the program sees and cannot fault.
+                            _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(line));
+                            line += 64;
+                        }
+                        // SAFETY: `b < nb` and each row pointer starts a row of `nb` blocks of `w`.
+                        let bl = |k: usize| unsafe { &*wp[k].add(b) };
+                        // SAFETY (all unsafe calls of this loop): AVX2 support is the caller's contract.
+                        let u = unsafe {
+                            [
+                                Q::unpack(bl(0)),
+                                Q::unpack(bl(1)),
+                                Q::unpack(bl(2)),
+                                Q::unpack(bl(3)),
+                                Q::unpack(bl(4)),
+                                Q::unpack(bl(5)),
+                                Q::unpack(bl(6)),
+                                Q::unpack(bl(7)),
+                            ]
+                        };
+                        let h = |k: usize| bl(k).scale().0 as i16;
+                        let d = _mm256_cvtph_ps(_mm_set_epi16(
+                            h(7),
+                            h(6),
+                            h(5),
+                            h(4),
+                            h(3),
+                            h(2),
+                            h(1),
+                            h(0),
+                        ));
+                        for (r, a) in acc.iter_mut().enumerate() {
+                            let xb = &x[r * nb + b];
+                            // SAFETY: `xb.qs` is 32 bytes, one unaligned 256-bit load.
+                            let y = unsafe { _mm256_loadu_si256(xb.qs.as_ptr().cast()) };
+                            let p = unsafe {
+                                [
+                                    Q::$quads(&u[0], y),
+                                    Q::$quads(&u[1], y),
+                                    Q::$quads(&u[2], y),
+                                    Q::$quads(&u[3], y),
+                                    Q::$quads(&u[4], y),
+                                    Q::$quads(&u[5], y),
+                                    Q::$quads(&u[6], y),
+                                    Q::$quads(&u[7], y),
+                                ]
+                            };
+                            let mut sums = reduce8(p);
+                            if Q::OFFSET != 0 {
+                                sums =
+                                    _mm256_sub_epi32(sums, _mm256_set1_epi32(Q::OFFSET * xb.sum));
+                            }
+                            let dd = _mm256_mul_ps(d, _mm256_set1_ps(xb.d));
+                            *a = _mm256_add_ps(*a, _mm256_mul_ps(dd, _mm256_cvtepi32_ps(sums)));
+                        }
+                    }
+                    for (r, a) in acc.iter().enumerate() {
+                        let mut lanes = [0f32; 8];
+                        // SAFETY: `lanes` is 8 floats.
+                        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), *a) };
+                        for (k, &v) in lanes.iter().enumerate().take(cols - c) {
+                            // SAFETY: the caller's contract (column `c + k < cols`).
+                            unsafe { out.write(r, c + k, v) };
+                        }
+                    }
                 }
             }
-        }
+        };
+    }
+
+    multi_row! {
+        features: "avx2,f16c",
+        pass: pass, rows: rows, group: group,
+        pass32: pass32, rows32: rows32,
+        unpack: unpack, accumulate: accumulate_rows, quads: quads,
+    }
+
+    multi_row! {
+        features: "avx2,f16c,avx512f,avx512vl,avx512vnni",
+        pass: pass_vnni, rows: rows_vnni, group: group_vnni,
+        pass32: pass32_vnni, rows32: rows32_vnni,
+        unpack: unpack_vnni, accumulate: accumulate_rows_vnni, quads: quads_vnni,
     }
 }

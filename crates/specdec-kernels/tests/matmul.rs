@@ -1,113 +1,18 @@
-//! Every CPU level against the scalar reference dot products, row independence, and accuracy against
-//! dequantised f32 arithmetic.
+//! Column ranges, threading, accuracy against dequantised f32 arithmetic and shape errors at every
+//! level this CPU supports (each level against the reference, and row independence: `levels.rs`).
 
 mod common;
 
-use common::{random_activations, random_matrix, same_bits, Rng, FORMATS};
+use common::{cols_for, random_activations, random_matrix, reference, same_bits, Rng, FORMATS};
 use specdec_kernels::{
-    dot_q4_0_q8_0, dot_q4_k_q8_k, dot_q5_0_q8_0, dot_q6_k_q8_k, dot_q8_0_q8_0, BlockFormat,
-    CpuLevel, KernelError, Kernels, QMatrix, QuantizedActivations, ThreadPool, Weights,
+    BlockFormat, CpuLevel, KernelError, Kernels, QMatrix, QuantizedActivations, ThreadPool,
 };
-
-const MS: [usize; 10] = [1, 2, 3, 4, 5, 8, 9, 16, 17, 33];
-
-fn cols_for(format: BlockFormat) -> usize {
-    // Several blocks per row, so the accumulation across blocks is exercised.
-    4 * format.block_len()
-}
-
-/// The reference dot product of weight row `n` and activation row `r`.
-fn reference(w: &QMatrix, x: &QuantizedActivations, n: usize, r: usize) -> f32 {
-    let nb = w.cols() / w.format().block_len();
-    let blocks = n * nb..(n + 1) * nb;
-    match w.weights() {
-        Weights::Q8_0(b) => dot_q8_0_q8_0(&b[blocks], x.q8_0_row(r).expect("Q8_0 activations")),
-        Weights::Q4_0(b) => dot_q4_0_q8_0(&b[blocks], x.q8_0_row(r).expect("Q8_0 activations")),
-        Weights::Q5_0(b) => dot_q5_0_q8_0(&b[blocks], x.q8_0_row(r).expect("Q8_0 activations")),
-        Weights::Q4K(b) => dot_q4_k_q8_k(&b[blocks], x.q8k_row(r).expect("Q8_K activations")),
-        Weights::Q6K(b) => dot_q6_k_q8_k(&b[blocks], x.q8k_row(r).expect("Q8_K activations")),
-    }
-}
 
 fn kernels() -> Vec<Kernels> {
     CpuLevel::supported()
         .into_iter()
         .map(|l| Kernels::with_level(l).expect("supported level"))
         .collect()
-}
-
-#[test]
-fn every_level_matches_the_scalar_reference_for_every_m() {
-    let levels = kernels();
-    eprintln!(
-        "levels under test: {:?}",
-        levels.iter().map(|k| k.level()).collect::<Vec<_>>()
-    );
-    let mut rng = Rng(1);
-    for format in FORMATS {
-        let (rows, cols) = (7, cols_for(format));
-        for m in MS {
-            let w = random_matrix(&mut rng, format, rows, cols);
-            let x = w
-                .quantize_activations(m, &random_activations(&mut rng, m, cols))
-                .unwrap();
-            for k in &levels {
-                let mut out = vec![f32::NAN; m * rows];
-                k.matmul(&w, &x, &mut out).unwrap();
-                for r in 0..m {
-                    for n in 0..rows {
-                        let (got, want) = (out[r * rows + n], reference(&w, &x, n, r));
-                        assert!(
-                            same_bits(got, want),
-                            "{format:?} {:?} m={m} r={r} n={n}: {got} vs {want}",
-                            k.level()
-                        );
-                    }
-                }
-            }
-        }
-    }
-}
-
-#[test]
-fn a_row_gives_the_same_bits_alone_and_in_any_batch() {
-    let mut rng = Rng(2);
-    for format in FORMATS {
-        let (rows, cols, m) = (5, cols_for(format), 33);
-        let w = random_matrix(&mut rng, format, rows, cols);
-        let x = random_activations(&mut rng, m, cols);
-        let xq = w.quantize_activations(m, &x).unwrap();
-        for k in kernels() {
-            let mut batch = vec![0.0; m * rows];
-            k.matmul(&w, &xq, &mut batch).unwrap();
-            for r in 0..m {
-                let alone = w
-                    .quantize_activations(1, &x[r * cols..(r + 1) * cols])
-                    .unwrap();
-                let mut single = vec![0.0; rows];
-                k.matmul(&w, &alone, &mut single).unwrap();
-                // The same row next to different neighbours, at a different position in the pass.
-                let mut shuffled = random_activations(&mut rng, 6, cols);
-                shuffled[4 * cols..5 * cols].copy_from_slice(&x[r * cols..(r + 1) * cols]);
-                let sq = w.quantize_activations(6, &shuffled).unwrap();
-                let mut other = vec![0.0; 6 * rows];
-                k.matmul(&w, &sq, &mut other).unwrap();
-                for n in 0..rows {
-                    let b = batch[r * rows + n];
-                    assert!(
-                        same_bits(b, single[n]),
-                        "{format:?} {:?} r={r} n={n}",
-                        k.level()
-                    );
-                    assert!(
-                        same_bits(b, other[4 * rows + n]),
-                        "{format:?} {:?} r={r} n={n}",
-                        k.level()
-                    );
-                }
-            }
-        }
-    }
 }
 
 #[test]

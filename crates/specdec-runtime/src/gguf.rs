@@ -172,7 +172,7 @@ impl Gguf {
             });
         }
         let dtype = info.ggml_dtype;
-        if !crate::weights::supported(dtype) || cols % dtype.block_size() != 0 {
+        if !crate::weights::supported(dtype) || !cols.is_multiple_of(dtype.block_size()) {
             return Err(Error::UnsupportedType {
                 path: self.path.clone(),
                 name: name.to_string(),

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use candle_core::quantized::GgmlDType;
 use specdec_kernels::f16::f16_to_f32;
-use specdec_kernels::{CpuLevel, Kernels, ThreadPool};
+use specdec_kernels::{Kernels, ThreadPool};
 
 use crate::config::{Arch, ModelConfig, RopeStyle};
 use crate::error::{Error, Result};
@@ -593,7 +593,7 @@ fn attention(
     let scale = 1.0 / (hd as f32).sqrt();
     let heads = group * hd;
     let out_ptr = SharedMut(out.as_mut_ptr());
-    let avx2 = Kernels::get().level() == CpuLevel::Avx2;
+    let avx2 = Kernels::get().level().has_avx2();
     pool.for_chunks(m * c.n_head_kv, 1, &|items| {
         let out_ptr = &out_ptr;
         SCRATCH.with(|scratch| {
@@ -616,7 +616,7 @@ fn attention(
                 };
                 #[cfg(target_arch = "x86_64")]
                 if avx2 {
-                    // SAFETY: `CpuLevel::Avx2` is only chosen on CPUs with AVX2, F16C and FMA.
+                    // SAFETY: levels with AVX2 are only chosen on CPUs with AVX2, F16C and FMA.
                     unsafe { job.run_avx2(oh, scores, tail) };
                     continue;
                 }

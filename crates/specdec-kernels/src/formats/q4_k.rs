@@ -121,7 +121,9 @@ pub fn dot_q4_k_q8_k(w: &[BlockQ4K], x: &[BlockQ8K]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
     use super::{BlockQ4K, BlockQ8K};
-    use crate::simd::avx2::{f16_to_f32, paired_lanes, pick_i16, shuffle, Dequantizer};
+    use crate::simd::avx2::{
+        chained_lanes_vnni, f16_to_f32, paired_lanes, pick_i16, shuffle, Dequantizer,
+    };
     use std::arch::x86_64::*;
 
     pub(crate) struct Q4K;
@@ -231,15 +233,51 @@ pub(crate) mod avx2 {
             x: [&BlockQ8K; R],
             acc: &mut [__m256],
         ) {
-            let lanes = paired_lanes(&w.q, &w.sc, x);
-            for ((a, l), x) in acc.iter_mut().zip(lanes).zip(x) {
-                // SAFETY: `x.bsums` is 16 `i16`, 32 bytes.
-                let bsums = unsafe { _mm256_loadu_si256(x.bsums.as_ptr().cast()) };
-                let mins = _mm256_madd_epi16(w.mins, bsums);
-                let scaled = _mm256_mul_ps(_mm256_set1_ps(w.d * x.d), _mm256_cvtepi32_ps(l));
-                let offset = _mm256_mul_ps(_mm256_set1_ps(w.dmin * x.d), _mm256_cvtepi32_ps(mins));
-                *a = _mm256_sub_ps(_mm256_add_ps(*a, scaled), offset);
+            finish(w, paired_lanes(&w.q, &w.sc, x), x, acc);
+        }
+
+        /// The scales with 0 in the high `i16` of each lane, as [`chained_lanes_vnni`] takes them.
+        #[inline]
+        #[target_feature(enable = "avx2,f16c")]
+        unsafe fn unpack_vnni(block: &BlockQ4K) -> Unpacked {
+            // SAFETY: the caller's contract.
+            let mut u = unsafe { Self::unpack(block) };
+            let low = _mm256_set1_epi32(0xffff);
+            for sc in &mut u.sc {
+                *sc = _mm256_and_si256(*sc, low);
             }
+            u
+        }
+
+        /// Pair by pair through [`chained_lanes_vnni`], then the float arithmetic of
+        /// [`Dequantizer::accumulate_rows`].
+        #[inline]
+        #[target_feature(enable = "avx2,f16c,avx512f,avx512vl,avx512vnni")]
+        unsafe fn accumulate_rows_vnni<const R: usize>(
+            w: &Unpacked,
+            x: [&BlockQ8K; R],
+            acc: &mut [__m256],
+        ) {
+            finish(w, chained_lanes_vnni(&w.q, &w.sc, x), x, acc);
+        }
+    }
+
+    /// Each row's float arithmetic on its integer lanes `l`: the scaled lanes less the mins term.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    fn finish<const R: usize>(
+        w: &Unpacked,
+        lanes: [__m256i; R],
+        x: [&BlockQ8K; R],
+        acc: &mut [__m256],
+    ) {
+        for ((a, l), x) in acc.iter_mut().zip(lanes).zip(x) {
+            // SAFETY: `x.bsums` is 16 `i16`, 32 bytes.
+            let bsums = unsafe { _mm256_loadu_si256(x.bsums.as_ptr().cast()) };
+            let mins = _mm256_madd_epi16(w.mins, bsums);
+            let scaled = _mm256_mul_ps(_mm256_set1_ps(w.d * x.d), _mm256_cvtepi32_ps(l));
+            let offset = _mm256_mul_ps(_mm256_set1_ps(w.dmin * x.d), _mm256_cvtepi32_ps(mins));
+            *a = _mm256_sub_ps(_mm256_add_ps(*a, scaled), offset);
         }
     }
 }

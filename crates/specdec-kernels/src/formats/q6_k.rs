@@ -107,7 +107,9 @@ pub fn dot_q6_k_q8_k(w: &[BlockQ6K], x: &[BlockQ8K]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
     use super::{BlockQ6K, BlockQ8K};
-    use crate::simd::avx2::{f16_to_f32, paired_lanes, pick_i16, shuffle, Dequantizer};
+    use crate::simd::avx2::{
+        f16_to_f32, paired_lanes, paired_lanes_vnni, pick_i16, shuffle, Dequantizer,
+    };
     use std::arch::x86_64::*;
 
     pub(crate) struct Q6K;
@@ -225,17 +227,40 @@ pub(crate) mod avx2 {
             x: [&BlockQ8K; R],
             acc: &mut [__m256],
         ) {
-            let lanes = paired_lanes(&w.q, &w.sc, x);
-            for ((a, l), x) in acc.iter_mut().zip(lanes).zip(x) {
-                // SAFETY: `x.bsums` is 16 `i16`, 32 bytes.
-                let bsums = unsafe { _mm256_loadu_si256(x.bsums.as_ptr().cast()) };
-                let offset = _mm256_slli_epi32(_mm256_madd_epi16(w.scales, bsums), 5);
-                let l = _mm256_sub_epi32(l, offset);
-                *a = _mm256_add_ps(
-                    *a,
-                    _mm256_mul_ps(_mm256_set1_ps(w.d * x.d), _mm256_cvtepi32_ps(l)),
-                );
-            }
+            finish(w, paired_lanes(&w.q, &w.sc, x), x, acc);
+        }
+
+        /// Pair by pair through [`paired_lanes_vnni`], then the float arithmetic of
+        /// [`Dequantizer::accumulate_rows`].
+        #[inline]
+        #[target_feature(enable = "avx2,f16c,avx512f,avx512vl,avx512vnni")]
+        unsafe fn accumulate_rows_vnni<const R: usize>(
+            w: &Unpacked,
+            x: [&BlockQ8K; R],
+            acc: &mut [__m256],
+        ) {
+            finish(w, paired_lanes_vnni(&w.q, &w.sc, x), x, acc);
+        }
+    }
+
+    /// Each row's integer lanes `l` less the offset of 32 in the quants, then its float arithmetic.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    fn finish<const R: usize>(
+        w: &Unpacked,
+        lanes: [__m256i; R],
+        x: [&BlockQ8K; R],
+        acc: &mut [__m256],
+    ) {
+        for ((a, l), x) in acc.iter_mut().zip(lanes).zip(x) {
+            // SAFETY: `x.bsums` is 16 `i16`, 32 bytes.
+            let bsums = unsafe { _mm256_loadu_si256(x.bsums.as_ptr().cast()) };
+            let offset = _mm256_slli_epi32(_mm256_madd_epi16(w.scales, bsums), 5);
+            let l = _mm256_sub_epi32(l, offset);
+            *a = _mm256_add_ps(
+                *a,
+                _mm256_mul_ps(_mm256_set1_ps(w.d * x.d), _mm256_cvtepi32_ps(l)),
+            );
         }
     }
 }

@@ -140,6 +140,28 @@ pub(crate) mod avx2 {
         unsafe fn pairs(w: &[__m256i; 2], y: __m256i) -> __m256i {
             _mm256_maddubs_epi16(w[0], y)
         }
+
+        /// The 8 `i32` sums of 4 products, bytes `4j .. 4j + 4` in lane `j`: [`Quants32::pairs`]
+        /// summed by `madd`.
+        ///
+        /// # Safety
+        /// The CPU must support AVX2.
+        #[inline]
+        #[target_feature(enable = "avx2,f16c")]
+        unsafe fn quads(w: &[__m256i; 2], y: __m256i) -> __m256i {
+            // SAFETY: the caller's contract.
+            _mm256_madd_epi16(unsafe { Self::pairs(w, y) }, _mm256_set1_epi16(1))
+        }
+
+        /// [`Quants32::quads`] in one `vpdpbusd` (the same integers).
+        ///
+        /// # Safety
+        /// The CPU must support AVX2, AVX512F, AVX512VL and AVX512_VNNI.
+        #[inline]
+        #[target_feature(enable = "avx2,f16c,avx512f,avx512vl,avx512vnni")]
+        unsafe fn quads_vnni(w: &[__m256i; 2], y: __m256i) -> __m256i {
+            _mm256_dpbusd_epi32(_mm256_setzero_si256(), w[0], y)
+        }
     }
 
     pub(crate) struct Q8_0;
@@ -163,6 +185,13 @@ pub(crate) mod avx2 {
         #[target_feature(enable = "avx2,f16c")]
         unsafe fn pairs(w: &[__m256i; 2], y: __m256i) -> __m256i {
             _mm256_maddubs_epi16(w[1], _mm256_sign_epi8(y, w[0]))
+        }
+
+        /// `vpdpbusd(|w|, sign(y, w))`, as [`Quants32::pairs`].
+        #[inline]
+        #[target_feature(enable = "avx2,f16c,avx512f,avx512vl,avx512vnni")]
+        unsafe fn quads_vnni(w: &[__m256i; 2], y: __m256i) -> __m256i {
+            _mm256_dpbusd_epi32(_mm256_setzero_si256(), w[1], _mm256_sign_epi8(y, w[0]))
         }
     }
 }

@@ -3,7 +3,9 @@
 #![allow(dead_code)]
 
 use specdec_kernels::{
-    BlockFormat, BlockQ4K, BlockQ4_0, BlockQ5_0, BlockQ6K, BlockQ8_0, QMatrix, Weights, F16,
+    dot_q4_0_q8_0, dot_q4_k_q8_k, dot_q5_0_q8_0, dot_q6_k_q8_k, dot_q8_0_q8_0, BlockFormat,
+    BlockQ4K, BlockQ4_0, BlockQ5_0, BlockQ6K, BlockQ8_0, QMatrix, QuantizedActivations, Weights,
+    F16,
 };
 
 pub struct Rng(pub u64);
@@ -126,4 +128,25 @@ pub const FORMATS: [BlockFormat; 5] = [
 
 pub fn same_bits(a: f32, b: f32) -> bool {
     a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan())
+}
+
+/// Activation row counts the tests run: single rows, every pass size class, and several passes.
+pub const MS: [usize; 10] = [1, 2, 3, 4, 5, 8, 9, 16, 17, 33];
+
+pub fn cols_for(format: BlockFormat) -> usize {
+    // Several blocks per row, so the accumulation across blocks is exercised.
+    4 * format.block_len()
+}
+
+/// The reference dot product of weight row `n` and activation row `r`.
+pub fn reference(w: &QMatrix, x: &QuantizedActivations, n: usize, r: usize) -> f32 {
+    let nb = w.cols() / w.format().block_len();
+    let blocks = n * nb..(n + 1) * nb;
+    match w.weights() {
+        Weights::Q8_0(b) => dot_q8_0_q8_0(&b[blocks], x.q8_0_row(r).expect("Q8_0 activations")),
+        Weights::Q4_0(b) => dot_q4_0_q8_0(&b[blocks], x.q8_0_row(r).expect("Q8_0 activations")),
+        Weights::Q5_0(b) => dot_q5_0_q8_0(&b[blocks], x.q8_0_row(r).expect("Q8_0 activations")),
+        Weights::Q4K(b) => dot_q4_k_q8_k(&b[blocks], x.q8k_row(r).expect("Q8_K activations")),
+        Weights::Q6K(b) => dot_q6_k_q8_k(&b[blocks], x.q8k_row(r).expect("Q8_K activations")),
+    }
 }

@@ -1,6 +1,6 @@
 //! Quick r(m) of the matmul per format on a 1.5B-like FFN shape, threaded as the runtime runs it:
 //! `cargo run --release -p specdec-kernels --example rcurve [threads] [rows] [every]` (`every`: r(m)
-//! for every m in 1..=16, not only powers of two).
+//! for every m in 1..=16, not only powers of two; `RCURVE_COLS=N` sets the input features, default 1536).
 
 use specdec_kernels::{BlockFormat, Kernels, QMatrix, ThreadPool};
 use std::time::Instant;
@@ -25,7 +25,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let pool = ThreadPool::new(threads)?;
     let kernels = Kernels::get();
     let rows: usize = std::env::args().nth(2).map_or(Ok(8960), |s| s.parse())?;
-    let cols = 1536;
+    let cols: usize = std::env::var("RCURVE_COLS").map_or(Ok(1536), |s| s.parse())?;
     for format in [
         BlockFormat::Q4K,
         BlockFormat::Q6K,

@@ -19,7 +19,8 @@
 #                              host value.  RUST_BACKTRACE / RUST_TEST_THREADS /
 #                              RUST_MIN_STACK / RUST_LOG are forwarded if set.
 #   EMU_FILES="f1 dir2"        extra files/dirs copied into the guest's /work
-#   EMU_VERBOSE=1              show the kernel boot log and Bochs log tail
+#   EMU_VERBOSE=1              show the kernel boot log
+#   EMU_KARGS="..."            extra kernel command-line arguments
 #   EMU_KEEP=1                 keep the per-run work dir (serial.log, bochs.log)
 #   EMU_CACHE=~/.cache/specdec-emulated
 set -euo pipefail
@@ -38,8 +39,10 @@ VERBOSE=${EMU_VERBOSE:-0}
 #   xsaves,xsavec    - CPUID.(0xD,1).EBX reports the standard, not the
 #                      compacted, XSAVE size -> kernel disables XSAVE (no AVX)
 #   pku,ospke        - CPUID.(0xD,9) (PKRU state) is all-zero -> same
-KCMDLINE="console=ttyS0,115200 mitigations=off nokaslr clearcpuid=fsrm,xsaves,xsavec,pku,ospke"
+# cryptomgr.notests skips the crypto self-tests (~10 s of emulated boot time).
+KCMDLINE="console=ttyS0,115200 mitigations=off nokaslr cryptomgr.notests clearcpuid=fsrm,xsaves,xsavec,pku,ospke"
 [ "$VERBOSE" = 1 ] || KCMDLINE="$KCMDLINE quiet loglevel=1"
+KCMDLINE="$KCMDLINE ${EMU_KARGS:-}"
 
 APT_PKGS="bochs bochsbios vgabios busybox-static xorriso isolinux syslinux-common cpio"
 
@@ -65,7 +68,7 @@ setup() {
         log "fetching kernel $kpkg"
         tmp=$(mktemp -d /tmp/emulated-cpu-kernel.XXXXXX)
         (cd "$tmp" && apt-get download -qq "$kpkg" 2>/dev/null && dpkg -x ./*.deb x)
-        cp "$tmp"/x/boot/vmlinuz-* "$CACHE/vmlinuz.tmp" && mv "$CACHE/vmlinuz.tmp" "$CACHE/vmlinuz"
+        cp "$tmp"/x/boot/vmlinuz-* "$CACHE/vmlinuz.tmp.$$" && mv "$CACHE/vmlinuz.tmp.$$" "$CACHE/vmlinuz"
         echo "$kpkg" > "$CACHE/kernel-version"
         rm -rf "$tmp"
     fi
@@ -107,8 +110,8 @@ sleep 1
 poweroff -f
 EOF
     chmod 755 "$rd/init"
-    (cd "$rd" && find . | LC_ALL=C sort | cpio -o -H newc --quiet) > "$CACHE/base.cpio.tmp"
-    mv "$CACHE/base.cpio.tmp" "$CACHE/base.cpio"
+    (cd "$rd" && find . | LC_ALL=C sort | cpio -o -H newc --quiet) > "$CACHE/base.cpio.tmp.$$"
+    mv "$CACHE/base.cpio.tmp.$$" "$CACHE/base.cpio"
     rm -rf "$rd"
 }
 
@@ -198,8 +201,17 @@ BOCHS_PID=$!
 
 # Stream the serial console to our stdout while Bochs runs.
 filter() {
-    if [ "$VERBOSE" = 1 ]; then tr -d '\r'
-    else tr -d '\r' | grep --line-buffered -v -E '^(ISOLINUX |Loading /|$)|^\[ *[0-9]+\.[0-9]+\] (reboot: Power down|ACPI: PM: Preparing)'; fi
+    # drop boot-loader noise before the program starts and the kernel's
+    # power-off messages (unless EMU_VERBOSE=1); pass everything else through
+    # mawk reads its input in blocks unless -W interactive
+    local awk=(awk)
+    awk -W version 2>&1 | grep -q mawk && awk=(awk -W interactive)
+    "${awk[@]}" -v verbose="$VERBOSE" '
+        { sub(/\r$/, "") }
+        /^EMULATED-START/ { started = 1 }
+        verbose != 1 && !started && (/^$/ || /^ISOLINUX / || /^Loading \//) { next }
+        verbose != 1 && /^\[ *[0-9]+\.[0-9]+\] (reboot: Power down|ACPI: PM: Preparing)/ { next }
+        { print; fflush() }'
 }
 tail -n +1 -s 0.2 -f --pid="$BOCHS_PID" "$WORK/serial.log" | filter &
 TAIL_PID=$!
@@ -215,7 +227,7 @@ while kill -0 "$BOCHS_PID" 2>/dev/null; do
     if [ -z "$started_at" ] && grep -q '^EMULATED-START' "$WORK/serial.log"; then
         started_at=$(date +%s.%N)
     fi
-    if [ -z "$exited_at" ] && grep -q '^EMULATED-EXIT' "$WORK/serial.log"; then
+    if [ -z "$exited_at" ] && grep -aq 'EMULATED-EXIT [0-9]' "$WORK/serial.log"; then
         exited_at=$(date +%s.%N)
     fi
     # Bochs normally quits on the guest's ACPI power-off; don't rely on it.
@@ -238,16 +250,16 @@ T1=$(date +%s.%N)
 
 [ -z "$started_at" ] && grep -q '^EMULATED-START' "$WORK/serial.log" && started_at=$T1
 [ -z "$exited_at" ] && exited_at=$T1
-rc_line=$(tr -d '\r' < "$WORK/serial.log" | grep -a -m1 '^EMULATED-EXIT ' || true)
+# (not anchored: the program's last line may lack a newline)
+rc_line=$(grep -ao 'EMULATED-EXIT [0-9]\+' "$WORK/serial.log" | tail -n 1 || true)
 if [ -n "$started_at" ]; then
     log "$(awk -v a="$T0" -v b="$started_at" -v c="$exited_at" -v d="$T1" 'BEGIN{printf "wall: boot %.1fs, program %.1fs, shutdown %.1fs", b-a, c-b, d-c}')"
 fi
 if [ -n "$rc_line" ]; then
     exit "${rc_line#EMULATED-EXIT }"
 fi
-if [ "$timed_out" = 1 ]; then log "timed out after ${TIMEOUT}s"; fi
+if [ "$timed_out" = 1 ]; then log "timed out after ${TIMEOUT}s (EMU_TIMEOUT)"; exit 124; fi
 log "guest did not report an exit status; last Bochs messages:"
 grep -a -E '\]\s*(>>PANIC<<|e\[|p\[)' "$WORK/bochs.log" 2>/dev/null | grep -v 'MSR: Unknown register' | tail -5 >&2 || true
 tail -3 "$WORK/bochs.out" >&2 || true
-[ "$timed_out" = 1 ] && exit 124
 exit 125

@@ -34,10 +34,10 @@ impl CpuLevel {
             .unwrap_or(CpuLevel::Scalar)
     }
 
-    /// Whether the level runs the AVX2 code paths (attention, conversions): every x86-64 level
-    /// above [`CpuLevel::Scalar`] includes AVX2, F16C and FMA.
+    /// Whether the level includes AVX2, F16C and FMA, so that code outside the matmul (the runtime's
+    /// attention) may take its AVX2 path.
     pub fn has_avx2(self) -> bool {
-        self >= CpuLevel::Avx2
+        matches!(self, CpuLevel::Avx2 | CpuLevel::Avx512Vnni)
     }
 
     /// Whether this CPU can run the level.

@@ -1,4 +1,4 @@
-//! The multi-row loop, written once per CPU level and shared by every weight format.
+//! The multi-row loop, written once, compiled per CPU level and shared by every weight format.
 //!
 //! For each weight row (output column) of the requested range, each weight block is unpacked once and
 //! then dotted against the same block of every activation row of the pass. The per-(row, column)
@@ -14,7 +14,8 @@ use crate::formats::{
 /// Most activation rows dotted against one unpacked weight block.
 pub const MAX_PASS_ROWS: usize = 16;
 
-/// A weight format's kernels: the scalar reference dot and, on x86-64, the AVX2 pass.
+/// A weight format's kernels: the scalar reference dot and, on x86-64, the AVX2 and AVX-512 VNNI
+/// passes.
 pub(crate) trait Format {
     type Block;
     type Act;
@@ -172,7 +173,7 @@ pub(crate) mod avx2 {
     use crate::formats::{ActQ8_0, SignedBlock32};
     use std::arch::x86_64::*;
 
-    /// One weight format's AVX2 half of the kernel: unpack a block into registers, and fold one
+    /// One weight format's half of the SIMD kernel: unpack a block into registers, and fold one
     /// activation block into a row's 8-lane accumulator exactly as the format's reference dot does.
     pub(crate) trait Dequantizer {
         /// The weight block.
@@ -426,7 +427,7 @@ pub(crate) mod avx2 {
             /// `N` activation rows against the weight rows in `w` (`nb` blocks each).
             ///
             /// # Safety
-            /// The CPU must support the target features of this level; `out` as [`super::pass`].
+            #[doc = concat!("The CPU must support `", $features, "`; `out` as [`super::pass`].")]
             #[target_feature(enable = $features)]
             unsafe fn $rows<D: Dequantizer, const N: usize>(
                 w: &[D::Block],
@@ -453,7 +454,7 @@ pub(crate) mod avx2 {
                             // A prefetch reads nothing the program sees and cannot fault.
                             _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line));
                         }
-                        // SAFETY: AVX2 is enabled for this function (caller's contract).
+                        // SAFETY: the level's target features are enabled for this function.
                         let u = unsafe { D::$unpack(block) };
                         // Block `b` of row `r` is `xb.add(r * nb)`, in bounds for r < N (asserted above).
                         let xb = x[b..].as_ptr();
@@ -480,13 +481,13 @@ pub(crate) mod avx2 {
                 }
             }
 
-            /// Rows `r .. r + G` of one block through [`Dequantizer::accumulate_rows`]: row `i`'s activation
-            /// block is `xb.add(i * nb)`.
+            /// Rows `r .. r + G` of one block through the level's [`Dequantizer`] accumulation
+            /// (`accumulate_rows` or `accumulate_rows_vnni`): row `i`'s activation block is
+            /// `xb.add(i * nb)`.
             ///
             /// # Safety
-            /// The CPU must support the target features of this level; `xb.add((r + G - 1) * nb)` must point
-            /// to a block, and
-            /// `r + G <= acc.len()`.
+            #[doc = concat!("The CPU must support `", $features, "`;")]
+            /// `xb.add((r + G - 1) * nb)` must point to a block, and `r + G <= acc.len()`.
             #[inline]
             #[target_feature(enable = $features)]
             unsafe fn $group<D: Dequantizer, const G: usize>(
@@ -506,7 +507,7 @@ pub(crate) mod avx2 {
             /// so the accumulators live in registers.
             ///
             /// # Safety
-            /// The CPU must support the target features of this level; `out` as [`super::pass`].
+            #[doc = concat!("The CPU must support `", $features, "`; `out` as [`super::pass`].")]
             pub(crate) unsafe fn $pass<D: Dequantizer>(
                 w: &[D::Block],
                 nb: usize,
@@ -517,14 +518,15 @@ pub(crate) mod avx2 {
                 unsafe { by_rows!(x.len() / nb, $rows::<D>(w, nb, x, out)) }
             }
 
-            /// The 32-value formats' pass: 8 weight rows (output columns) side by side, lane `k` of a vector
-            /// for column `k` of the group. Per block, each row's 32 products are summed exactly into one
-            /// `i32` (`maddubs`, `madd`, then a horizontal reduction that leaves column `k`'s sum in lane
-            /// `k`), the weights' offset is taken off once per activation block, and the float scale
-            /// conversion, multiply and add run once for all 8 columns.
+            /// The 32-value formats' pass: 8 weight rows (output columns) side by side, lane `k` of a
+            /// vector for column `k` of the group. Per block, each row's 32 products are summed
+            /// exactly into one `i32` (the level's [`Quants32`] sums of 4 products, then a
+            /// horizontal reduction that leaves column `k`'s sum in lane `k`), the weights' offset is
+            /// taken off once per activation block, and the float scale conversion, multiply and add
+            /// run once for all 8 columns.
             ///
             /// # Safety
-            /// The CPU must support the target features of this level; `out` as [`super::pass`].
+            #[doc = concat!("The CPU must support `", $features, "`; `out` as [`super::pass`].")]
             pub(crate) unsafe fn $pass32<Q: Quants32>(
                 w: &[Q::Block],
                 nb: usize,
@@ -540,7 +542,7 @@ pub(crate) mod avx2 {
             /// them.
             ///
             /// # Safety
-            /// The CPU must support the target features of this level; `out` as [`super::pass`].
+            #[doc = concat!("The CPU must support `", $features, "`; `out` as [`super::pass`].")]
             #[target_feature(enable = $features)]
             unsafe fn $rows32<Q: Quants32, const N: usize>(
                 w: &[Q::Block],
@@ -569,7 +571,8 @@ pub(crate) mod avx2 {
                         }
                         // SAFETY: `b < nb` and each row pointer starts a row of `nb` blocks of `w`.
                         let bl = |k: usize| unsafe { &*wp[k].add(b) };
-                        // SAFETY (all unsafe calls of this loop): AVX2 support is the caller's contract.
+                        // SAFETY (all unsafe calls of this loop): the level's target features are
+                        // enabled for this function.
                         let u = unsafe {
                             [
                                 Q::unpack(bl(0)),

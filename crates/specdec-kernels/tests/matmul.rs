@@ -219,7 +219,7 @@ mod properties {
         /// Any bit pattern (NaN and infinite scales included) gives the reference bits at every level.
         #[test]
         fn arbitrary_tensor_bytes_match_the_reference(
-            format_index in 0usize..4,
+            format_index in 0usize..5,
             rows in 1usize..4,
             blocks in 1usize..3,
             m in 1usize..20,

@@ -139,10 +139,28 @@ pub(crate) mod avx2 {
         [pair(0), pair(1), pair(4), pair(5)]
     };
 
+    /// [`PICK`] with the high `i16` of every `i32` lane zeroed (a control byte with its top bit set
+    /// writes 0): the scales as [`chained_lanes_vnni`] takes them.
+    const PICK_VNNI: [[u8; 32]; 4] = {
+        let mut table = PICK;
+        let mut p = 0;
+        while p < 4 {
+            let mut b = 2;
+            while b < 32 {
+                table[p][b] = 0x80;
+                table[p][b + 1] = 0x80;
+                b += 4;
+            }
+            p += 1;
+        }
+        table
+    };
+
     pub(crate) struct Unpacked {
         /// The nibbles as unsigned bytes in [`BlockQ8K`]'s order: vectors `2p`, `2p + 1` of pair `p`.
         q: [__m256i; 8],
-        /// Pair `p`'s scales: `i16` lanes `2j`, `2j + 1` hold the scale of the sub-block in lane `j`.
+        /// Pair `p`'s scales: `i16` lanes `2j`, `2j + 1` hold the scale of the sub-block in lane `j`
+        /// ([`PICK`]), or lane `2j` holds it and lane `2j + 1` is 0 ([`PICK_VNNI`]).
         sc: [__m256i; 4],
         /// `i16` lanes `2k`, `2k + 1` hold min `k`.
         mins: __m256i,
@@ -158,60 +176,7 @@ pub(crate) mod avx2 {
         #[inline]
         #[target_feature(enable = "avx2,f16c")]
         unsafe fn unpack(block: &BlockQ4K) -> Unpacked {
-            // ggml's `get_scale_min_k4` for all 8 sub-blocks at once, on 32-bit words: afterwards bytes
-            // 0..8 of `u` are the scales and bytes 8..16 the mins.
-            let w = |i: usize| {
-                u32::from_le_bytes([
-                    block.scales[4 * i],
-                    block.scales[4 * i + 1],
-                    block.scales[4 * i + 2],
-                    block.scales[4 * i + 3],
-                ])
-            };
-            let (k1, k2, k3) = (0x3f3f_3f3f_u32, 0x0f0f_0f0f_u32, 0x0303_0303_u32);
-            let (u0, u1, u2) = (w(0), w(1), w(2));
-            let u3 = ((u2 >> 4) & k2) | (((u1 >> 6) & k3) << 4);
-            let u1n = (u2 & k2) | (((u0 >> 6) & k3) << 4);
-            let u2n = u1 & k1;
-            let u0n = u0 & k1;
-            let bytes = _mm_set_epi32(u3 as i32, u2n as i32, u1n as i32, u0n as i32);
-            // i16 scales 0..8 in the low half, mins 0..8 in the high half.
-            let sm = _mm256_cvtepu8_epi16(bytes);
-            let scales = _mm256_permute2x128_si256(sm, sm, 0x00);
-            let m = _mm256_extracti128_si256(sm, 1);
-            let mins = _mm256_set_m128i(_mm_unpackhi_epi16(m, m), _mm_unpacklo_epi16(m, m));
-            // Bytes `32c ..` hold sub-block `2c` in their low nibbles and `2c + 1` in their high
-            // ones. Interleaving the 8-byte words of chunks `2k` and `2k + 1` puts groups `4k`, `4k + 2`
-            // (low nibbles) and `4k + 1`, `4k + 3` (high) into pairs `2k` and `2k + 1` of the order.
-            let low = _mm256_set1_epi8(0x0f);
-            let mut q = [_mm256_setzero_si256(); 8];
-            for k in 0..2 {
-                // SAFETY: `block.qs` is 128 bytes; bytes 64k .. 64k + 64 are in bounds for k < 2.
-                let (v0, v1) = unsafe {
-                    (
-                        _mm256_loadu_si256(block.qs.as_ptr().add(64 * k).cast()),
-                        _mm256_loadu_si256(block.qs.as_ptr().add(64 * k + 32).cast()),
-                    )
-                };
-                let (a, b) = (_mm256_unpacklo_epi64(v0, v1), _mm256_unpackhi_epi64(v0, v1));
-                q[4 * k] = _mm256_and_si256(a, low);
-                q[4 * k + 1] = _mm256_and_si256(b, low);
-                q[4 * k + 2] = _mm256_and_si256(_mm256_srli_epi16(a, 4), low);
-                q[4 * k + 3] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
-            }
-            let sc = [
-                shuffle(scales, &PICK[0]),
-                shuffle(scales, &PICK[1]),
-                shuffle(scales, &PICK[2]),
-                shuffle(scales, &PICK[3]),
-            ];
-            Unpacked {
-                q,
-                sc,
-                mins,
-                d: f16_to_f32(block.d),
-                dmin: f16_to_f32(block.dmin),
-            }
+            unpack_picked(block, &PICK)
         }
 
         /// Exact integer lanes: a nibble times a quant is ≤ 15 · 127, so the `i16` sums of 4 products
@@ -240,13 +205,7 @@ pub(crate) mod avx2 {
         #[inline]
         #[target_feature(enable = "avx2,f16c")]
         unsafe fn unpack_vnni(block: &BlockQ4K) -> Unpacked {
-            // SAFETY: the caller's contract.
-            let mut u = unsafe { Self::unpack(block) };
-            let low = _mm256_set1_epi32(0xffff);
-            for sc in &mut u.sc {
-                *sc = _mm256_and_si256(*sc, low);
-            }
-            u
+            unpack_picked(block, &PICK_VNNI)
         }
 
         /// Pair by pair through [`chained_lanes_vnni`], then the float arithmetic of
@@ -259,6 +218,66 @@ pub(crate) mod avx2 {
             acc: &mut [__m256],
         ) {
             finish(w, chained_lanes_vnni(&w.q, &w.sc, x), x, acc);
+        }
+    }
+
+    /// A block in registers, with the scales arranged by `pick` ([`PICK`] or [`PICK_VNNI`]).
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    fn unpack_picked(block: &BlockQ4K, pick: &[[u8; 32]; 4]) -> Unpacked {
+        // ggml's `get_scale_min_k4` for all 8 sub-blocks at once, on 32-bit words: afterwards bytes
+        // 0..8 of `u` are the scales and bytes 8..16 the mins.
+        let w = |i: usize| {
+            u32::from_le_bytes([
+                block.scales[4 * i],
+                block.scales[4 * i + 1],
+                block.scales[4 * i + 2],
+                block.scales[4 * i + 3],
+            ])
+        };
+        let (k1, k2, k3) = (0x3f3f_3f3f_u32, 0x0f0f_0f0f_u32, 0x0303_0303_u32);
+        let (u0, u1, u2) = (w(0), w(1), w(2));
+        let u3 = ((u2 >> 4) & k2) | (((u1 >> 6) & k3) << 4);
+        let u1n = (u2 & k2) | (((u0 >> 6) & k3) << 4);
+        let u2n = u1 & k1;
+        let u0n = u0 & k1;
+        let bytes = _mm_set_epi32(u3 as i32, u2n as i32, u1n as i32, u0n as i32);
+        // i16 scales 0..8 in the low half, mins 0..8 in the high half.
+        let sm = _mm256_cvtepu8_epi16(bytes);
+        let scales = _mm256_permute2x128_si256(sm, sm, 0x00);
+        let m = _mm256_extracti128_si256(sm, 1);
+        let mins = _mm256_set_m128i(_mm_unpackhi_epi16(m, m), _mm_unpacklo_epi16(m, m));
+        // Bytes `32c ..` hold sub-block `2c` in their low nibbles and `2c + 1` in their high
+        // ones. Interleaving the 8-byte words of chunks `2k` and `2k + 1` puts groups `4k`, `4k + 2`
+        // (low nibbles) and `4k + 1`, `4k + 3` (high) into pairs `2k` and `2k + 1` of the order.
+        let low = _mm256_set1_epi8(0x0f);
+        let mut q = [_mm256_setzero_si256(); 8];
+        for k in 0..2 {
+            // SAFETY: `block.qs` is 128 bytes; bytes 64k .. 64k + 64 are in bounds for k < 2.
+            let (v0, v1) = unsafe {
+                (
+                    _mm256_loadu_si256(block.qs.as_ptr().add(64 * k).cast()),
+                    _mm256_loadu_si256(block.qs.as_ptr().add(64 * k + 32).cast()),
+                )
+            };
+            let (a, b) = (_mm256_unpacklo_epi64(v0, v1), _mm256_unpackhi_epi64(v0, v1));
+            q[4 * k] = _mm256_and_si256(a, low);
+            q[4 * k + 1] = _mm256_and_si256(b, low);
+            q[4 * k + 2] = _mm256_and_si256(_mm256_srli_epi16(a, 4), low);
+            q[4 * k + 3] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+        }
+        let sc = [
+            shuffle(scales, &pick[0]),
+            shuffle(scales, &pick[1]),
+            shuffle(scales, &pick[2]),
+            shuffle(scales, &pick[3]),
+        ];
+        Unpacked {
+            q,
+            sc,
+            mins,
+            d: f16_to_f32(block.d),
+            dmin: f16_to_f32(block.dmin),
         }
     }
 

@@ -153,13 +153,15 @@ pub(crate) mod avx2 {
             _mm256_madd_epi16(unsafe { Self::pairs(w, y) }, _mm256_set1_epi16(1))
         }
 
-        /// [`Quants32::quads`] in one `vpdpbusd` (the same integers).
+        /// [`Quants32::quads`] in one `vpdpbusd` (the same integers). The default reads `w[0]` as
+        /// unsigned quants, so a signed format (`OFFSET == 0`) must override it, as Q8_0 does.
         ///
         /// # Safety
-        /// The CPU must support AVX2, AVX512F, AVX512VL and AVX512_VNNI.
+        /// The CPU must support AVX2, F16C, AVX512F, AVX512VL and AVX512_VNNI.
         #[inline]
         #[target_feature(enable = "avx2,f16c,avx512f,avx512vl,avx512vnni")]
         unsafe fn quads_vnni(w: &[__m256i; 2], y: __m256i) -> __m256i {
+            const { assert!(Self::OFFSET != 0, "signed quants need their own quads_vnni") };
             _mm256_dpbusd_epi32(_mm256_setzero_si256(), w[0], y)
         }
     }

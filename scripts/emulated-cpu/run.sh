@@ -260,6 +260,6 @@ if [ -n "$rc_line" ]; then
 fi
 if [ "$timed_out" = 1 ]; then log "timed out after ${TIMEOUT}s (EMU_TIMEOUT)"; exit 124; fi
 log "guest did not report an exit status; last Bochs messages:"
-grep -a -E '\]\s*(>>PANIC<<|e\[|p\[)' "$WORK/bochs.log" 2>/dev/null | grep -v 'MSR: Unknown register' | tail -5 >&2 || true
+grep -a -E '^[0-9]+[ep]\[' "$WORK/bochs.log" 2>/dev/null | grep -v 'MSR: Unknown register' | tail -5 >&2 || true
 tail -3 "$WORK/bochs.out" >&2 || true
 exit 125

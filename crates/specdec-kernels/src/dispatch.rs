@@ -148,6 +148,7 @@ impl Kernels {
         } else {
             Err(KernelError::UnsupportedLevel {
                 level: level.name(),
+                needs: level.features(),
             })
         }
     }

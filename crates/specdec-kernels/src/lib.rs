@@ -142,10 +142,12 @@ pub enum KernelError {
         actual: usize,
     },
     /// The CPU cannot run the requested level.
-    #[error("this CPU does not support the {level} kernels")]
+    #[error("this CPU does not support the {level} kernels (they need {needs})")]
     UnsupportedLevel {
         /// The level's name.
         level: &'static str,
+        /// What the level needs ([`CpuLevel::features`]).
+        needs: &'static str,
     },
     /// An unknown level name (in `SPECDEC_KERNELS` or [`CpuLevel::parse`]).
     #[error("unknown kernel level {name:?} (expected scalar, avx2, avx512vnni or auto)")]

@@ -234,12 +234,34 @@ pub(crate) mod avx2 {
         );
     }
 
+    /// `lanes[r]` folded over the 4 pairs of vectors of `R` activation blocks: `$fold(lane, q0, q1,
+    /// y0, y1, sc)` with a pair's two unpacked weight vectors, the row's two activation vectors and the
+    /// pair's scales. Each unpacked vector is loaded once for all `R` rows.
+    macro_rules! fold_pairs {
+        ($q:expr, $sc:expr, $x:expr, $fold:expr) => {{
+            let mut lanes = [_mm256_setzero_si256(); R];
+            for (p, &sc) in $sc.iter().enumerate() {
+                for (l, x) in lanes.iter_mut().zip($x) {
+                    // SAFETY: `x.qs` is 256 bytes; bytes 64p .. 64p + 64 are in bounds for p < 4.
+                    let (y0, y1) = unsafe {
+                        (
+                            _mm256_loadu_si256(x.qs.as_ptr().add(64 * p).cast()),
+                            _mm256_loadu_si256(x.qs.as_ptr().add(64 * p + 32).cast()),
+                        )
+                    };
+                    *l = $fold(*l, $q[2 * p], $q[2 * p + 1], y0, y1, sc);
+                }
+            }
+            lanes
+        }};
+    }
+
     /// The integer lanes of `R` Q8_K activation blocks against a K-quant block unpacked into
     /// [`crate::formats::BlockQ8K`]'s order: 8 vectors `q[t]` of 32 unsigned quants, in 4 pairs whose
     /// two vectors hold the same sub-block in each 4-byte lane, with pair `p`'s per-lane scales in
     /// `sc[p]`. Per pair and row: two `maddubs`, their sum in `i16`, one `madd` by the scales, and the
-    /// sum over pairs in `i32`. Each unpacked vector is loaded once for all `R` rows. The format bounds
-    /// the values so that every sum is exact, so the order of summation cannot change a result.
+    /// sum over pairs in `i32`. The format bounds the values so that every sum is exact, so the order
+    /// of summation cannot change a result.
     #[inline]
     #[target_feature(enable = "avx2,f16c")]
     pub(crate) fn paired_lanes<const R: usize>(
@@ -247,24 +269,10 @@ pub(crate) mod avx2 {
         sc: &[__m256i; 4],
         x: [&crate::formats::BlockQ8K; R],
     ) -> [__m256i; R] {
-        let mut lanes = [_mm256_setzero_si256(); R];
-        for (p, &sc) in sc.iter().enumerate() {
-            for (l, x) in lanes.iter_mut().zip(x) {
-                // SAFETY: `x.qs` is 256 bytes; bytes 64p .. 64p + 64 are in bounds for p < 4.
-                let (y0, y1) = unsafe {
-                    (
-                        _mm256_loadu_si256(x.qs.as_ptr().add(64 * p).cast()),
-                        _mm256_loadu_si256(x.qs.as_ptr().add(64 * p + 32).cast()),
-                    )
-                };
-                let pair = _mm256_add_epi16(
-                    _mm256_maddubs_epi16(q[2 * p], y0),
-                    _mm256_maddubs_epi16(q[2 * p + 1], y1),
-                );
-                *l = _mm256_add_epi32(*l, _mm256_madd_epi16(pair, sc));
-            }
-        }
-        lanes
+        fold_pairs!(q, sc, x, |l, q0, q1, y0, y1, sc| {
+            let pair = _mm256_add_epi16(_mm256_maddubs_epi16(q0, y0), _mm256_maddubs_epi16(q1, y1));
+            _mm256_add_epi32(l, _mm256_madd_epi16(pair, sc))
+        })
     }
 
     /// [`paired_lanes`] with each pair's `madd` and `add` fused into one `vpdpwssd` (for Q6_K, whose
@@ -276,24 +284,10 @@ pub(crate) mod avx2 {
         sc: &[__m256i; 4],
         x: [&crate::formats::BlockQ8K; R],
     ) -> [__m256i; R] {
-        let mut lanes = [_mm256_setzero_si256(); R];
-        for (p, &sc) in sc.iter().enumerate() {
-            for (l, x) in lanes.iter_mut().zip(x) {
-                // SAFETY: `x.qs` is 256 bytes; bytes 64p .. 64p + 64 are in bounds for p < 4.
-                let (y0, y1) = unsafe {
-                    (
-                        _mm256_loadu_si256(x.qs.as_ptr().add(64 * p).cast()),
-                        _mm256_loadu_si256(x.qs.as_ptr().add(64 * p + 32).cast()),
-                    )
-                };
-                let pair = _mm256_add_epi16(
-                    _mm256_maddubs_epi16(q[2 * p], y0),
-                    _mm256_maddubs_epi16(q[2 * p + 1], y1),
-                );
-                *l = _mm256_dpwssd_epi32(*l, pair, sc);
-            }
-        }
-        lanes
+        fold_pairs!(q, sc, x, |l, q0, q1, y0, y1, sc| {
+            let pair = _mm256_add_epi16(_mm256_maddubs_epi16(q0, y0), _mm256_maddubs_epi16(q1, y1));
+            _mm256_dpwssd_epi32(l, pair, sc)
+        })
     }
 
     /// [`paired_lanes`] for quants below 16 (Q4_K) with AVX-512 VNNI: per pair and row, two chained
@@ -308,22 +302,10 @@ pub(crate) mod avx2 {
         sc: &[__m256i; 4],
         x: [&crate::formats::BlockQ8K; R],
     ) -> [__m256i; R] {
-        let mut lanes = [_mm256_setzero_si256(); R];
-        for (p, &sc) in sc.iter().enumerate() {
-            for (l, x) in lanes.iter_mut().zip(x) {
-                // SAFETY: `x.qs` is 256 bytes; bytes 64p .. 64p + 64 are in bounds for p < 4.
-                let (y0, y1) = unsafe {
-                    (
-                        _mm256_loadu_si256(x.qs.as_ptr().add(64 * p).cast()),
-                        _mm256_loadu_si256(x.qs.as_ptr().add(64 * p + 32).cast()),
-                    )
-                };
-                let sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q[2 * p], y0);
-                let sums = _mm256_dpbusd_epi32(sums, q[2 * p + 1], y1);
-                *l = _mm256_dpwssd_epi32(*l, sums, sc);
-            }
-        }
-        lanes
+        fold_pairs!(q, sc, x, |l, q0, q1, y0, y1, sc| {
+            let sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q0, y0);
+            _mm256_dpwssd_epi32(l, _mm256_dpbusd_epi32(sums, q1, y1), sc)
+        })
     }
 
     /// The `shuffle_epi8` control that makes `i16` lane `k` of the low half of the result lane

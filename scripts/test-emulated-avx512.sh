@@ -21,17 +21,18 @@ export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target}/emulated
 export RUSTFLAGS="-C target-feature=+crt-static"
 target=x86_64-unknown-linux-gnu
 tests=(--test levels --test matmul)
-binaries() {
-    # `cargo test --no-run` names each test executable on stderr.
-    sed -n 's/.*Executable tests\/[a-z_]*\.rs (\(.*\))$/\1/p'
-}
-mapfile -t bins < <(cargo test --locked --release -p specdec-kernels "${tests[@]}" --no-run \
-    --target "$target" 2>&1 | tee /dev/stderr | binaries)
+build_log=$(mktemp)
+trap 'rm -f "$build_log"' EXIT
+# The build's output goes to our stderr as it comes (through the inherited descriptor: reopening
+# /dev/stderr would truncate a log file it points to) and to a file, where `cargo test --no-run`
+# names each test executable.
+cargo test --locked --release -p specdec-kernels "${tests[@]}" --no-run --target "$target" 2>&1 |
+    tee "$build_log" >&2
 if [ "${1:-}" = "--all" ]; then
-    mapfile -t -O "${#bins[@]}" bins < <(cargo test --locked --release -p specdec-runtime \
-        --features testing --test tiny_models --no-run --target "$target" 2>&1 | tee /dev/stderr |
-        binaries)
+    cargo test --locked --release -p specdec-runtime --features testing --test tiny_models \
+        --no-run --target "$target" 2>&1 | tee -a "$build_log" >&2
 fi
+mapfile -t bins < <(sed -n 's/.*Executable tests\/[a-z_]*\.rs (\(.*\))$/\1/p' "$build_log")
 [ "${#bins[@]}" -gt 0 ] || { echo "no test binaries built" >&2; exit 1; }
 
 status=0

@@ -23,13 +23,13 @@ pub(crate) trait Format {
     /// [`pass`] at [`CpuLevel::Avx2`].
     ///
     /// # Safety
-    /// The CPU must support AVX2 and F16C; `out` as [`pass`].
+    /// The CPU must support AVX2, F16C and FMA; `out` as [`pass`].
     #[cfg(target_arch = "x86_64")]
     unsafe fn avx2_pass(w: &[Self::Block], nb: usize, x: &[Self::Act], out: Out);
     /// [`pass`] at [`CpuLevel::Avx512Vnni`].
     ///
     /// # Safety
-    /// The CPU must support AVX2, F16C, AVX512F, AVX512VL and AVX512_VNNI; `out` as [`pass`].
+    /// The CPU must support AVX2, F16C, FMA, AVX512F, AVX512VL and AVX512_VNNI; `out` as [`pass`].
     #[cfg(target_arch = "x86_64")]
     unsafe fn vnni_pass(w: &[Self::Block], nb: usize, x: &[Self::Act], out: Out);
 }
@@ -199,7 +199,7 @@ pub(crate) mod avx2 {
         /// # Safety
         /// The CPU must support AVX2.
         #[inline]
-        #[target_feature(enable = "avx2,f16c")]
+        #[target_feature(enable = "avx2,f16c,fma")]
         unsafe fn accumulate_rows<const R: usize>(
             w: &Self::Unpacked,
             x: [&Self::Act; R],
@@ -216,7 +216,7 @@ pub(crate) mod avx2 {
         /// # Safety
         /// The CPU must support AVX2.
         #[inline]
-        #[target_feature(enable = "avx2,f16c")]
+        #[target_feature(enable = "avx2,f16c,fma")]
         unsafe fn unpack_vnni(block: &Self::Block) -> Self::Unpacked {
             // SAFETY: the caller's contract.
             unsafe { Self::unpack(block) }
@@ -226,7 +226,7 @@ pub(crate) mod avx2 {
         /// lanes and the same float arithmetic, so bit-identical results in fewer instructions.
         ///
         /// # Safety
-        /// The CPU must support AVX2, F16C, AVX512F, AVX512VL and AVX512_VNNI.
+        /// The CPU must support AVX2, F16C, FMA, AVX512F, AVX512VL and AVX512_VNNI.
         unsafe fn accumulate_rows_vnni<const R: usize>(
             w: &Self::Unpacked,
             x: [&Self::Act; R],
@@ -263,7 +263,7 @@ pub(crate) mod avx2 {
     /// sum over pairs in `i32`. The format bounds the values so that every sum is exact, so the order
     /// of summation cannot change a result.
     #[inline]
-    #[target_feature(enable = "avx2,f16c")]
+    #[target_feature(enable = "avx2,f16c,fma")]
     pub(crate) fn paired_lanes<const R: usize>(
         q: &[__m256i; 8],
         sc: &[__m256i; 4],
@@ -278,7 +278,7 @@ pub(crate) mod avx2 {
     /// [`paired_lanes`] with each pair's `madd` and `add` fused into one `vpdpwssd` (for Q6_K, whose
     /// pair sums need the `i16` bound that two `maddubs` keep).
     #[inline]
-    #[target_feature(enable = "avx2,f16c,avx512f,avx512vl,avx512vnni")]
+    #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni")]
     pub(crate) fn paired_lanes_vnni<const R: usize>(
         q: &[__m256i; 8],
         sc: &[__m256i; 4],
@@ -296,7 +296,7 @@ pub(crate) mod avx2 {
     /// scale and adds. `sc` must hold each lane's scale in its low `i16` and 0 in its high one: the
     /// high `i16` of a negative sum is -1, and the low one alone is the sum.
     #[inline]
-    #[target_feature(enable = "avx2,f16c,avx512f,avx512vl,avx512vnni")]
+    #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni")]
     pub(crate) fn chained_lanes_vnni<const R: usize>(
         q: &[__m256i; 8],
         sc: &[__m256i; 4],
@@ -325,7 +325,7 @@ pub(crate) mod avx2 {
 
     /// `shuffle_epi8(src, control)` with a control from [`pick_i16`].
     #[inline]
-    #[target_feature(enable = "avx2,f16c")]
+    #[target_feature(enable = "avx2,f16c,fma")]
     pub(crate) fn shuffle(src: __m256i, control: &[u8; 32]) -> __m256i {
         // SAFETY: `control` is 32 bytes, one unaligned 256-bit load.
         let control = unsafe { _mm256_loadu_si256(control.as_ptr().cast()) };
@@ -334,14 +334,14 @@ pub(crate) mod avx2 {
 
     /// The exact `f32` of an f16 (F16C; equal to [`crate::F16::to_f32`], which is exact too).
     #[inline]
-    #[target_feature(enable = "avx2,f16c")]
+    #[target_feature(enable = "avx2,f16c,fma")]
     pub(crate) fn f16_to_f32(h: crate::F16) -> f32 {
         _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(h.0))))
     }
 
     /// [`crate::formats::hsum8`]'s tree: halves, then `movehl`, then `movehdup`.
     #[inline]
-    #[target_feature(enable = "avx2,f16c")]
+    #[target_feature(enable = "avx2,f16c,fma")]
     pub(crate) fn hsum(v: __m256) -> f32 {
         let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
         let t = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -379,7 +379,7 @@ pub(crate) mod avx2 {
 
     /// Lane `k` = the sum of the 8 `i32` lanes of `p[k]`.
     #[inline]
-    #[target_feature(enable = "avx2,f16c")]
+    #[target_feature(enable = "avx2,f16c,fma")]
     fn reduce8(p: [__m256i; 8]) -> __m256i {
         let a = _mm256_hadd_epi32(p[0], p[1]);
         let b = _mm256_hadd_epi32(p[2], p[3]);
@@ -618,14 +618,14 @@ pub(crate) mod avx2 {
     }
 
     multi_row! {
-        features: "avx2,f16c",
+        features: "avx2,f16c,fma",
         pass: pass, rows: rows, group: group,
         pass32: pass32, rows32: rows32,
         unpack: unpack, accumulate: accumulate_rows, quads: quads,
     }
 
     multi_row! {
-        features: "avx2,f16c,avx512f,avx512vl,avx512vnni",
+        features: "avx2,f16c,fma,avx512f,avx512vl,avx512vnni",
         pass: pass_vnni, rows: rows_vnni, group: group_vnni,
         pass32: pass32_vnni, rows32: rows32_vnni,
         unpack: unpack_vnni, accumulate: accumulate_rows_vnni, quads: quads_vnni,

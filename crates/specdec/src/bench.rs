@@ -163,6 +163,12 @@ struct Record {
     end_to_end_s: f64,
     /// The cost model's prediction from this run's own acceptance and timings.
     predicted_speedup: Option<f64>,
+    /// The prompt's token ids (`ar` records only, for replaying drafters offline).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    prompt_tokens: Option<Vec<u32>>,
+    /// The generated token ids (`ar` records only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    output_tokens: Option<Vec<u32>>,
 }
 
 /// `specdec bench`.
@@ -298,6 +304,8 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
                 speedup_vs_ar: speedup,
                 end_to_end_s: m.prefill_secs + m.decode_secs,
                 predicted_speedup: m.predicted_speedup(),
+                prompt_tokens: (*kind == DrafterKind::None).then(|| ids.clone()),
+                output_tokens: (*kind == DrafterKind::None).then(|| g.output.tokens.clone()),
             });
         }
         if !ui.quiet {

@@ -91,7 +91,7 @@ pub(crate) mod avx2 {
         const OFFSET: i32 = 8;
 
         #[inline]
-        #[target_feature(enable = "avx2,f16c")]
+        #[target_feature(enable = "avx2,f16c,fma")]
         unsafe fn unpack(block: &BlockQ4_0) -> [__m256i; 2] {
             // SAFETY: `block.qs` is 16 bytes, one unaligned 128-bit load.
             let v = unsafe { _mm_loadu_si128(block.qs.as_ptr().cast()) };

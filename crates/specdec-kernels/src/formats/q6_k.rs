@@ -76,7 +76,8 @@ impl WeightBlock for BlockQ6K {
 /// Per block, exactly in `i32`: lane `j` sums `sc[v / 16] · q · y` (unsigned `q` of value `v`) over the
 /// activation positions `32 t + 4 j .. + 4` of every vector `t` of [`BlockQ8K`]'s order, minus `32 ·
 /// (sc[2j] · bsums[2j] + sc[2j+1] · bsums[2j+1])` (the offset of 32, via the activation sums); then
-/// `acc[j] += (d · dy) · lane[j]`, and [`hsum8`] at the end.
+/// `acc[j] = fma(lane[j], d · dy, acc[j])` (`fma(a, b, c) = a · b + c` rounded once), and [`hsum8`] at
+/// the end.
 ///
 /// # Panics
 /// If the rows differ in length.
@@ -98,7 +99,7 @@ pub fn dot_q6_k_q8_k(w: &[BlockQ6K], x: &[BlockQ8K]) -> f32 {
         }
         let dd = wb.d.to_f32() * xb.d;
         for (a, lane) in acc.iter_mut().zip(lanes) {
-            *a += dd * lane as f32;
+            *a = (lane as f32).mul_add(dd, *a);
         }
     }
     hsum8(acc)
@@ -133,9 +134,10 @@ pub(crate) mod avx2 {
         q: [__m256i; 8],
         /// Pair `p`'s scales: `i16` lanes `2j`, `2j + 1` hold the scale of the sub-block in lane `j`.
         sc: [__m256i; 4],
-        /// The 16 scales as `i16`.
-        scales: __m256i,
-        d: f32,
+        /// The 16 scales times 32 (the quants' offset) as `i16`.
+        offset_scales: __m256i,
+        /// The super-block scale, broadcast.
+        d: __m256,
     }
 
     impl Dequantizer for Q6K {
@@ -144,7 +146,7 @@ pub(crate) mod avx2 {
         type Unpacked = Unpacked;
 
         #[inline]
-        #[target_feature(enable = "avx2,f16c")]
+        #[target_feature(enable = "avx2,f16c,fma")]
         unsafe fn unpack(block: &BlockQ6K) -> Unpacked {
             let low = _mm256_set1_epi8(0x0f);
             let high = _mm256_set1_epi8(0x30);
@@ -203,15 +205,16 @@ pub(crate) mod avx2 {
             Unpacked {
                 q,
                 sc,
-                scales,
-                d: f16_to_f32(block.d),
+                // |32 · scale| ≤ 4096 fits an `i16`.
+                offset_scales: _mm256_slli_epi16(scales, 5),
+                d: _mm256_set1_ps(f16_to_f32(block.d)),
             }
         }
 
         /// Exact integer lanes: the `i16` sums of 4 products are ≤ 4 · 63 · 127 = 32004 < 2^15, a
         /// lane's total is ≤ 128 · 32 · 63 · 127 < 2^31, and the offset term ≤ 32 · 2 · 128 · 2032.
         #[inline]
-        #[target_feature(enable = "avx2,f16c")]
+        #[target_feature(enable = "avx2,f16c,fma")]
         unsafe fn accumulate(w: &Unpacked, x: &BlockQ8K, acc: __m256) -> __m256 {
             let mut acc = [acc];
             // SAFETY: AVX2 support is the caller's contract.
@@ -221,7 +224,7 @@ pub(crate) mod avx2 {
 
         /// Pair by pair through [`paired_lanes`], then each row's float arithmetic.
         #[inline]
-        #[target_feature(enable = "avx2,f16c")]
+        #[target_feature(enable = "avx2,f16c,fma")]
         unsafe fn accumulate_rows<const R: usize>(
             w: &Unpacked,
             x: [&BlockQ8K; R],
@@ -233,7 +236,7 @@ pub(crate) mod avx2 {
         /// Pair by pair through [`paired_lanes_vnni`], then the float arithmetic of
         /// [`Dequantizer::accumulate_rows`].
         #[inline]
-        #[target_feature(enable = "avx2,f16c,avx512f,avx512vl,avx512vnni")]
+        #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni")]
         unsafe fn accumulate_rows_vnni<const R: usize>(
             w: &Unpacked,
             x: [&BlockQ8K; R],
@@ -243,9 +246,10 @@ pub(crate) mod avx2 {
         }
     }
 
-    /// Each row's integer lanes `l` less the offset of 32 in the quants, then its float arithmetic.
+    /// Each row's integer lanes `l` less the offset of 32 in the quants, then its float arithmetic in
+    /// one fused multiply-add, as the reference.
     #[inline]
-    #[target_feature(enable = "avx2,f16c")]
+    #[target_feature(enable = "avx2,f16c,fma")]
     fn finish<const R: usize>(
         w: &Unpacked,
         lanes: [__m256i; R],
@@ -255,12 +259,9 @@ pub(crate) mod avx2 {
         for ((a, l), x) in acc.iter_mut().zip(lanes).zip(x) {
             // SAFETY: `x.bsums` is 16 `i16`, 32 bytes.
             let bsums = unsafe { _mm256_loadu_si256(x.bsums.as_ptr().cast()) };
-            let offset = _mm256_slli_epi32(_mm256_madd_epi16(w.scales, bsums), 5);
-            let l = _mm256_sub_epi32(l, offset);
-            *a = _mm256_add_ps(
-                *a,
-                _mm256_mul_ps(_mm256_set1_ps(w.d * x.d), _mm256_cvtepi32_ps(l)),
-            );
+            let l = _mm256_sub_epi32(l, _mm256_madd_epi16(w.offset_scales, bsums));
+            let dd = _mm256_mul_ps(w.d, _mm256_broadcast_ss(&x.d));
+            *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(l), dd, *a);
         }
     }
 }

@@ -136,7 +136,7 @@ pub(crate) mod avx2 {
         /// # Safety
         /// The CPU must support AVX2.
         #[inline]
-        #[target_feature(enable = "avx2,f16c")]
+        #[target_feature(enable = "avx2,f16c,fma")]
         unsafe fn pairs(w: &[__m256i; 2], y: __m256i) -> __m256i {
             _mm256_maddubs_epi16(w[0], y)
         }
@@ -147,7 +147,7 @@ pub(crate) mod avx2 {
         /// # Safety
         /// The CPU must support AVX2.
         #[inline]
-        #[target_feature(enable = "avx2,f16c")]
+        #[target_feature(enable = "avx2,f16c,fma")]
         unsafe fn quads(w: &[__m256i; 2], y: __m256i) -> __m256i {
             // SAFETY: the caller's contract.
             _mm256_madd_epi16(unsafe { Self::pairs(w, y) }, _mm256_set1_epi16(1))
@@ -157,9 +157,9 @@ pub(crate) mod avx2 {
         /// unsigned quants, so a signed format (`OFFSET == 0`) must override it, as Q8_0 does.
         ///
         /// # Safety
-        /// The CPU must support AVX2, F16C, AVX512F, AVX512VL and AVX512_VNNI.
+        /// The CPU must support AVX2, F16C, FMA, AVX512F, AVX512VL and AVX512_VNNI.
         #[inline]
-        #[target_feature(enable = "avx2,f16c,avx512f,avx512vl,avx512vnni")]
+        #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni")]
         unsafe fn quads_vnni(w: &[__m256i; 2], y: __m256i) -> __m256i {
             const { assert!(Self::OFFSET != 0, "signed quants need their own quads_vnni") };
             _mm256_dpbusd_epi32(_mm256_setzero_si256(), w[0], y)
@@ -174,7 +174,7 @@ pub(crate) mod avx2 {
         const OFFSET: i32 = 0;
 
         #[inline]
-        #[target_feature(enable = "avx2,f16c")]
+        #[target_feature(enable = "avx2,f16c,fma")]
         unsafe fn unpack(block: &BlockQ8_0) -> [__m256i; 2] {
             // SAFETY: `block.qs` is 32 bytes, one unaligned 256-bit load.
             let w = unsafe { _mm256_loadu_si256(block.qs.as_ptr().cast()) };
@@ -184,14 +184,14 @@ pub(crate) mod avx2 {
         /// `maddubs(|w|, sign(y, w))`: `|w| ≤ 128` and `|y| ≤ 127`, so a pair sum stays below
         /// `i16::MAX`; `y` is never -128, so `sign` cannot overflow.
         #[inline]
-        #[target_feature(enable = "avx2,f16c")]
+        #[target_feature(enable = "avx2,f16c,fma")]
         unsafe fn pairs(w: &[__m256i; 2], y: __m256i) -> __m256i {
             _mm256_maddubs_epi16(w[1], _mm256_sign_epi8(y, w[0]))
         }
 
         /// `vpdpbusd(|w|, sign(y, w))`, as [`Quants32::pairs`].
         #[inline]
-        #[target_feature(enable = "avx2,f16c,avx512f,avx512vl,avx512vnni")]
+        #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni")]
         unsafe fn quads_vnni(w: &[__m256i; 2], y: __m256i) -> __m256i {
             _mm256_dpbusd_epi32(_mm256_setzero_si256(), w[1], _mm256_sign_epi8(y, w[0]))
         }

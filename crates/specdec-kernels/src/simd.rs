@@ -183,6 +183,10 @@ pub(crate) mod avx2 {
         /// A weight block unpacked into registers.
         type Unpacked;
 
+        /// From how many activation rows on the multi-row loop passes one row at a time over a
+        /// block unpacked into registers, instead of up to 4 rows together.
+        const ONE_ROW_FROM: usize = 6;
+
         /// # Safety
         /// The CPU must support AVX2.
         unsafe fn unpack(block: &Self::Block) -> Self::Unpacked;
@@ -256,10 +260,10 @@ pub(crate) mod avx2 {
         }};
     }
 
-    /// The integer lanes of `R` Q8_K activation blocks against a K-quant block unpacked into
-    /// [`crate::formats::BlockQ8K`]'s order: 8 vectors `q[t]` of 32 unsigned quants, in 4 pairs whose
-    /// two vectors hold the same sub-block in each 4-byte lane, with pair `p`'s per-lane scales in
-    /// `sc[p]`. Per pair and row: two `maddubs`, their sum in `i16`, one `madd` by the scales, and the
+    /// The integer lanes of `R` Q8_K activation blocks against a Q6_K block unpacked into
+    /// [`crate::formats::BlockQ8K`]'s order: 8 vectors `q[t]` of 32 unsigned quants, in 4 pairs
+    /// (vectors `2p`, `2p + 1`) whose two vectors hold the same 16-value sub-block in each 4-byte lane,
+    /// with pair `p`'s per-lane scales in `sc[p]`. Per pair and row: two `maddubs`, their sum in `i16`, one `madd` by the scales, and the
     /// sum over pairs in `i32`. The format bounds the values so that every sum is exact, so the order
     /// of summation cannot change a result.
     #[inline]
@@ -290,22 +294,74 @@ pub(crate) mod avx2 {
         })
     }
 
-    /// [`paired_lanes`] for quants below 16 (Q4_K) with AVX-512 VNNI: per pair and row, two chained
-    /// `vpdpbusd` sum the 8 products of each 4-byte lane of the pair's two vectors into an `i32`
-    /// (at most 8 · 15 · 127 < 2^15 in magnitude), and one `vpdpwssd` multiplies it by the lane's
-    /// scale and adds. `sc` must hold each lane's scale in its low `i16` and 0 in its high one: the
-    /// high `i16` of a negative sum is -1, and the low one alone is the sum.
+    /// The integer lanes of `R` Q8_K activation blocks against a Q4_K block unpacked into
+    /// [`crate::formats::BlockQ8K`]'s order, whose 4-byte lane `j` belongs to sub-block `j` in all 8
+    /// vectors, with each lane's scale in both `i16` halves of `sc`. Per row: 8 `maddubs`, their sum in
+    /// `i16` (exact: 16 products of a nibble and a quant, ≤ 16 · 15 · 127 < 2^15), and one `madd` by
+    /// the scales: 9 multiplies per row and block. The unpacked vectors are loaded once for all rows.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma")]
+    pub(crate) fn summed_lanes<const R: usize>(
+        q: &[__m256i; 8],
+        sc: __m256i,
+        x: [&crate::formats::BlockQ8K; R],
+    ) -> [__m256i; R] {
+        let mut lanes = [_mm256_setzero_si256(); R];
+        for (l, x) in lanes.iter_mut().zip(x) {
+            let y = x.qs.as_ptr();
+            // SAFETY: `x.qs` is 256 bytes; bytes 32t .. 32t + 32 are in bounds for t < 8.
+            let p: [__m256i; 8] = unsafe {
+                [
+                    _mm256_maddubs_epi16(q[0], _mm256_loadu_si256(y.cast())),
+                    _mm256_maddubs_epi16(q[1], _mm256_loadu_si256(y.add(32).cast())),
+                    _mm256_maddubs_epi16(q[2], _mm256_loadu_si256(y.add(64).cast())),
+                    _mm256_maddubs_epi16(q[3], _mm256_loadu_si256(y.add(96).cast())),
+                    _mm256_maddubs_epi16(q[4], _mm256_loadu_si256(y.add(128).cast())),
+                    _mm256_maddubs_epi16(q[5], _mm256_loadu_si256(y.add(160).cast())),
+                    _mm256_maddubs_epi16(q[6], _mm256_loadu_si256(y.add(192).cast())),
+                    _mm256_maddubs_epi16(q[7], _mm256_loadu_si256(y.add(224).cast())),
+                ]
+            };
+            let sum = _mm256_add_epi16(
+                _mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3])),
+                _mm256_add_epi16(_mm256_add_epi16(p[4], p[5]), _mm256_add_epi16(p[6], p[7])),
+            );
+            *l = _mm256_madd_epi16(sum, sc);
+        }
+        lanes
+    }
+
+    /// [`summed_lanes`] with AVX-512 VNNI: per row, two chains of four `vpdpbusd` sum the 16 products
+    /// of each 4-byte lane of vectors 0..4 and of vectors 4..8 into an `i32` (at most 16 · 15 · 127 <
+    /// 2^15 in magnitude), and two `vpdpwssd` multiply them by the lane's scale and add: 10
+    /// instructions per row and block. `sc` must hold each lane's scale in its low `i16` and 0 in its
+    /// high one: the high `i16` of a negative sum is -1, and the low one alone is the sum.
     #[inline]
     #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni")]
     pub(crate) fn chained_lanes_vnni<const R: usize>(
         q: &[__m256i; 8],
-        sc: &[__m256i; 4],
+        sc: __m256i,
         x: [&crate::formats::BlockQ8K; R],
     ) -> [__m256i; R] {
-        fold_pairs!(q, sc, x, |l, q0, q1, y0, y1, sc| {
-            let sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q0, y0);
-            _mm256_dpwssd_epi32(l, _mm256_dpbusd_epi32(sums, q1, y1), sc)
-        })
+        let mut lanes = [_mm256_setzero_si256(); R];
+        for (l, x) in lanes.iter_mut().zip(x) {
+            let y = x.qs.as_ptr();
+            let (mut a, mut b) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+            for t in 0..4 {
+                // SAFETY: `x.qs` is 256 bytes; bytes 32t .. 32t + 32 and 128 + 32t .. + 32 are in
+                // bounds for t < 4.
+                let (ya, yb) = unsafe {
+                    (
+                        _mm256_loadu_si256(y.add(32 * t).cast()),
+                        _mm256_loadu_si256(y.add(128 + 32 * t).cast()),
+                    )
+                };
+                a = _mm256_dpbusd_epi32(a, q[t], ya);
+                b = _mm256_dpbusd_epi32(b, q[t + 4], yb);
+            }
+            *l = _mm256_dpwssd_epi32(_mm256_dpwssd_epi32(_mm256_setzero_si256(), a, sc), b, sc);
+        }
+        lanes
     }
 
     /// The `shuffle_epi8` control that makes `i16` lane `k` of the low half of the result lane
@@ -419,7 +475,8 @@ pub(crate) mod avx2 {
             ) {
                 assert_eq!(x.len(), N * nb, "a pass holds N rows of nb blocks");
                 // Up to 4 rows go together, each unpacked vector loaded once for all of them, and 5 rows as
-                // 3 + 2. From 6 rows up, one row at a time with the unpacked block in registers, in a loop
+                // 3 + 2. From `D::ONE_ROW_FROM` rows (6 unless a format says otherwise; Q4_K, whose
+                // rows need 9 registers beside the unpacked block, from 2 rows), one row at a time with the unpacked block in registers, in a loop
                 // kept rolled (`black_box` hides the constant): unrolled, the rows interleave and spill to the
                 // stack. Measured with `examples/step_time.rs` on the 1.5B target: blocks of 5, 6, 8 and 12
                 // tokens 8-15% faster than groups of 4 rows (and 6, 7, 8 rows as 3 + 3, 4 + 3, 4 + 4 slower
@@ -440,10 +497,10 @@ pub(crate) mod avx2 {
                         let u = unsafe { D::$unpack(block) };
                         // Block `b` of row `r` is `xb.add(r * nb)`, in bounds for r < N (asserted above).
                         let xb = x[b..].as_ptr();
-                        if N <= 4 {
+                        if N < D::ONE_ROW_FROM && N <= 4 {
                             // SAFETY: as above; rows 0 .. N.
                             unsafe { $group::<D, N>(&u, xb, nb, 0, &mut acc) };
-                        } else if N == 5 {
+                        } else if N < D::ONE_ROW_FROM && N == 5 {
                             // SAFETY: as above; rows 0 .. 5.
                             unsafe {
                                 $group::<D, 3>(&u, xb, nb, 0, &mut acc);

@@ -1,4 +1,5 @@
-//! Block layouts are ggml's byte for byte, and dequantisation follows ggml's definitions.
+//! Block layouts are ggml's byte for byte (the K-quants' quants in the kernels' order), and
+//! dequantisation follows ggml's definitions.
 
 mod common;
 
@@ -26,8 +27,12 @@ fn blocks_have_ggml_sizes() {
     assert_eq!(BlockQ6K::BYTES, size_of::<BlockQ6K>());
 }
 
-/// `read` and `write` agree with the in-memory `repr(C)` layout on this little-endian target.
-fn check_bytes<B: WeightBlock + PartialEq + std::fmt::Debug>(rng: &mut Rng) {
+/// `read` and `write` round-trip, and agree with the in-memory `repr(C)` layout on this
+/// little-endian target outside `reordered` (the byte range a K-quant keeps in the kernels' order).
+fn check_bytes<B: WeightBlock + PartialEq + std::fmt::Debug>(
+    rng: &mut Rng,
+    reordered: std::ops::Range<usize>,
+) {
     let bytes: Vec<u8> = (0..B::BYTES).map(|_| rng.byte()).collect();
     let block = B::read(&bytes).expect("exact length");
     let mut back = vec![0u8; B::BYTES];
@@ -35,7 +40,15 @@ fn check_bytes<B: WeightBlock + PartialEq + std::fmt::Debug>(rng: &mut Rng) {
     assert_eq!(back, bytes);
     // SAFETY: `B` is a `repr(C)` block of plain integers with no padding (size == BYTES).
     let raw = unsafe { std::slice::from_raw_parts((&block as *const B).cast::<u8>(), B::BYTES) };
-    assert_eq!(raw, &bytes[..]);
+    assert_eq!(raw[..reordered.start], bytes[..reordered.start]);
+    assert_eq!(raw[reordered.end..], bytes[reordered.end..]);
+    if !reordered.is_empty() {
+        assert_ne!(
+            raw[reordered.clone()],
+            bytes[reordered],
+            "random quants stay put"
+        );
+    }
     assert!(B::read(&bytes[1..]).is_none());
 }
 
@@ -43,11 +56,11 @@ fn check_bytes<B: WeightBlock + PartialEq + std::fmt::Debug>(rng: &mut Rng) {
 fn read_and_write_match_the_memory_layout() {
     let mut rng = Rng(10);
     for _ in 0..20 {
-        check_bytes::<BlockQ8_0>(&mut rng);
-        check_bytes::<BlockQ4_0>(&mut rng);
-        check_bytes::<BlockQ5_0>(&mut rng);
-        check_bytes::<BlockQ4K>(&mut rng);
-        check_bytes::<BlockQ6K>(&mut rng);
+        check_bytes::<BlockQ8_0>(&mut rng, 0..0);
+        check_bytes::<BlockQ4_0>(&mut rng, 0..0);
+        check_bytes::<BlockQ5_0>(&mut rng, 0..0);
+        check_bytes::<BlockQ4K>(&mut rng, 16..144);
+        check_bytes::<BlockQ6K>(&mut rng, 0..192);
     }
 }
 
@@ -70,12 +83,12 @@ fn q4_k_dequantises_as_ggml() {
         let m: [u8; 8] = std::array::from_fn(|_| rng.byte() & 63);
         let qs: [u8; 128] = rng.bytes();
         let (d, dmin) = (rng.scale(), rng.scale());
-        let block = BlockQ4K {
-            d,
-            dmin,
-            scales: pack_scales_mins(sc, m),
-            qs,
-        };
+        let mut bytes = [0u8; 144];
+        bytes[..2].copy_from_slice(&d.0.to_le_bytes());
+        bytes[2..4].copy_from_slice(&dmin.0.to_le_bytes());
+        bytes[4..16].copy_from_slice(&pack_scales_mins(sc, m));
+        bytes[16..].copy_from_slice(&qs);
+        let block = BlockQ4K::read(&bytes).expect("a whole block");
         assert_eq!(block.scales_mins(), (sc, m));
         let mut out = [0f32; 256];
         block.dequantize(&mut out);
@@ -92,22 +105,22 @@ fn q4_k_dequantises_as_ggml() {
 #[test]
 fn q6_k_dequantises_as_ggml() {
     let mut rng = Rng(12);
-    let block = BlockQ6K {
-        ql: rng.bytes(),
-        qh: rng.bytes(),
-        scales: rng.bytes::<16>().map(|b| b as i8),
-        d: rng.scale(),
-    };
+    let bytes: [u8; 208] = rng.bytes();
+    let d = rng.scale();
+    let mut file = bytes.to_vec();
+    file.extend(d.0.to_le_bytes());
+    let block = BlockQ6K::read(&file).expect("a whole block");
     let mut out = [0f32; 256];
     block.dequantize(&mut out);
-    // ggml's dequantize_row_q6_K, transcribed loop for loop.
+    // ggml's dequantize_row_q6_K on the file's bytes, transcribed loop for loop.
     let mut want = [0f32; 256];
-    let d = block.d.to_f32();
+    let d = d.to_f32();
+    let scales = bytes[192..].iter().map(|&b| b as i8).collect::<Vec<_>>();
     for n in 0..2 {
         let (ql, qh, sc, y) = (
-            &block.ql[64 * n..],
-            &block.qh[32 * n..],
-            &block.scales[8 * n..],
+            &bytes[64 * n..128],
+            &bytes[128 + 32 * n..192],
+            &scales[8 * n..],
             &mut want[128 * n..],
         );
         for l in 0..32 {

@@ -203,3 +203,20 @@ pub(crate) fn dot_signed_q8_0<B: SignedBlock32>(w: &[B], x: &[ActQ8_0]) -> f32 {
 pub(crate) fn le_u16(bytes: &[u8], at: usize) -> u16 {
     u16::from_le_bytes([bytes[at], bytes[at + 1]])
 }
+
+/// Little-endian 32-bit words of `B` bytes (`W = B / 4`).
+pub(crate) fn words<const B: usize, const W: usize>(bytes: &[u8; B]) -> [u32; W] {
+    std::array::from_fn(|i| {
+        u32::from_le_bytes([
+            bytes[4 * i],
+            bytes[4 * i + 1],
+            bytes[4 * i + 2],
+            bytes[4 * i + 3],
+        ])
+    })
+}
+
+/// The bytes of little-endian 32-bit words (`B = 4 W`).
+pub(crate) fn bytes<const W: usize, const B: usize>(words: &[u32; W]) -> [u8; B] {
+    std::array::from_fn(|i| words[i / 4].to_le_bytes()[i % 4])
+}

@@ -1,12 +1,20 @@
 //! Q4_K: 256 values in 8 sub-blocks of 32; sub-block `s` has a 6-bit scale `sc[s]` and min `m[s]`, and
 //! `value = d · sc[s] · q - dmin · m[s]` with `q` a 4-bit quant.
 
-use super::{hsum8, le_u16, q8k_value, BlockFormat, BlockQ8K, WeightBlock, QK_K};
+use super::{
+    bytes, hsum8, le_u16, q8k_position, q8k_value, words, BlockFormat, BlockQ8K, WeightBlock, QK_K,
+};
 use crate::f16::F16;
 
-/// A Q4_K block, byte-identical to ggml's `block_q4_K` (144 bytes).
+/// A Q4_K block: the fields and size of ggml's `block_q4_K` (144 bytes), with the quants in the
+/// kernels' order.
 ///
-/// `qs[32 c + l]` holds value `64 c + l` in its low nibble and value `64 c + 32 + l` in its high nibble.
+/// In ggml's layout, `qs[32 c + l]` holds value `64 c + l` in its low nibble and value `64 c + 32 + l`
+/// in its high nibble. Here the same nibble holds the quant of value [`q8k_value`]`(p)` instead of
+/// value `p` (for `p` = `64 c + l` or `64 c + 32 + l`): [`BlockQ8K`]'s order, a transpose of 4-value
+/// groups, so that the low and high nibbles of bytes `32 c ..` are vectors `2 c` and `2 c + 1` of that
+/// order. [`WeightBlock::read`] and [`WeightBlock::write`] convert from and to ggml's layout (the
+/// transpose is its own inverse); the block stays the file's size.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(C)]
 pub struct BlockQ4K {
@@ -41,10 +49,26 @@ impl BlockQ4K {
     /// The 4-bit quants of sub-block `s` (0..8), in value order.
     #[inline]
     pub fn sub_block(&self, s: usize) -> [u8; 32] {
-        let bytes = &self.qs[32 * (s / 2)..32 * (s / 2) + 32];
-        let shift = 4 * (s % 2);
-        std::array::from_fn(|l| (bytes[l] >> shift) & 0x0f)
+        std::array::from_fn(|l| {
+            let p = q8k_position(32 * s + l);
+            (self.qs[32 * (p / 64) + p % 32] >> (4 * ((p / 32) % 2))) & 0x0f
+        })
     }
+}
+
+/// The nibbles of a Q4_K block (ggml's layout, see [`BlockQ4K`]) with the 8 × 8 matrix of 4-value
+/// groups transposed: group `(a, b)` (values `32 a + 4 b .. + 4`) moves to `(b, a)`. Its own inverse.
+fn transpose_groups(src: &[u8; QK_K / 2]) -> [u8; QK_K / 2] {
+    let src: [u32; 32] = words(src);
+    let mut out = [0u32; 32];
+    // Group (a, b): the 4 nibbles of word 8 (a / 2) + b, the high ones for odd a.
+    for a in 0..8 {
+        for b in 0..8 {
+            let nibbles = (src[8 * (a / 2) + b] >> (4 * (a % 2))) & 0x0f0f_0f0f;
+            out[8 * (b / 2) + a] |= nibbles << (4 * (b % 2));
+        }
+    }
+    bytes(&out)
 }
 
 impl WeightBlock for BlockQ4K {
@@ -60,7 +84,7 @@ impl WeightBlock for BlockQ4K {
             d: F16(le_u16(bytes, 0)),
             dmin: F16(le_u16(bytes, 2)),
             scales: std::array::from_fn(|i| bytes[4 + i]),
-            qs: std::array::from_fn(|i| bytes[16 + i]),
+            qs: transpose_groups(&std::array::from_fn(|i| bytes[16 + i])),
         })
     }
 
@@ -69,7 +93,7 @@ impl WeightBlock for BlockQ4K {
         out[..2].copy_from_slice(&self.d.0.to_le_bytes());
         out[2..4].copy_from_slice(&self.dmin.0.to_le_bytes());
         out[4..16].copy_from_slice(&self.scales);
-        out[16..].copy_from_slice(&self.qs);
+        out[16..].copy_from_slice(&transpose_groups(&self.qs));
     }
 
     /// As ggml's `dequantize_row_q4_K`: `(d · sc) · q - (dmin · m)`.
@@ -89,8 +113,8 @@ impl WeightBlock for BlockQ4K {
 /// Reference dot product of a Q4_K weight row with a Q8_K activation row.
 ///
 /// Per block, exactly in `i32`: lane `j` sums `sc[s] · q · y` over the activation positions `32 t + 4 j
-/// .. + 4` of every vector `t` of [`BlockQ8K`]'s order (`s` the sub-block of the value at that position),
-/// and `mins[j] = m[j] · (bsums[2j] + bsums[2j+1])`; then, with `fma(a, b, c) = a · b + c` rounded
+/// .. + 4` of every vector `t` of [`BlockQ8K`]'s order (`s` the sub-block of the value at that position,
+/// which is `j`), and `mins[j] = m[j] · (bsums[2j] + bsums[2j+1])`; then, with `fma(a, b, c) = a · b + c` rounded
 /// once, `acc[j] = fma(fma(lane[j], d, -(mins[j] · dmin)), dy, acc[j])`, and [`hsum8`] at the end.
 ///
 /// # Panics
@@ -121,47 +145,17 @@ pub fn dot_q4_k_q8_k(w: &[BlockQ4K], x: &[BlockQ8K]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
     use super::{BlockQ4K, BlockQ8K};
-    use crate::simd::avx2::{
-        chained_lanes_vnni, f16_to_f32, paired_lanes, pick_i16, shuffle, Dequantizer,
-    };
+    use crate::simd::avx2::{chained_lanes_vnni, f16_to_f32, summed_lanes, Dequantizer};
     use std::arch::x86_64::*;
 
     pub(crate) struct Q4K;
 
-    /// Pair `p` holds groups `g`, `g + 2` (g = 0, 1, 4, 5): lanes 0..2 of each half take the scale of
-    /// `g`, lanes 2..4 that of `g + 2` (`i16` scales 0..8 in both halves of the source).
-    const PICK: [[u8; 32]; 4] = {
-        const fn pair(g: u8) -> [u8; 32] {
-            let (a, b) = (g, g + 2);
-            let lanes = [a, a, a, a, b, b, b, b];
-            pick_i16(lanes, lanes)
-        }
-        [pair(0), pair(1), pair(4), pair(5)]
-    };
-
-    /// [`PICK`] with the high `i16` of every `i32` lane zeroed (a control byte with its top bit set
-    /// writes 0): the scales as [`chained_lanes_vnni`] takes them.
-    const PICK_VNNI: [[u8; 32]; 4] = {
-        let mut table = PICK;
-        let mut p = 0;
-        while p < 4 {
-            let mut b = 2;
-            while b < 32 {
-                table[p][b] = 0x80;
-                table[p][b + 1] = 0x80;
-                b += 4;
-            }
-            p += 1;
-        }
-        table
-    };
-
     pub(crate) struct Unpacked {
-        /// The nibbles as unsigned bytes in [`BlockQ8K`]'s order: vectors `2p`, `2p + 1` of pair `p`.
+        /// The nibbles as unsigned bytes: the 8 vectors of [`BlockQ8K`]'s order.
         q: [__m256i; 8],
-        /// Pair `p`'s scales: `i16` lanes `2j`, `2j + 1` hold the scale of the sub-block in lane `j`
-        /// ([`PICK`]), or lane `2j` holds it and lane `2j + 1` is 0 ([`PICK_VNNI`]).
-        sc: [__m256i; 4],
+        /// `i32` lane `j` holds the scale of sub-block `j` in both `i16` halves ([`summed_lanes`]), or
+        /// in its low `i16` with 0 in the high one ([`chained_lanes_vnni`]).
+        sc: __m256i,
         /// `i16` lanes `2k`, `2k + 1` hold min `k`.
         mins: __m256i,
         /// The super-block scales, broadcast.
@@ -174,14 +168,22 @@ pub(crate) mod avx2 {
         type Act = BlockQ8K;
         type Unpacked = Unpacked;
 
+        const ONE_ROW_FROM: usize = 2;
+
         #[inline]
         #[target_feature(enable = "avx2,f16c,fma")]
         unsafe fn unpack(block: &BlockQ4K) -> Unpacked {
-            unpack_picked(block, &PICK)
+            let (w, sc) = unpack_scales_low(block);
+            Unpacked {
+                // Each scale in both `i16` halves of its lane.
+                sc: _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16)),
+                ..w
+            }
         }
 
-        /// Exact integer lanes: a nibble times a quant is ≤ 15 · 127, so the `i16` sums of 4 products
-        /// fit, and a lane's total over the block is ≤ 63 · 32 · 15 · 127 < 2^24 (exact in f32 too).
+        /// Exact integer lanes: a nibble times a quant is ≤ 15 · 127, so the `i16` sums of the 16
+        /// products of a lane's 8 vectors fit (≤ 30480), and a lane's total is ≤ 63 · 30480 < 2^24
+        /// (exact in f32 too).
         #[inline]
         #[target_feature(enable = "avx2,f16c,fma")]
         unsafe fn accumulate(w: &Unpacked, x: &BlockQ8K, acc: __m256) -> __m256 {
@@ -191,7 +193,7 @@ pub(crate) mod avx2 {
             acc[0]
         }
 
-        /// Pair by pair through [`paired_lanes`], then each row's float arithmetic.
+        /// Row by row through [`summed_lanes`], then each row's float arithmetic.
         #[inline]
         #[target_feature(enable = "avx2,f16c,fma")]
         unsafe fn accumulate_rows<const R: usize>(
@@ -199,17 +201,18 @@ pub(crate) mod avx2 {
             x: [&BlockQ8K; R],
             acc: &mut [__m256],
         ) {
-            finish(w, paired_lanes(&w.q, &w.sc, x), x, acc);
+            finish(w, summed_lanes(&w.q, w.sc, x), x, acc);
         }
 
         /// The scales with 0 in the high `i16` of each lane, as [`chained_lanes_vnni`] takes them.
         #[inline]
         #[target_feature(enable = "avx2,f16c,fma")]
         unsafe fn unpack_vnni(block: &BlockQ4K) -> Unpacked {
-            unpack_picked(block, &PICK_VNNI)
+            let (w, sc) = unpack_scales_low(block);
+            Unpacked { sc, ..w }
         }
 
-        /// Pair by pair through [`chained_lanes_vnni`], then the float arithmetic of
+        /// Row by row through [`chained_lanes_vnni`], then the float arithmetic of
         /// [`Dequantizer::accumulate_rows`].
         #[inline]
         #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni")]
@@ -218,14 +221,15 @@ pub(crate) mod avx2 {
             x: [&BlockQ8K; R],
             acc: &mut [__m256],
         ) {
-            finish(w, chained_lanes_vnni(&w.q, &w.sc, x), x, acc);
+            finish(w, chained_lanes_vnni(&w.q, w.sc, x), x, acc);
         }
     }
 
-    /// A block in registers, with the scales arranged by `pick` ([`PICK`] or [`PICK_VNNI`]).
+    /// A block in registers, and its scales as `i32` lanes (scale `j` in lane `j`, high `i16` 0; the
+    /// returned block's `sc` is that too).
     #[inline]
     #[target_feature(enable = "avx2,f16c,fma")]
-    fn unpack_picked(block: &BlockQ4K, pick: &[[u8; 32]; 4]) -> Unpacked {
+    fn unpack_scales_low(block: &BlockQ4K) -> (Unpacked, __m256i) {
         // ggml's `get_scale_min_k4` for all 8 sub-blocks at once, on 32-bit words: afterwards bytes
         // 0..8 of `u` are the scales and bytes 8..16 the mins.
         let w = |i: usize| {
@@ -245,41 +249,26 @@ pub(crate) mod avx2 {
         let bytes = _mm_set_epi32(u3 as i32, u2n as i32, u1n as i32, u0n as i32);
         // i16 scales 0..8 in the low half, mins 0..8 in the high half.
         let sm = _mm256_cvtepu8_epi16(bytes);
-        let scales = _mm256_permute2x128_si256(sm, sm, 0x00);
+        let sc = _mm256_cvtepu16_epi32(_mm256_castsi256_si128(sm));
         let m = _mm256_extracti128_si256(sm, 1);
         let mins = _mm256_set_m128i(_mm_unpackhi_epi16(m, m), _mm_unpacklo_epi16(m, m));
-        // Bytes `32c ..` hold sub-block `2c` in their low nibbles and `2c + 1` in their high
-        // ones. Interleaving the 8-byte words of chunks `2k` and `2k + 1` puts groups `4k`, `4k + 2`
-        // (low nibbles) and `4k + 1`, `4k + 3` (high) into pairs `2k` and `2k + 1` of the order.
+        // The low and high nibbles of bytes `32 c ..` are vectors `2 c` and `2 c + 1` of the order.
         let low = _mm256_set1_epi8(0x0f);
         let mut q = [_mm256_setzero_si256(); 8];
-        for k in 0..2 {
-            // SAFETY: `block.qs` is 128 bytes; bytes 64k .. 64k + 64 are in bounds for k < 2.
-            let (v0, v1) = unsafe {
-                (
-                    _mm256_loadu_si256(block.qs.as_ptr().add(64 * k).cast()),
-                    _mm256_loadu_si256(block.qs.as_ptr().add(64 * k + 32).cast()),
-                )
-            };
-            let (a, b) = (_mm256_unpacklo_epi64(v0, v1), _mm256_unpackhi_epi64(v0, v1));
-            q[4 * k] = _mm256_and_si256(a, low);
-            q[4 * k + 1] = _mm256_and_si256(b, low);
-            q[4 * k + 2] = _mm256_and_si256(_mm256_srli_epi16(a, 4), low);
-            q[4 * k + 3] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+        for c in 0..4 {
+            // SAFETY: `block.qs` is 128 bytes; bytes 32c .. 32c + 32 are in bounds for c < 4.
+            let v = unsafe { _mm256_loadu_si256(block.qs.as_ptr().add(32 * c).cast()) };
+            q[2 * c] = _mm256_and_si256(v, low);
+            q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
         }
-        let sc = [
-            shuffle(scales, &pick[0]),
-            shuffle(scales, &pick[1]),
-            shuffle(scales, &pick[2]),
-            shuffle(scales, &pick[3]),
-        ];
-        Unpacked {
+        let unpacked = Unpacked {
             q,
             sc,
             mins,
             d: _mm256_set1_ps(f16_to_f32(block.d)),
             dmin: _mm256_set1_ps(f16_to_f32(block.dmin)),
-        }
+        };
+        (unpacked, sc)
     }
 
     /// Each row's float arithmetic on its integer lanes `l`, as the reference: the lanes scaled by `d`

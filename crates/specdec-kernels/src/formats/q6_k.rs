@@ -1,14 +1,21 @@
 //! Q6_K: 256 values in 16 sub-blocks of 16 with `i8` scales; `value = d · sc[p / 16] · (q - 32)` with `q`
 //! a 6-bit quant.
 
-use super::{hsum8, le_u16, q8k_value, BlockFormat, BlockQ8K, WeightBlock, QK_K};
+use super::{
+    bytes, hsum8, le_u16, q8k_position, q8k_value, words, BlockFormat, BlockQ8K, WeightBlock, QK_K,
+};
 use crate::f16::F16;
 
-/// A Q6_K block, byte-identical to ggml's `block_q6_K` (210 bytes).
+/// A Q6_K block: the fields and size of ggml's `block_q6_K` (210 bytes), with the quants in the
+/// kernels' order.
 ///
-/// In each half `h` of 128 values, value `32 g + l` (g in 0..4, l in 0..32) has its low 4 bits in
-/// `ql[64 h + l + 32 (g % 2)]` (low nibble for g < 2, high nibble otherwise) and its high 2 bits at bit
-/// `2 g` of `qh[32 h + l]`.
+/// In ggml's layout, in each half `h` of 128 values, value `32 g + l` (g in 0..4, l in 0..32) has its
+/// low 4 bits in `ql[64 h + l + 32 (g % 2)]` (low nibble for g < 2, high nibble otherwise) and its
+/// high 2 bits at bit `2 g` of `qh[32 h + l]`. Here the bits of value `p` in that layout hold the
+/// quant of value [`q8k_value`]`(p)`: [`BlockQ8K`]'s order, a transpose of 4-value groups, so that
+/// ggml's unpacking yields the 8 vectors of that order. [`WeightBlock::read`] and
+/// [`WeightBlock::write`] convert from and to ggml's layout (the transpose is its own inverse); the
+/// block stays the file's size.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(C)]
 pub struct BlockQ6K {
@@ -25,13 +32,36 @@ pub struct BlockQ6K {
 impl BlockQ6K {
     /// The unsigned 6-bit quants (0..64, before the offset of 32), in value order.
     pub fn quants(&self) -> [u8; QK_K] {
-        std::array::from_fn(|p| {
+        std::array::from_fn(|v| {
+            let p = q8k_position(v);
             let (h, g, l) = (p / 128, (p % 128) / 32, p % 32);
             let low = self.ql[64 * h + l + 32 * (g % 2)] >> (4 * (g / 2)) & 0x0f;
             let high = (self.qh[32 * h + l] >> (2 * g)) & 3;
             low | (high << 4)
         })
     }
+}
+
+/// The quants of a Q6_K block (ggml's layout, see [`BlockQ6K`]) with the 8 × 8 matrix of 4-value
+/// groups transposed: group `(a, b)` (values `32 a + 4 b .. + 4`) moves to `(b, a)`. Its own inverse.
+fn transpose_groups(ql: &[u8; QK_K / 2], qh: &[u8; QK_K / 4]) -> ([u8; QK_K / 2], [u8; QK_K / 4]) {
+    let ql: [u32; 32] = words(ql);
+    let qh: [u32; 16] = words(qh);
+    let (mut out_ql, mut out_qh) = ([0u32; 32], [0u32; 16]);
+    // Group (a, b), values `32 a + 4 b ..`, keeps its low bits in word `16 h + 8 (g % 2) + b` of `ql`
+    // at shift `4 (g / 2)` and its high bits in word `8 h + b` of `qh` at shift `2 g`, with
+    // `(h, g) = (a / 4, a % 4)`.
+    for a in 0..8 {
+        let (h, g) = (a / 4, a % 4);
+        for b in 0..8 {
+            let (h2, g2) = (b / 4, b % 4);
+            let low = (ql[16 * h + 8 * (g % 2) + b] >> (4 * (g / 2))) & 0x0f0f_0f0f;
+            let high = (qh[8 * h + b] >> (2 * g)) & 0x0303_0303;
+            out_ql[16 * h2 + 8 * (g2 % 2) + a] |= low << (4 * (g2 / 2));
+            out_qh[8 * h2 + a] |= high << (2 * g2);
+        }
+    }
+    (bytes(&out_ql), bytes(&out_qh))
 }
 
 impl WeightBlock for BlockQ6K {
@@ -43,9 +73,13 @@ impl WeightBlock for BlockQ6K {
         if bytes.len() != Self::BYTES {
             return None;
         }
+        let (ql, qh) = transpose_groups(
+            &std::array::from_fn(|i| bytes[i]),
+            &std::array::from_fn(|i| bytes[128 + i]),
+        );
         Some(BlockQ6K {
-            ql: std::array::from_fn(|i| bytes[i]),
-            qh: std::array::from_fn(|i| bytes[128 + i]),
+            ql,
+            qh,
             scales: std::array::from_fn(|i| bytes[192 + i] as i8),
             d: F16(le_u16(bytes, 208)),
         })
@@ -53,8 +87,9 @@ impl WeightBlock for BlockQ6K {
 
     fn write(&self, out: &mut [u8]) {
         assert_eq!(out.len(), Self::BYTES, "a Q6_K block is 210 bytes");
-        out[..128].copy_from_slice(&self.ql);
-        out[128..192].copy_from_slice(&self.qh);
+        let (ql, qh) = transpose_groups(&self.ql, &self.qh);
+        out[..128].copy_from_slice(&ql);
+        out[128..192].copy_from_slice(&qh);
         for (o, s) in out[192..208].iter_mut().zip(self.scales) {
             *o = s as u8;
         }
@@ -115,24 +150,23 @@ pub(crate) mod avx2 {
 
     pub(crate) struct Q6K;
 
-    /// Lane `j` of half `h` of pair `p` (groups `g`, `g + 2`) holds 16-value sub-block `2 (g + 2s) + h`,
-    /// `s = j / 2`. From `i16` scales 0..8 in both halves for pairs 0 and 1 (`g` = 0, 1), and from
-    /// scales 8..16 for pairs 2 and 3 (`g` = 4, 5) with the same controls.
+    /// 4-byte lane `j` of vectors 0..4 holds 16-value sub-block `2 j`, of vectors 4..8 sub-block
+    /// `2 j + 1`: their scales in both `i16` halves of the lane, from `i16` scales 0..8 in the low
+    /// half of the source and 8..16 in the high half.
     const PICK: [[u8; 32]; 2] = {
-        const fn pair(g: u8) -> [u8; 32] {
-            let (a, b) = (2 * g, 2 * g + 4);
-            pick_i16(
-                [a, a, a, a, b, b, b, b],
-                [a + 1, a + 1, a + 1, a + 1, b + 1, b + 1, b + 1, b + 1],
-            )
+        const fn sub_blocks(first: u8) -> [u8; 32] {
+            let (a, b, c, d) = (first, first + 2, first + 4, first + 6);
+            let lanes = [a, a, b, b, c, c, d, d];
+            pick_i16(lanes, lanes)
         }
-        [pair(0), pair(1)]
+        [sub_blocks(0), sub_blocks(1)]
     };
 
     pub(crate) struct Unpacked {
-        /// The unsigned 6-bit quants in [`BlockQ8K`]'s order: vectors `2p`, `2p + 1` of pair `p`.
+        /// The unsigned 6-bit quants: the 8 vectors of [`BlockQ8K`]'s order.
         q: [__m256i; 8],
-        /// Pair `p`'s scales: `i16` lanes `2j`, `2j + 1` hold the scale of the sub-block in lane `j`.
+        /// The scales of pair `p` (vectors `2 p`, `2 p + 1`): `i16` lanes `2j`, `2j + 1` hold the scale
+        /// of the sub-block in lane `j` ([`PICK`]).
         sc: [__m256i; 4],
         /// The 16 scales times 32 (the quants' offset) as `i16`.
         offset_scales: __m256i,
@@ -150,8 +184,9 @@ pub(crate) mod avx2 {
         unsafe fn unpack(block: &BlockQ6K) -> Unpacked {
             let low = _mm256_set1_epi8(0x0f);
             let high = _mm256_set1_epi8(0x30);
-            // Values `32 g .. 32 g + 32` in `v[g]`.
-            let mut v = [_mm256_setzero_si256(); 8];
+            // ggml's unpacking: "values" `32 g .. 32 g + 32` of the layout, so vector `g` of the order,
+            // in `q[g]`.
+            let mut q = [_mm256_setzero_si256(); 8];
             for h in 0..2 {
                 // SAFETY: `ql` is 128 bytes and `qh` 64; offsets 64h + 32 + 32 ≤ 128 and 32h + 32 ≤ 64.
                 let (qla, qlb, qh) = unsafe {
@@ -162,19 +197,19 @@ pub(crate) mod avx2 {
                     )
                 };
                 // Bits 2g, 2g + 1 of `qh` move to bits 4, 5; bits shifted across a byte are masked off.
-                v[4 * h] = _mm256_or_si256(
+                q[4 * h] = _mm256_or_si256(
                     _mm256_and_si256(qla, low),
                     _mm256_and_si256(_mm256_slli_epi16(qh, 4), high),
                 );
-                v[4 * h + 1] = _mm256_or_si256(
+                q[4 * h + 1] = _mm256_or_si256(
                     _mm256_and_si256(qlb, low),
                     _mm256_and_si256(_mm256_slli_epi16(qh, 2), high),
                 );
-                v[4 * h + 2] = _mm256_or_si256(
+                q[4 * h + 2] = _mm256_or_si256(
                     _mm256_and_si256(_mm256_srli_epi16(qla, 4), low),
                     _mm256_and_si256(qh, high),
                 );
-                v[4 * h + 3] = _mm256_or_si256(
+                q[4 * h + 3] = _mm256_or_si256(
                     _mm256_and_si256(_mm256_srli_epi16(qlb, 4), low),
                     _mm256_and_si256(_mm256_srli_epi16(qh, 2), high),
                 );
@@ -182,26 +217,8 @@ pub(crate) mod avx2 {
             // SAFETY: `scales` is 16 bytes, one unaligned 128-bit load.
             let scales =
                 _mm256_cvtepi8_epi16(unsafe { _mm_loadu_si128(block.scales.as_ptr().cast()) });
-            // Groups `g` and `g + 2` (g = 0, 1, 4, 5) word by word into pair `p`: 8-byte word `2h + s`
-            // of either vector is half `h` of group `g + 2s`.
-            let q = [
-                _mm256_unpacklo_epi64(v[0], v[2]),
-                _mm256_unpackhi_epi64(v[0], v[2]),
-                _mm256_unpacklo_epi64(v[1], v[3]),
-                _mm256_unpackhi_epi64(v[1], v[3]),
-                _mm256_unpacklo_epi64(v[4], v[6]),
-                _mm256_unpackhi_epi64(v[4], v[6]),
-                _mm256_unpacklo_epi64(v[5], v[7]),
-                _mm256_unpackhi_epi64(v[5], v[7]),
-            ];
-            let first = _mm256_permute2x128_si256(scales, scales, 0x00);
-            let second = _mm256_permute2x128_si256(scales, scales, 0x11);
-            let sc = [
-                shuffle(first, &PICK[0]),
-                shuffle(first, &PICK[1]),
-                shuffle(second, &PICK[0]),
-                shuffle(second, &PICK[1]),
-            ];
+            let (even, odd) = (shuffle(scales, &PICK[0]), shuffle(scales, &PICK[1]));
+            let sc = [even, even, odd, odd];
             Unpacked {
                 q,
                 sc,

@@ -7,14 +7,14 @@ use super::QK_K;
 ///
 /// # The order of the quants
 ///
-/// `qs` holds the block's 256 quants in runs of 8 consecutive values: run `r` (positions `8r .. 8r + 8`)
-/// holds values `q8k_value(8r) ..+ 8` ([`q8k_value`], inverse [`q8k_position`]). Seen as 8 vectors of 32
-/// bytes, vectors `2p` and `2p + 1` hold the same two 32-value groups `g` and `g + 2` (`g` = 0, 1, 4, 5 for
-/// `p` = 0..4) in the same 8-byte words: word `2h + s` of either vector comes from group `g + 2s`, half `h`.
-/// So every 4-byte lane of the two vectors belongs to one group (and one 16-value Q6_K sub-block), and
-/// a kernel can add the two vectors' `maddubs` products in `i16` before applying one scale per lane:
-/// one `madd` per 64 values instead of two. A Q4_K block's nibbles reach this order with two `unpack`
-/// instructions per 64 bytes, a Q6_K block's quants with two per 64 values.
+/// Seen as 8 vectors of 32 bytes, `qs` is the block's 256 quants as an 8 × 8 matrix of 4-value groups,
+/// transposed: 4-byte lane `j` of vector `t` holds values `32 j + 4 t .. + 4`
+/// ([`q8k_value`], its own inverse [`q8k_position`]). So every 4-byte lane of all 8 vectors belongs
+/// to one 32-value group (Q4_K sub-block `j`), and lane `j` of vectors 0..4 and 4..8 to one 16-value
+/// Q6_K sub-block each (`2 j` and `2 j + 1`). A kernel can add the `maddubs` products of all 8 vectors
+/// of a Q4_K block in `i16` (two of a Q6_K block) before applying one scale per lane. The K-quant
+/// weight blocks store their quants in the same order ([`crate::formats::BlockQ4K`],
+/// [`crate::formats::BlockQ6K`]), so a dot product is position by position, with no shuffle.
 ///
 /// The quants come first and the block is aligned to 32 bytes (320 bytes in all), so that no 32-byte
 /// vector of quants straddles two cache lines.
@@ -29,30 +29,23 @@ pub struct BlockQ8K {
     pub d: f32,
 }
 
-/// The value (0..256) whose quant is at position `i` of [`BlockQ8K::qs`].
+/// The value (0..256) whose quant is at position `i` of [`BlockQ8K::qs`]: position `32 t + 4 j + b`
+/// holds value `32 j + 4 t + b` (the transpose of 4-value groups; see [`BlockQ8K`]).
 ///
 /// # Panics
 /// If `i >= 256`.
 pub const fn q8k_value(i: usize) -> usize {
     assert!(i < QK_K, "a Q8_K block holds 256 values");
-    let (t, word, b) = (i / 32, (i % 32) / 8, i % 8);
-    let (p, e) = (t / 2, t % 2); // the vector pair and the vector within it
-    let (h, s) = (word / 2, word % 2); // the half of the group and which group of the pair
-    let g = 4 * (p / 2) + p % 2 + 2 * s;
-    32 * g + 16 * h + 8 * e + b
+    32 * ((i % 32) / 4) + 4 * (i / 32) + i % 4
 }
 
-/// The position in [`BlockQ8K::qs`] of value `v` (0..256): the inverse of [`q8k_value`].
+/// The position in [`BlockQ8K::qs`] of value `v` (0..256): the inverse of [`q8k_value`], which is its
+/// own inverse.
 ///
 /// # Panics
 /// If `v >= 256`.
 pub const fn q8k_position(v: usize) -> usize {
-    assert!(v < QK_K, "a Q8_K block holds 256 values");
-    let (g, h, e, b) = (v / 32, (v % 32) / 16, (v % 16) / 8, v % 8);
-    let s = (g / 2) % 2;
-    let first = g - 2 * s; // 0, 1, 4 or 5
-    let p = 2 * (first / 4) + first % 2;
-    32 * (2 * p + e) + 8 * (2 * h + s) + b
+    q8k_value(v)
 }
 
 /// ggml's `nearest_int`: round to nearest, ties to even, through the float adder (valid for
@@ -88,20 +81,21 @@ pub fn quantize_row_q8_k(x: &[f32], out: &mut [BlockQ8K]) {
             continue;
         }
         let iscale = -127.0 / max;
-        for (r, run) in block.qs.chunks_exact_mut(8).enumerate() {
-            let v = q8k_value(8 * r);
-            for (q, &v) in run.iter_mut().zip(&x[v..v + 8]) {
+        for (g, group) in block.qs.chunks_exact_mut(4).enumerate() {
+            let v = q8k_value(4 * g);
+            for (q, &v) in group.iter_mut().zip(&x[v..v + 4]) {
                 // nearest_int(iscale · v) ≥ -127 since |iscale · v| ≤ 127 up to rounding; min caps
                 // the top.
                 *q = nearest_int(iscale * v).min(127) as i8;
             }
         }
         for (i, sum) in block.bsums.iter_mut().enumerate() {
-            // Two runs of 8 values of magnitude ≤ 127: |sum| ≤ 2032.
-            let (a, b) = (q8k_position(16 * i), q8k_position(16 * i + 8));
-            *sum = block.qs[a..a + 8]
-                .iter()
-                .chain(&block.qs[b..b + 8])
+            // Four groups of 4 values of magnitude ≤ 127: |sum| ≤ 2032.
+            *sum = (0..4)
+                .flat_map(|g| {
+                    let p = q8k_position(16 * i + 4 * g);
+                    &block.qs[p..p + 4]
+                })
                 .map(|&q| i16::from(q))
                 .sum();
         }
@@ -177,19 +171,20 @@ mod tests {
     }
 
     #[test]
-    fn the_order_is_a_permutation_of_8_value_runs_with_one_group_per_lane() {
+    fn the_order_is_a_transpose_of_4_value_groups_with_one_sub_block_per_lane() {
         let mut seen = [false; QK_K];
         for i in 0..QK_K {
             let v = q8k_value(i);
             assert!(!seen[v], "value {v} twice");
             seen[v] = true;
             assert_eq!(q8k_position(v), i);
-            // Runs of 8 consecutive values.
-            assert_eq!(v % 8, i % 8);
-            // Both vectors of a pair put the same 32-value group (so the same 16-value sub-block) in
-            // each 4-byte lane.
-            let twin = i ^ 32;
-            assert_eq!(q8k_value(twin) / 16, v / 16, "position {i}");
+            // Groups of 4 consecutive values.
+            assert_eq!(v % 4, i % 4);
+            // Lane `j` of every vector holds Q4_K sub-block `j`; of vectors 0..4 Q6_K sub-block
+            // `2 j`, of vectors 4..8 sub-block `2 j + 1`.
+            let (t, j) = (i / 32, (i % 32) / 4);
+            assert_eq!(v / 32, j, "position {i}");
+            assert_eq!(v / 16, 2 * j + t / 4, "position {i}");
         }
     }
 

@@ -474,13 +474,14 @@ pub(crate) mod avx2 {
                 out: super::Out,
             ) {
                 assert_eq!(x.len(), N * nb, "a pass holds N rows of nb blocks");
-                // Up to 4 rows go together, each unpacked vector loaded once for all of them, and 5 rows as
-                // 3 + 2. From `D::ONE_ROW_FROM` rows (6 unless a format says otherwise; Q4_K, whose
-                // rows need 9 registers beside the unpacked block, from 2 rows), one row at a time with the unpacked block in registers, in a loop
-                // kept rolled (`black_box` hides the constant): unrolled, the rows interleave and spill to the
-                // stack. Measured with `examples/step_time.rs` on the 1.5B target: blocks of 5, 6, 8 and 12
-                // tokens 8-15% faster than groups of 4 rows (and 6, 7, 8 rows as 3 + 3, 4 + 3, 4 + 4 slower
-                // than one at a time by 4-14%); 2-4 rows together as fast as before.
+                // Up to 4 rows go together, each unpacked vector loaded once for all of them, and 5
+                // rows as 3 + 2. From `D::ONE_ROW_FROM` rows (6 unless a format says otherwise;
+                // Q4_K from 2 rows, measured with `examples/rcurve.rs`), one row at a time with the
+                // unpacked block in registers, in a loop kept rolled (`black_box` hides the
+                // constant): unrolled, the rows interleave and spill to the stack. Measured with
+                // `examples/step_time.rs` on the 1.5B target: blocks of 5, 6, 8 and 12 tokens 8-15%
+                // faster than groups of 4 rows (and 6, 7, 8 rows as 3 + 3, 4 + 3, 4 + 4 slower than
+                // one at a time by 4-14%); 2-4 rows together as fast as before.
                 let rows = std::hint::black_box(N);
                 for (c, wrow) in w.chunks_exact(nb).enumerate() {
                     let mut acc = [_mm256_setzero_ps(); N];

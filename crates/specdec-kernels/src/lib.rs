@@ -62,6 +62,11 @@ pub use matrix::{matmul, QMatrix, QuantizedActivations, Weights};
 pub use pool::ThreadPool;
 pub use simd::MAX_PASS_ROWS;
 
+/// The kernels' revision, raised whenever a change moves their speed (r(m), a step's time): a saved
+/// cost calibration names it, so a new revision is calibrated afresh instead of starting from costs
+/// measured on the old kernels. 23: the transposed K-quant order (stop 23).
+pub const REVISION: u32 = 23;
+
 /// Everything that can go wrong in this crate: shapes and levels, never arithmetic.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum KernelError {

@@ -114,16 +114,18 @@ fn sanitize(s: &str) -> String {
         .collect()
 }
 
-/// Where the calibration of these models on this machine lives; `draft` is the file and how it was
-/// prepared at load ([`crate::engine::draft_variant`]).
+/// Where the calibration of these models on this machine and kernels lives (the kernel level and
+/// [`specdec_kernels::REVISION`]); `draft` is the file and how it was prepared at load
+/// ([`crate::engine::draft_variant`]).
 pub fn path(target: &Path, draft: Option<(&Path, &str)>, threads: usize) -> PathBuf {
     let name = format!(
-        "{}__{}__{}__{}t__{}.json",
+        "{}__{}__{}__{}t__{}-r{}.json",
         file_key(target),
         draft.map_or_else(|| "none".into(), |(p, v)| format!("{}-{v}", file_key(p))),
         cpu_model(),
         threads,
-        specdec_kernels::Kernels::get().level().name()
+        specdec_kernels::Kernels::get().level().name(),
+        specdec_kernels::REVISION
     );
     home().join("calibration").join(sanitize(&name))
 }

@@ -14,7 +14,8 @@ r(m) target steps:
 - `measured`: the bench's own per-prompt speedup of each other mode in the file.
 
 Speedups are medians over prompts of (tokens / target steps), as the bench's `speedup` column is.
-Usage: python3 scripts/lookup_ceiling.py BENCH.json
+Usage: python3 scripts/lookup_ceiling.py BENCH.json [R1 R2 ... R16]
+(the optional 16 numbers replace the file's r(m), e.g. with a `bench --cost-curve` of the same session).
 """
 
 import json
@@ -50,6 +51,10 @@ def propose(ctx, max_len):
 def main():
     data = json.load(open(sys.argv[1]))
     r = data["calibration"]["r"]
+    if len(sys.argv) > 2:
+        r = [float(v) for v in sys.argv[2:]]
+        if len(r) != 16:
+            sys.exit("give r(m) for m = 1..16: 16 numbers")
     ar = [x for x in data["records"] if x["mode"] == "ar"]
     if not ar or "output_tokens" not in ar[0]:
         sys.exit("no token ids in this file: rerun `specdec bench ... --json FILE` (ar records carry them)")

@@ -52,7 +52,10 @@ def main():
     data = json.load(open(sys.argv[1]))
     r = data["calibration"]["r"]
     if len(sys.argv) > 2:
-        r = [float(v) for v in sys.argv[2:]]
+        try:
+            r = [float(v) for v in sys.argv[2:]]
+        except ValueError:
+            sys.exit("r(m) must be numbers")
         if len(r) != 16:
             sys.exit("give r(m) for m = 1..16: 16 numbers")
     ar = [x for x in data["records"] if x["mode"] == "ar"]

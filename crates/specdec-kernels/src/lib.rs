@@ -6,8 +6,9 @@
 //! activation rows. Row-by-row kernels stream every weight block `m` times; [`Kernels::matmul`] unpacks
 //! each weight block once per pass of up to 16 rows and dots it against all of them.
 //!
-//! - [`formats`]: ggml's `block_q8_0`, `block_q4_0`, `block_q5_0`, `block_q4_K` and `block_q6_K`
-//!   byte-for-byte and `block_q8_K` with its quants interleaved for the kernels, their dequantisation,
+//! - [`formats`]: ggml's `block_q8_0`, `block_q4_0` and `block_q5_0` byte-for-byte, `block_q4_K`,
+//!   `block_q6_K` and `block_q8_K` with their fields and sizes but the quants in a transposed order
+//!   for the kernels (weights repacked when read from a file's bytes), their dequantisation,
 //!   activation quantisation ([`quantize_row_q8_k`], [`quantize_row_q8_0`], exactly ggml's `_ref`
 //!   functions) and the scalar reference dot products.
 //! - [`Kernels`]: the matmul at a [`CpuLevel`] (portable scalar, AVX2 with F16C and FMA, and AVX2 with

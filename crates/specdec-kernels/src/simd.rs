@@ -184,7 +184,8 @@ pub(crate) mod avx2 {
         type Unpacked;
 
         /// From how many activation rows on the multi-row loop passes one row at a time over a
-        /// block unpacked into registers, instead of up to 4 rows together.
+        /// block unpacked into registers, instead of up to 4 rows together (5 as 3 + 2): at most 6,
+        /// since from 6 rows on every format goes one row at a time.
         const ONE_ROW_FROM: usize = 6;
 
         /// # Safety
@@ -263,9 +264,9 @@ pub(crate) mod avx2 {
     /// The integer lanes of `R` Q8_K activation blocks against a Q6_K block unpacked into
     /// [`crate::formats::BlockQ8K`]'s order: 8 vectors `q[t]` of 32 unsigned quants, in 4 pairs
     /// (vectors `2p`, `2p + 1`) whose two vectors hold the same 16-value sub-block in each 4-byte lane,
-    /// with pair `p`'s per-lane scales in `sc[p]`. Per pair and row: two `maddubs`, their sum in `i16`, one `madd` by the scales, and the
-    /// sum over pairs in `i32`. The format bounds the values so that every sum is exact, so the order
-    /// of summation cannot change a result.
+    /// with pair `p`'s per-lane scales in `sc[p]`. Per pair and row: two `maddubs`, their sum in
+    /// `i16`, one `madd` by the scales, and the sum over pairs in `i32`. The format bounds the values
+    /// so that every sum is exact, so the order of summation cannot change a result.
     #[inline]
     #[target_feature(enable = "avx2,f16c,fma")]
     pub(crate) fn paired_lanes<const R: usize>(

@@ -1,5 +1,5 @@
-//! Block layouts are ggml's byte for byte (the K-quants' quants in the kernels' order), and
-//! dequantisation follows ggml's definitions.
+//! Block layouts have ggml's fields and sizes (byte for byte but for the K-quants' quants, kept in the
+//! kernels' order), and dequantisation follows ggml's definitions.
 
 mod common;
 

@@ -152,7 +152,11 @@ pub fn save(loaded: &Loaded, cal: &Calibration) -> Result<PathBuf> {
         draft: loaded.draft_path.as_ref().map(|p| p.display().to_string()),
         cpu: cpu_model(),
         threads: loaded.threads,
-        kernels: specdec_kernels::Kernels::get().level().name().into(),
+        kernels: format!(
+            "{}-r{}",
+            specdec_kernels::Kernels::get().level().name(),
+            specdec_kernels::REVISION
+        ),
         calibration: cal.clone(),
     };
     let tmp = p.with_extension("partial");

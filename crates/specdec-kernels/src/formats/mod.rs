@@ -1,28 +1,31 @@
 //! GGUF block formats: the byte layouts, dequantisation and the scalar reference dot products.
 //!
 //! One module per format. Each weight block type is `#[repr(C)]` with the exact size and field order of
-//! ggml's `block_*` struct, so a tensor's bytes from a GGUF file are an array of these blocks.
+//! ggml's `block_*` struct. The 32-value formats' bytes are the file's; the K-quants (Q4_K, Q6_K) keep
+//! their quants in the kernels' order (see [`BlockQ8K`]), so a tensor's bytes become blocks only
+//! through [`WeightBlock::read`], which repacks them (and [`WeightBlock::write`] gives them back).
 //!
 //! # The reference arithmetic
 //!
 //! Every dot product here has a fixed shape, chosen so that a SIMD kernel can reproduce it bit for bit.
 //! Integer products are always summed *exactly* in `i32`, so only the float operations need a fixed
-//! order, and those are a multiply then an add, never fused:
+//! order (fused multiply-adds, `f32::mul_add` in the references, where the formats say so):
 //!
 //! - **K-quants** (Q4_K, Q6_K): within a block the products go into 8 lanes (lane `j` takes the
 //!   products at positions `32t + 4j .. 32t + 4j + 4` of every 32-byte vector `t` of the activation
-//!   block, whose quants are stored in the interleaved order described at [`BlockQ8K`], each with
-//!   its sub-block's integer scale applied); each lane is converted to `f32`, multiplied by the
-//!   block's combined float scale and added to a per-lane `f32` accumulator, and after the last block
-//!   the 8 accumulators are summed by [`hsum8`]'s fixed tree.
+//!   block, whose quants are stored in the transposed order described at [`BlockQ8K`], each with
+//!   its sub-block's integer scale applied); each lane is converted to `f32` and folded into a
+//!   per-lane `f32` accumulator with the block's float scales in a fixed sequence of fused
+//!   multiply-adds, and after the last block the 8 accumulators are summed by [`hsum8`]'s fixed tree.
 //! - **32-value formats** (Q8_0, Q4_0, Q5_0): a block's 32 products are summed into one `i32`, which
 //!   is converted to `f32`, multiplied by `d_w · d_x` and added to a single `f32` accumulator, block
 //!   after block. With one number per block, a kernel can compute 8 weight rows side by side in the
 //!   8 lanes of a vector, so the float work and the scale conversion are shared by 8 rows.
 //!
 //! The AVX2 kernels produce the same integers with `maddubs`/`madd` and the same float operations, so
-//! every CPU level returns identical bits. (For the K-quants they add two vectors' `maddubs` results
-//! in `i16` before one `madd` by the scales, which the interleaved activation order makes possible.)
+//! every CPU level returns identical bits. (For the K-quants they add several vectors' `maddubs`
+//! results in `i16` before one `madd` by the scales, all 8 of a Q4_K block and two of a Q6_K block,
+//! which the transposed order makes possible.)
 //!
 //! This is llama.cpp's arithmetic up to the grouping of the float operations: ggml's own scalar and
 //! AVX2 dot products already differ from each other in that grouping (and in FMA use), so llama.cpp
@@ -206,6 +209,7 @@ pub(crate) fn le_u16(bytes: &[u8], at: usize) -> u16 {
 
 /// Little-endian 32-bit words of `B` bytes (`W = B / 4`).
 pub(crate) fn words<const B: usize, const W: usize>(bytes: &[u8; B]) -> [u32; W] {
+    const { assert!(B == 4 * W, "4 bytes per word") };
     std::array::from_fn(|i| {
         u32::from_le_bytes([
             bytes[4 * i],
@@ -218,5 +222,6 @@ pub(crate) fn words<const B: usize, const W: usize>(bytes: &[u8; B]) -> [u32; W]
 
 /// The bytes of little-endian 32-bit words (`B = 4 W`).
 pub(crate) fn bytes<const W: usize, const B: usize>(words: &[u32; W]) -> [u8; B] {
+    const { assert!(B == 4 * W, "4 bytes per word") };
     std::array::from_fn(|i| words[i / 4].to_le_bytes()[i % 4])
 }

@@ -24,7 +24,8 @@ pub struct BlockQ4K {
     pub dmin: F16,
     /// Eight 6-bit scales and eight 6-bit mins, packed as ggml's `get_scale_min_k4` reads them.
     pub scales: [u8; 12],
-    /// Nibbles.
+    /// Nibbles, in the kernels' order (not the file's: build blocks from a file's bytes with
+    /// [`WeightBlock::read`]).
     pub qs: [u8; QK_K / 2],
 }
 
@@ -182,7 +183,7 @@ pub(crate) mod avx2 {
         }
 
         /// Exact integer lanes: a nibble times a quant is ≤ 15 · 127, so the `i16` sums of the 16
-        /// products of a lane's 8 vectors fit (≤ 30480), and a lane's total is ≤ 63 · 30480 < 2^24
+        /// products of a lane's 8 vectors fit (≤ 30480), and a lane's total is ≤ 2 · 63 · 30480 < 2^24
         /// (exact in f32 too).
         #[inline]
         #[target_feature(enable = "avx2,f16c,fma")]

@@ -19,9 +19,10 @@ use crate::f16::F16;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(C)]
 pub struct BlockQ6K {
-    /// Low 4 bits of the quants.
+    /// Low 4 bits of the quants, in the kernels' order (not the file's: build blocks from a file's
+    /// bytes with [`WeightBlock::read`]).
     pub ql: [u8; QK_K / 2],
-    /// High 2 bits of the quants.
+    /// High 2 bits of the quants, in the same order.
     pub qh: [u8; QK_K / 4],
     /// Scales of the 16 sub-blocks.
     pub scales: [i8; QK_K / 16],

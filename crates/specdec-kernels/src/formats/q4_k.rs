@@ -174,12 +174,10 @@ pub(crate) mod avx2 {
         #[inline]
         #[target_feature(enable = "avx2,f16c,fma")]
         unsafe fn unpack(block: &BlockQ4K) -> Unpacked {
-            let (w, sc) = unpack_scales_low(block);
-            Unpacked {
-                // Each scale in both `i16` halves of its lane.
-                sc: _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16)),
-                ..w
-            }
+            let w = unpack_vnni_scales(block);
+            // Each scale in both `i16` halves of its lane.
+            let sc = _mm256_or_si256(w.sc, _mm256_slli_epi32(w.sc, 16));
+            Unpacked { sc, ..w }
         }
 
         /// Exact integer lanes: a nibble times a quant is ≤ 15 · 127, so the `i16` sums of the 16
@@ -209,8 +207,7 @@ pub(crate) mod avx2 {
         #[inline]
         #[target_feature(enable = "avx2,f16c,fma")]
         unsafe fn unpack_vnni(block: &BlockQ4K) -> Unpacked {
-            let (w, sc) = unpack_scales_low(block);
-            Unpacked { sc, ..w }
+            unpack_vnni_scales(block)
         }
 
         /// Row by row through [`chained_lanes_vnni`], then the float arithmetic of
@@ -226,11 +223,11 @@ pub(crate) mod avx2 {
         }
     }
 
-    /// A block in registers, and its scales as `i32` lanes (scale `j` in lane `j`, high `i16` 0; the
-    /// returned block's `sc` is that too).
+    /// A block in registers, with its scales as [`chained_lanes_vnni`] takes them: scale `j` in the
+    /// low `i16` of `i32` lane `j`, 0 in the high one.
     #[inline]
     #[target_feature(enable = "avx2,f16c,fma")]
-    fn unpack_scales_low(block: &BlockQ4K) -> (Unpacked, __m256i) {
+    fn unpack_vnni_scales(block: &BlockQ4K) -> Unpacked {
         // ggml's `get_scale_min_k4` for all 8 sub-blocks at once, on 32-bit words: afterwards bytes
         // 0..8 of `u` are the scales and bytes 8..16 the mins.
         let w = |i: usize| {
@@ -262,14 +259,13 @@ pub(crate) mod avx2 {
             q[2 * c] = _mm256_and_si256(v, low);
             q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
         }
-        let unpacked = Unpacked {
+        Unpacked {
             q,
             sc,
             mins,
             d: _mm256_set1_ps(f16_to_f32(block.d)),
             dmin: _mm256_set1_ps(f16_to_f32(block.dmin)),
-        };
-        (unpacked, sc)
+        }
     }
 
     /// Each row's float arithmetic on its integer lanes `l`, as the reference: the lanes scaled by `d`

@@ -241,11 +241,13 @@ pub(crate) mod avx2 {
 
     /// `lanes[r]` folded over the 4 pairs of vectors of `R` activation blocks: `$fold(lane, q0, q1,
     /// y0, y1, sc)` with a pair's two unpacked weight vectors, the row's two activation vectors and the
-    /// pair's scales. Each unpacked vector is loaded once for all `R` rows.
+    /// pair's scales (`$sc[0]` for pairs 0 and 1, `$sc[1]` for pairs 2 and 3). Each unpacked vector
+    /// is loaded once for all `R` rows.
     macro_rules! fold_pairs {
         ($q:expr, $sc:expr, $x:expr, $fold:expr) => {{
             let mut lanes = [_mm256_setzero_si256(); R];
-            for (p, &sc) in $sc.iter().enumerate() {
+            for p in 0..4 {
+                let sc = $sc[p / 2];
                 for (l, x) in lanes.iter_mut().zip($x) {
                     // SAFETY: `x.qs` is 256 bytes; bytes 64p .. 64p + 64 are in bounds for p < 4.
                     let (y0, y1) = unsafe {
@@ -264,14 +266,15 @@ pub(crate) mod avx2 {
     /// The integer lanes of `R` Q8_K activation blocks against a Q6_K block unpacked into
     /// [`crate::formats::BlockQ8K`]'s order: 8 vectors `q[t]` of 32 unsigned quants, in 4 pairs
     /// (vectors `2p`, `2p + 1`) whose two vectors hold the same 16-value sub-block in each 4-byte lane,
-    /// with pair `p`'s per-lane scales in `sc[p]`. Per pair and row: two `maddubs`, their sum in
-    /// `i16`, one `madd` by the scales, and the sum over pairs in `i32`. The format bounds the values
-    /// so that every sum is exact, so the order of summation cannot change a result.
+    /// with the per-lane scales of vectors 0..4 in `sc[0]` and of vectors 4..8 in `sc[1]`. Per pair
+    /// and row: two `maddubs`, their sum in `i16`, one `madd` by the scales, and the sum over pairs in
+    /// `i32`. The format bounds the values so that every sum is exact, so the order of summation
+    /// cannot change a result.
     #[inline]
     #[target_feature(enable = "avx2,f16c,fma")]
     pub(crate) fn paired_lanes<const R: usize>(
         q: &[__m256i; 8],
-        sc: &[__m256i; 4],
+        sc: &[__m256i; 2],
         x: [&crate::formats::BlockQ8K; R],
     ) -> [__m256i; R] {
         fold_pairs!(q, sc, x, |l, q0, q1, y0, y1, sc| {
@@ -286,7 +289,7 @@ pub(crate) mod avx2 {
     #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni")]
     pub(crate) fn paired_lanes_vnni<const R: usize>(
         q: &[__m256i; 8],
-        sc: &[__m256i; 4],
+        sc: &[__m256i; 2],
         x: [&crate::formats::BlockQ8K; R],
     ) -> [__m256i; R] {
         fold_pairs!(q, sc, x, |l, q0, q1, y0, y1, sc| {

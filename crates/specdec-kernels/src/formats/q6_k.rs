@@ -166,9 +166,9 @@ pub(crate) mod avx2 {
     pub(crate) struct Unpacked {
         /// The unsigned 6-bit quants: the 8 vectors of [`BlockQ8K`]'s order.
         q: [__m256i; 8],
-        /// The scales of pair `p` (vectors `2 p`, `2 p + 1`): `i16` lanes `2j`, `2j + 1` hold the scale
-        /// of the sub-block in lane `j` ([`PICK`]).
-        sc: [__m256i; 4],
+        /// The scales of vectors 0..4 and of vectors 4..8: `i16` lanes `2j`, `2j + 1` hold the scale of
+        /// the sub-block in lane `j` ([`PICK`]).
+        sc: [__m256i; 2],
         /// The 16 scales times 32 (the quants' offset) as `i16`.
         offset_scales: __m256i,
         /// The super-block scale, broadcast.
@@ -218,8 +218,7 @@ pub(crate) mod avx2 {
             // SAFETY: `scales` is 16 bytes, one unaligned 128-bit load.
             let scales =
                 _mm256_cvtepi8_epi16(unsafe { _mm_loadu_si128(block.scales.as_ptr().cast()) });
-            let (even, odd) = (shuffle(scales, &PICK[0]), shuffle(scales, &PICK[1]));
-            let sc = [even, even, odd, odd];
+            let sc = [shuffle(scales, &PICK[0]), shuffle(scales, &PICK[1])];
             Unpacked {
                 q,
                 sc,

@@ -56,8 +56,8 @@ pub use f16::F16;
 pub use formats::{
     dequantize_row, dot_q4_0_q8_0, dot_q4_k_q8_k, dot_q5_0_q8_0, dot_q6_k_q8_k, dot_q8_0_q8_0,
     hsum8, q8k_position, q8k_value, quantize_row_q8_0, quantize_row_q8_k, ActQ8_0,
-    ActivationFormat, BlockFormat, BlockQ4K, BlockQ4_0, BlockQ5_0, BlockQ6K, BlockQ8K, BlockQ8_0,
-    WeightBlock,
+    ActivationFormat, BlockFormat, BlockQ4K, BlockQ4_0, BlockQ4_0x8, BlockQ5_0, BlockQ5_0x8,
+    BlockQ6K, BlockQ8K, BlockQ8_0, Interleaved, WeightBlock, GROUP_ROWS,
 };
 pub use matrix::{matmul, QMatrix, QuantizedActivations, Weights};
 pub use pool::ThreadPool;
@@ -65,8 +65,9 @@ pub use simd::MAX_PASS_ROWS;
 
 /// The kernels' revision, raised whenever a change moves their speed (r(m), a step's time): a saved
 /// cost calibration names it, so a new revision is calibrated afresh instead of starting from costs
-/// measured on the old kernels. 23: the transposed K-quant order (stop 23).
-pub const REVISION: u32 = 23;
+/// measured on the old kernels. 23: the transposed K-quant order (stop 23); 24: Q4_0 and Q5_0 with
+/// 8 weight rows interleaved (stop 24).
+pub const REVISION: u32 = 24;
 
 /// Everything that can go wrong in this crate: shapes and levels, never arithmetic.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -96,6 +97,12 @@ pub enum KernelError {
         expected: usize,
         /// Blocks given.
         actual: usize,
+    },
+    /// Interleaved blocks for a row count that is not a multiple of the group's 8 rows.
+    #[error("{rows} rows cannot be interleaved in groups of 8")]
+    RaggedGroups {
+        /// Weight rows.
+        rows: usize,
     },
     /// The tensor bytes do not match the shape.
     #[error("expected {expected} bytes, got {actual}")]

@@ -2,23 +2,30 @@
 
 use crate::dispatch::Kernels;
 use crate::formats::{
-    dequantize_row, quantize_row_q8_0, quantize_row_q8_k, ActQ8_0, ActivationFormat, BlockFormat,
-    BlockQ4K, BlockQ4_0, BlockQ5_0, BlockQ6K, BlockQ8K, BlockQ8_0, WeightBlock,
+    dequantize_row, interleave_rows, quantize_row_q8_0, quantize_row_q8_k, ActQ8_0,
+    ActivationFormat, BlockFormat, BlockQ4K, BlockQ4_0, BlockQ4_0x8, BlockQ5_0, BlockQ5_0x8,
+    BlockQ6K, BlockQ8K, BlockQ8_0, Interleaved, WeightBlock, GROUP_ROWS,
 };
 use crate::pool::ThreadPool;
-use crate::simd::{self, pass, Out, MAX_PASS_ROWS};
+use crate::simd::{self, pass, pass_groups, Out, Window, MAX_PASS_ROWS};
 use crate::KernelError;
 use std::ops::Range;
 
-/// The blocks of a weight matrix, row-major (row `n` is blocks `n · cols / block_len ..`).
+/// The blocks of a weight matrix, row-major (row `n` is blocks `n · cols / block_len ..`), or for the
+/// interleaved variants group-major (group `g · nb + b` is block `b` of rows `8g .. 8g + 8`, with `nb`
+/// blocks per row).
 #[derive(Clone, Debug, PartialEq)]
 pub enum Weights {
     /// Q8_0 blocks.
     Q8_0(Vec<BlockQ8_0>),
-    /// Q4_0 blocks.
+    /// Q4_0 blocks ([`QMatrix::from_blocks`] interleaves them when the rows are a multiple of 8).
     Q4_0(Vec<BlockQ4_0>),
-    /// Q5_0 blocks.
+    /// Q4_0 blocks of 8 rows interleaved.
+    Q4_0x8(Vec<BlockQ4_0x8>),
+    /// Q5_0 blocks ([`QMatrix::from_blocks`] interleaves them when the rows are a multiple of 8).
     Q5_0(Vec<BlockQ5_0>),
+    /// Q5_0 blocks of 8 rows interleaved.
+    Q5_0x8(Vec<BlockQ5_0x8>),
     /// Q4_K blocks.
     Q4K(Vec<BlockQ4K>),
     /// Q6_K blocks.
@@ -30,18 +37,21 @@ impl Weights {
     pub fn format(&self) -> BlockFormat {
         match self {
             Weights::Q8_0(_) => BlockFormat::Q8_0,
-            Weights::Q4_0(_) => BlockFormat::Q4_0,
-            Weights::Q5_0(_) => BlockFormat::Q5_0,
+            Weights::Q4_0(_) | Weights::Q4_0x8(_) => BlockFormat::Q4_0,
+            Weights::Q5_0(_) | Weights::Q5_0x8(_) => BlockFormat::Q5_0,
             Weights::Q4K(_) => BlockFormat::Q4K,
             Weights::Q6K(_) => BlockFormat::Q6K,
         }
     }
 
+    /// The number of blocks (8 per group of the interleaved variants).
     fn len(&self) -> usize {
         match self {
             Weights::Q8_0(b) => b.len(),
             Weights::Q4_0(b) => b.len(),
+            Weights::Q4_0x8(g) => GROUP_ROWS * g.len(),
             Weights::Q5_0(b) => b.len(),
+            Weights::Q5_0x8(g) => GROUP_ROWS * g.len(),
             Weights::Q4K(b) => b.len(),
             Weights::Q6K(b) => b.len(),
         }
@@ -74,19 +84,31 @@ fn read_blocks<B: WeightBlock>(bytes: &[u8]) -> Vec<B> {
 }
 
 impl QMatrix {
-    /// A matrix from its blocks.
+    /// A matrix from its blocks. Q4_0 and Q5_0 blocks are interleaved in groups of 8 rows
+    /// ([`BlockQ4_0x8`], [`BlockQ5_0x8`]) when `rows` is a multiple of 8.
     ///
     /// # Errors
     /// [`KernelError::RaggedRow`] if `cols` is not a multiple of the block length,
-    /// [`KernelError::BlockCount`] if there are not `rows · cols / block_len` blocks.
+    /// [`KernelError::BlockCount`] if there are not `rows · cols / block_len` blocks,
+    /// [`KernelError::RaggedGroups`] for interleaved blocks if `rows` is not a multiple of 8.
     pub fn from_blocks(rows: usize, cols: usize, weights: Weights) -> Result<QMatrix, KernelError> {
-        let expected = rows * blocks_per_row(weights.format(), cols)?;
+        let nb = blocks_per_row(weights.format(), cols)?;
+        let expected = rows * nb;
         if weights.len() != expected {
             return Err(KernelError::BlockCount {
                 expected,
                 actual: weights.len(),
             });
         }
+        let grouped = rows.is_multiple_of(GROUP_ROWS);
+        let weights = match weights {
+            Weights::Q4_0x8(_) | Weights::Q5_0x8(_) if !grouped => {
+                return Err(KernelError::RaggedGroups { rows });
+            }
+            Weights::Q4_0(b) if grouped && nb > 0 => Weights::Q4_0x8(interleave_rows(&b, nb)),
+            Weights::Q5_0(b) if grouped && nb > 0 => Weights::Q5_0x8(interleave_rows(&b, nb)),
+            weights => weights,
+        };
         Ok(QMatrix {
             rows,
             cols,
@@ -153,14 +175,36 @@ impl QMatrix {
     /// If `n >= rows` or `out.len() != cols`.
     pub fn dequantize_row(&self, n: usize, out: &mut [f32]) {
         assert!(n < self.rows, "row {n} out of {}", self.rows);
+        match self.row_weights(n) {
+            Weights::Q8_0(b) => dequantize_row(&b, out),
+            Weights::Q4_0(b) => dequantize_row(&b, out),
+            Weights::Q5_0(b) => dequantize_row(&b, out),
+            Weights::Q4K(b) => dequantize_row(&b, out),
+            Weights::Q6K(b) => dequantize_row(&b, out),
+            // `row_weights` gives back plain blocks.
+            Weights::Q4_0x8(_) | Weights::Q5_0x8(_) => {}
+        }
+    }
+
+    /// Row `n`'s blocks as the file stores them (taken back out of their groups for the interleaved
+    /// variants).
+    ///
+    /// # Panics
+    /// If `n >= self.rows()`.
+    pub fn row_weights(&self, n: usize) -> Weights {
+        assert!(n < self.rows, "row {n} out of {}", self.rows);
         let nb = self.cols / self.format().block_len();
         let blocks = n * nb..(n + 1) * nb;
+        let (g, k) = (n / GROUP_ROWS, n % GROUP_ROWS);
+        let groups = g * nb..(g + 1) * nb;
         match &self.weights {
-            Weights::Q8_0(b) => dequantize_row(&b[blocks], out),
-            Weights::Q4_0(b) => dequantize_row(&b[blocks], out),
-            Weights::Q5_0(b) => dequantize_row(&b[blocks], out),
-            Weights::Q4K(b) => dequantize_row(&b[blocks], out),
-            Weights::Q6K(b) => dequantize_row(&b[blocks], out),
+            Weights::Q8_0(b) => Weights::Q8_0(b[blocks].to_vec()),
+            Weights::Q4_0(b) => Weights::Q4_0(b[blocks].to_vec()),
+            Weights::Q4_0x8(b) => Weights::Q4_0(b[groups].iter().map(|g| g.row(k)).collect()),
+            Weights::Q5_0(b) => Weights::Q5_0(b[blocks].to_vec()),
+            Weights::Q5_0x8(b) => Weights::Q5_0(b[groups].iter().map(|g| g.row(k)).collect()),
+            Weights::Q4K(b) => Weights::Q4K(b[blocks].to_vec()),
+            Weights::Q6K(b) => Weights::Q6K(b[blocks].to_vec()),
         }
     }
 
@@ -403,7 +447,12 @@ impl Kernels {
         // Enough chunks per thread that a thread slowed by a busy core hands its share to the others,
         // few enough that claiming one costs nothing next to computing it.
         let n = columns.len();
-        let per = n.div_ceil(8 * pool.threads()).clamp(16, 512);
+        // A multiple of 8, so that chunks from an aligned start cover whole groups of an
+        // interleaved format.
+        let per = n
+            .div_ceil(8 * pool.threads())
+            .clamp(16, 512)
+            .next_multiple_of(GROUP_ROWS);
         pool.for_chunks(n, per, &|cols| {
             let out = &out;
             let cols = base + cols.start..base + cols.end;
@@ -480,6 +529,9 @@ impl Kernels {
             return;
         }
         let blocks = columns.start * nb..columns.end * nb;
+        // The groups holding the columns, and the columns' place among the groups' rows.
+        let groups = columns.start / GROUP_ROWS * nb..columns.end.div_ceil(GROUP_ROWS) * nb;
+        let skip = columns.start % GROUP_ROWS;
         for first in (0..x.rows()).step_by(MAX_PASS_ROWS) {
             let rows = first..(first + MAX_PASS_ROWS).min(x.rows());
             let acts = rows.start * nb..rows.end * nb;
@@ -500,6 +552,22 @@ impl Kernels {
                     }
                     (Weights::Q5_0(b), ActBlocks::Q8_0(a)) => {
                         pass::<simd::Q5_0>(level, &b[blocks.clone()], nb, &a[acts], out)
+                    }
+                    (Weights::Q4_0x8(g), ActBlocks::Q8_0(a)) => {
+                        let out = Window {
+                            out,
+                            skip,
+                            len: columns.len(),
+                        };
+                        pass_groups::<simd::Q4_0x8>(level, &g[groups.clone()], nb, &a[acts], out)
+                    }
+                    (Weights::Q5_0x8(g), ActBlocks::Q8_0(a)) => {
+                        let out = Window {
+                            out,
+                            skip,
+                            len: columns.len(),
+                        };
+                        pass_groups::<simd::Q5_0x8>(level, &g[groups.clone()], nb, &a[acts], out)
                     }
                     (Weights::Q4K(b), ActBlocks::Q8K(a)) => {
                         pass::<simd::Q4K>(level, &b[blocks.clone()], nb, &a[acts], out)

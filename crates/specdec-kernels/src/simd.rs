@@ -8,7 +8,8 @@
 use crate::dispatch::CpuLevel;
 use crate::formats::{
     dot_q4_0_q8_0, dot_q4_k_q8_k, dot_q5_0_q8_0, dot_q6_k_q8_k, dot_q8_0_q8_0, ActQ8_0, BlockQ4K,
-    BlockQ4_0, BlockQ5_0, BlockQ6K, BlockQ8K, BlockQ8_0,
+    BlockQ4_0, BlockQ4_0x8, BlockQ5_0, BlockQ5_0x8, BlockQ6K, BlockQ8K, BlockQ8_0, Interleaved,
+    GROUP_ROWS,
 };
 
 /// Most activation rows dotted against one unpacked weight block.
@@ -103,6 +104,61 @@ format!(
     crate::formats::q6_k::avx2::Q6K
 );
 
+/// An interleaved weight format's kernels ([`crate::BlockQ4_0x8`], [`crate::BlockQ5_0x8`]): the reference dot of its
+/// plain blocks and the AVX2 and AVX-512 VNNI passes over groups of 8 rows.
+pub(crate) trait GroupFormat {
+    type Group: Interleaved;
+    fn dot(w: &[<Self::Group as Interleaved>::Block], x: &[ActQ8_0]) -> f32;
+    /// [`pass_groups`] at [`CpuLevel::Avx2`].
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, F16C and FMA; `out` as [`pass_groups`].
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn avx2_pass(w: &[Self::Group], nb: usize, x: &[ActQ8_0], out: Window);
+    /// [`pass_groups`] at [`CpuLevel::Avx512Vnni`].
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, F16C, FMA, AVX512F, AVX512VL and AVX512_VNNI; `out` as
+    /// [`pass_groups`].
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn vnni_pass(w: &[Self::Group], nb: usize, x: &[ActQ8_0], out: Window);
+}
+
+macro_rules! group_format {
+    ($name:ident, $group:ty, $dot:path, $avx2:path) => {
+        pub(crate) struct $name;
+        impl GroupFormat for $name {
+            type Group = $group;
+            fn dot(w: &[<$group as Interleaved>::Block], x: &[ActQ8_0]) -> f32 {
+                $dot(w, x)
+            }
+            #[cfg(target_arch = "x86_64")]
+            unsafe fn avx2_pass(w: &[$group], nb: usize, x: &[ActQ8_0], out: Window) {
+                // SAFETY: the caller's contract.
+                unsafe { avx2::pass8::<$avx2>(w, nb, x, out) }
+            }
+            #[cfg(target_arch = "x86_64")]
+            unsafe fn vnni_pass(w: &[$group], nb: usize, x: &[ActQ8_0], out: Window) {
+                // SAFETY: the caller's contract.
+                unsafe { avx2::pass8_vnni::<$avx2>(w, nb, x, out) }
+            }
+        }
+    };
+}
+
+group_format!(
+    Q4_0x8,
+    BlockQ4_0x8,
+    dot_q4_0_q8_0,
+    crate::formats::interleaved::avx2::Q4_0x8
+);
+group_format!(
+    Q5_0x8,
+    BlockQ5_0x8,
+    dot_q5_0_q8_0,
+    crate::formats::interleaved::avx2::Q5_0x8
+);
+
 /// Where a pass writes: `out[r * stride + c]` for activation row `r` and column `c` of the pass.
 #[derive(Clone, Copy)]
 pub(crate) struct Out {
@@ -117,6 +173,79 @@ impl Out {
     unsafe fn write(self, r: usize, c: usize, v: f32) {
         // SAFETY: the caller's contract.
         unsafe { self.ptr.add(r * self.stride + c).write(v) }
+    }
+}
+
+/// Where a pass over groups of 8 weight rows writes: of the group rows' columns `0, 1, ..` (row `k`
+/// of group `g` is column `8g + k`), columns `skip .. skip + len`, to column `c - skip` of `out`.
+#[derive(Clone, Copy)]
+pub(crate) struct Window {
+    pub(crate) out: Out,
+    pub(crate) skip: usize,
+    pub(crate) len: usize,
+}
+
+impl Window {
+    /// Writes `v` as column `c` of row `r` if `c` is in the window.
+    ///
+    /// # Safety
+    /// As [`Out::write`] for every column of the window.
+    #[inline]
+    unsafe fn write(self, r: usize, c: usize, v: f32) {
+        if c >= self.skip && c - self.skip < self.len {
+            // SAFETY: the caller's contract.
+            unsafe { self.out.write(r, c - self.skip, v) }
+        }
+    }
+}
+
+/// [`pass`] for an interleaved format: `w` holds whole groups (`nb` per 8 weight rows), and only the
+/// columns of the window are written.
+///
+/// # Safety
+/// As [`pass`], with `out` valid for every `(r, c)` of the window.
+pub(crate) unsafe fn pass_groups<G: GroupFormat>(
+    level: CpuLevel,
+    w: &[G::Group],
+    nb: usize,
+    x: &[ActQ8_0],
+    out: Window,
+) {
+    match level {
+        // SAFETY: the caller's contract.
+        CpuLevel::Scalar => unsafe { scalar_groups::<G>(w, nb, x, out) },
+        // SAFETY: `level` is supported by this CPU (the caller's contract, upheld by `Kernels`).
+        #[cfg(target_arch = "x86_64")]
+        CpuLevel::Avx2 => unsafe { G::avx2_pass(w, nb, x, out) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        CpuLevel::Avx512Vnni => unsafe { G::vnni_pass(w, nb, x, out) },
+        // SAFETY: the caller's contract.
+        #[cfg(not(target_arch = "x86_64"))]
+        CpuLevel::Avx2 | CpuLevel::Avx512Vnni => unsafe { scalar_groups::<G>(w, nb, x, out) },
+    }
+}
+
+/// The scalar level for interleaved formats: each row's blocks taken back out of its groups, then the
+/// reference dot product.
+///
+/// # Safety
+/// As [`pass_groups`].
+unsafe fn scalar_groups<G: GroupFormat>(w: &[G::Group], nb: usize, x: &[ActQ8_0], out: Window) {
+    let mut row = Vec::with_capacity(nb);
+    for (g, groups) in w.chunks_exact(nb).enumerate() {
+        for k in 0..GROUP_ROWS {
+            let c = GROUP_ROWS * g + k;
+            if c < out.skip || c - out.skip >= out.len {
+                continue;
+            }
+            row.clear();
+            row.extend(groups.iter().map(|group| group.row(k)));
+            for (r, x) in x.chunks_exact(nb).enumerate() {
+                // SAFETY: the caller's contract.
+                unsafe { out.write(r, c, G::dot(&row, x)) };
+            }
+        }
     }
 }
 
@@ -169,6 +298,7 @@ pub(crate) unsafe fn scalar_rows<B, A>(
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
+    use crate::formats::interleaved::avx2::Groups8;
     use crate::formats::q8_0::avx2::Quants32;
     use crate::formats::{ActQ8_0, SignedBlock32};
     use std::arch::x86_64::*;
@@ -368,6 +498,46 @@ pub(crate) mod avx2 {
         lanes
     }
 
+    /// Lane `k` of the result: the exact sum `Σ_t Σ_b V_t[4k + b] · y[4t + b]` of a group's vectors
+    /// against one activation block's 32 quants `y` (row `k`'s unsigned block sum), with each 4 quants
+    /// `y[4t ..]` broadcast: [`Groups8::I16_TERMS`] `maddubs` at a time summed in `i16`, then one
+    /// `madd` by ones.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma")]
+    pub(crate) fn group_sums<G: Groups8>(v: &[__m256i; 8], y: &[i8; 32]) -> __m256i {
+        let ones = _mm256_set1_epi16(1);
+        let mut total = _mm256_setzero_si256();
+        for first in (0..8).step_by(G::I16_TERMS) {
+            let mut sum = _mm256_setzero_si256();
+            for (t, &v) in v.iter().enumerate().skip(first).take(G::I16_TERMS) {
+                // SAFETY: `y` is 32 bytes; bytes 4t .. 4t + 4 are in bounds for t < 8.
+                let word = unsafe { y.as_ptr().add(4 * t).cast::<i32>().read_unaligned() };
+                sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(v, _mm256_set1_epi32(word)));
+            }
+            total = _mm256_add_epi32(total, _mm256_madd_epi16(sum, ones));
+        }
+        total
+    }
+
+    /// [`group_sums`] with AVX-512 VNNI: two chains of four `vpdpbusd`, exact in `i32` for any format.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni")]
+    pub(crate) fn group_sums_vnni<G: Groups8>(v: &[__m256i; 8], y: &[i8; 32]) -> __m256i {
+        let (mut a, mut b) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+        for t in 0..4 {
+            // SAFETY: `y` is 32 bytes; bytes 4t .. 4t + 4 and 16 + 4t .. 20 + 4t are in bounds.
+            let (ya, yb) = unsafe {
+                (
+                    y.as_ptr().add(4 * t).cast::<i32>().read_unaligned(),
+                    y.as_ptr().add(16 + 4 * t).cast::<i32>().read_unaligned(),
+                )
+            };
+            a = _mm256_dpbusd_epi32(a, v[t], _mm256_set1_epi32(ya));
+            b = _mm256_dpbusd_epi32(b, v[t + 4], _mm256_set1_epi32(yb));
+        }
+        _mm256_add_epi32(a, b)
+    }
+
     /// The `shuffle_epi8` control that makes `i16` lane `k` of the low half of the result lane
     /// `lo[k]` of the source's low half, and the same for the high half with `hi`.
     pub(crate) const fn pick_i16(lo: [u8; 8], hi: [u8; 8]) -> [u8; 32] {
@@ -464,7 +634,9 @@ pub(crate) mod avx2 {
             features: $features:literal,
             pass: $pass:ident, rows: $rows:ident, group: $group:ident,
             pass32: $pass32:ident, rows32: $rows32:ident,
-            unpack: $unpack:ident, accumulate: $accumulate:ident, quads: $quads:ident $(,)?
+            pass8: $pass8:ident, rows8: $rows8:ident,
+            unpack: $unpack:ident, accumulate: $accumulate:ident, quads: $quads:ident,
+            group_sums: $group_sums:ident $(,)?
         ) => {
             /// `N` activation rows against the weight rows in `w` (`nb` blocks each).
             ///
@@ -676,6 +848,68 @@ pub(crate) mod avx2 {
                     }
                 }
             }
+
+            /// The interleaved formats' pass ([`crate::formats::interleaved`]).
+            ///
+            /// # Safety
+            #[doc = concat!("The CPU must support `", $features, "`; `out` as [`super::pass_groups`].")]
+            pub(crate) unsafe fn $pass8<G: Groups8>(
+                w: &[G::Group],
+                nb: usize,
+                x: &[ActQ8_0],
+                out: super::Window,
+            ) {
+                // SAFETY: the caller's contract.
+                unsafe { by_rows!(x.len() / nb, $rows8::<G>(w, nb, x, out)) }
+            }
+
+            /// `N` activation rows against the groups of 8 weight rows in `w` (`nb` groups each):
+            /// each group unpacked once, then per activation row its 8 block sums in the 8 lanes
+            /// ([`group_sums`]), less the offset, and the float arithmetic of [`$pass32`] for the 8
+            /// rows at once.
+            ///
+            /// # Safety
+            #[doc = concat!("The CPU must support `", $features, "`; `out` as [`super::pass_groups`].")]
+            #[target_feature(enable = $features)]
+            unsafe fn $rows8<G: Groups8, const N: usize>(
+                w: &[G::Group],
+                nb: usize,
+                x: &[ActQ8_0],
+                out: super::Window,
+            ) {
+                assert_eq!(x.len(), N * nb, "a pass holds N rows of nb blocks");
+                for (g, groups) in w.chunks_exact(nb).enumerate() {
+                    let mut acc = [_mm256_setzero_ps(); N];
+                    for (b, group) in groups.iter().enumerate() {
+                        let ahead = std::ptr::from_ref(group)
+                            .cast::<i8>()
+                            .wrapping_add(PREFETCH);
+                        for line in (0..std::mem::size_of::<G::Group>()).step_by(64) {
+                            // A prefetch reads nothing the program sees and cannot fault.
+                            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line));
+                        }
+                        // SAFETY (both): the level's target features are enabled for this function.
+                        let v = unsafe { G::unpack(group) };
+                        let d = unsafe { G::d(group) };
+                        for (r, a) in acc.iter_mut().enumerate() {
+                            let xb = &x[r * nb + b];
+                            let mut sums = $group_sums::<G>(&v, &xb.qs);
+                            sums = _mm256_sub_epi32(sums, _mm256_set1_epi32(G::OFFSET * xb.sum));
+                            let dd = _mm256_mul_ps(d, _mm256_set1_ps(xb.d));
+                            *a = _mm256_add_ps(*a, _mm256_mul_ps(dd, _mm256_cvtepi32_ps(sums)));
+                        }
+                    }
+                    for (r, a) in acc.iter().enumerate() {
+                        let mut lanes = [0f32; 8];
+                        // SAFETY: `lanes` is 8 floats.
+                        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), *a) };
+                        for (k, &v) in lanes.iter().enumerate() {
+                            // SAFETY: the caller's contract (the window's columns only).
+                            unsafe { out.write(r, 8 * g + k, v) };
+                        }
+                    }
+                }
+            }
         };
     }
 
@@ -683,13 +917,17 @@ pub(crate) mod avx2 {
         features: "avx2,f16c,fma",
         pass: pass, rows: rows, group: group,
         pass32: pass32, rows32: rows32,
+        pass8: pass8, rows8: rows8,
         unpack: unpack, accumulate: accumulate_rows, quads: quads,
+        group_sums: group_sums,
     }
 
     multi_row! {
         features: "avx2,f16c,fma,avx512f,avx512vl,avx512vnni",
         pass: pass_vnni, rows: rows_vnni, group: group_vnni,
         pass32: pass32_vnni, rows32: rows32_vnni,
+        pass8: pass8_vnni, rows8: rows8_vnni,
         unpack: unpack_vnni, accumulate: accumulate_rows_vnni, quads: quads_vnni,
+        group_sums: group_sums_vnni,
     }
 }

@@ -50,14 +50,17 @@ fn main() {
 fn matches_the_reference(k: Kernels) {
     let mut rng = Rng(1);
     for format in FORMATS {
-        // 19 weight rows: two full groups of 8 columns and a partial one for the 32-value formats.
-        let (rows, cols) = (19, cols_for(format));
-        for m in MS {
-            let w = random_matrix(&mut rng, format, rows, cols);
-            let x = w
-                .quantize_activations(m, &random_activations(&mut rng, m, cols))
-                .unwrap();
-            assert_matches_reference(k, &w, m, &x);
+        // 19 weight rows: two full groups of 8 columns and a partial one for the 32-value formats;
+        // 24 rows: Q4_0 and Q5_0 interleaved in 3 groups of 8.
+        for rows in [19, 24] {
+            let cols = cols_for(format);
+            for m in MS {
+                let w = random_matrix(&mut rng, format, rows, cols);
+                let x = w
+                    .quantize_activations(m, &random_activations(&mut rng, m, cols))
+                    .unwrap();
+                assert_matches_reference(k, &w, m, &x);
+            }
         }
     }
 }
@@ -82,7 +85,8 @@ fn assert_matches_reference(k: Kernels, w: &QMatrix, m: usize, x: &QuantizedActi
 fn row_independence(k: Kernels) {
     let mut rng = Rng(2);
     for format in FORMATS {
-        let (rows, cols, m) = (5, cols_for(format), 33);
+        // 8 rows: one interleaved group of Q4_0 and Q5_0.
+        let (rows, cols, m) = (8, cols_for(format), 33);
         let w = random_matrix(&mut rng, format, rows, cols);
         let x = random_activations(&mut rng, m, cols);
         let xq = w.quantize_activations(m, &x).unwrap();
@@ -122,7 +126,7 @@ fn row_independence(k: Kernels) {
 /// one large value among small ones: the integer sums at the bounds the kernels' exactness rests on.
 fn extreme_values(k: Kernels) {
     for format in FORMATS {
-        let (rows, cols) = (3, cols_for(format));
+        let (rows, cols) = (8, cols_for(format));
         for fill in [0xff_u8, 0x80, 0x7f, 0x00, 0x55] {
             let n = rows * cols / format.block_len();
             let mut raw = vec![fill; n * format.block_bytes()];

@@ -19,7 +19,8 @@ fn kernels() -> Vec<Kernels> {
 fn column_ranges_compose_into_the_full_matmul() {
     let mut rng = Rng(3);
     for format in FORMATS {
-        let (rows, cols, m) = (9, cols_for(format), 4);
+        // 24 rows: Q4_0 and Q5_0 interleaved in groups of 8, cut inside and across groups.
+        let (rows, cols, m) = (24, cols_for(format), 4);
         let w = random_matrix(&mut rng, format, rows, cols);
         let x = w
             .quantize_activations(m, &random_activations(&mut rng, m, cols))
@@ -27,7 +28,7 @@ fn column_ranges_compose_into_the_full_matmul() {
         for k in kernels() {
             let mut full = vec![0.0; m * rows];
             k.matmul(&w, &x, &mut full).unwrap();
-            for range in [0..4, 4..9, 3..3, 8..9] {
+            for range in [0..4, 4..9, 3..3, 8..9, 5..21, 16..24, 7..8, 0..24] {
                 let mut part = vec![0.0; m * range.len()];
                 k.matmul_columns(&w, &x, range.clone(), &mut part).unwrap();
                 for r in 0..m {
@@ -48,7 +49,7 @@ fn threaded_matmul_gives_the_single_threaded_bits() {
         .map(|n| ThreadPool::new(n).unwrap())
         .collect();
     for format in FORMATS {
-        for (rows, m) in [(1, 1), (37, 3), (300, 17), (1000, 1)] {
+        for (rows, m) in [(1, 1), (37, 3), (300, 17), (1000, 1), (296, 5), (1024, 1)] {
             let cols = cols_for(format);
             let w = random_matrix(&mut rng, format, rows, cols);
             let x = w
@@ -220,7 +221,7 @@ mod properties {
         #[test]
         fn arbitrary_tensor_bytes_match_the_reference(
             format_index in 0usize..5,
-            rows in 1usize..4,
+            rows in prop_oneof![1usize..4, Just(8usize), Just(16usize)],
             blocks in 1usize..3,
             m in 1usize..20,
             seed in any::<u64>(),

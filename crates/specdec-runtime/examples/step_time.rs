@@ -3,7 +3,7 @@
 //! (`STEP_TIME_CONTEXT=N` sets the context before the timed steps, default 64; `STEP_TIME_STEPS=N`
 //! the number of timed steps, default 64; `STEP_TIME_THREADS=N` the kernel threads; `STEP_TIME_BLOCK=M`
 //! times verification-shaped steps instead: M tokens scored in one pass with M logits rows, then rolled
-//! back).
+//! back; `STEP_TIME_QUANT=q4_0|q8_0` re-quantises every matrix at load, as `--draft-quant` does).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -20,9 +20,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .ok()
         .map(|s| s.parse::<usize>())
         .transpose()?;
+    let requantize = match std::env::var("STEP_TIME_QUANT").as_deref() {
+        Ok("q4_0") => Some(specdec_runtime::GgmlDType::Q4_0),
+        Ok("q8_0") => Some(specdec_runtime::GgmlDType::Q8_0),
+        Ok(other) => return Err(format!("STEP_TIME_QUANT: unknown type {other}").into()),
+        Err(_) => None,
+    };
     let options = LoadOptions {
         logits_vocab,
         threads,
+        requantize,
         ..LoadOptions::default()
     };
     let model = Arc::new(Model::load(&path, &options)?);

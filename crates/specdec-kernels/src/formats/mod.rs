@@ -20,7 +20,9 @@
 //! - **32-value formats** (Q8_0, Q4_0, Q5_0): a block's 32 products are summed into one `i32`, which
 //!   is converted to `f32`, multiplied by `d_w · d_x` and added to a single `f32` accumulator, block
 //!   after block. With one number per block, a kernel can compute 8 weight rows side by side in the
-//!   8 lanes of a vector, so the float work and the scale conversion are shared by 8 rows.
+//!   8 lanes of a vector, so the float work and the scale conversion are shared by 8 rows. Q4_0 and
+//!   Q5_0 matrices are stored with 8 rows interleaved ([`BlockQ4_0x8`], [`BlockQ5_0x8`]), so that
+//!   each row's sum lands in its lane without a horizontal reduction.
 //!
 //! The AVX2 kernels produce the same integers with `maddubs`/`madd` and the same float operations, so
 //! every CPU level returns identical bits. (For the K-quants they add several vectors' `maddubs`
@@ -35,6 +37,7 @@
 
 use crate::f16::F16;
 
+pub(crate) mod interleaved;
 pub(crate) mod q4_0;
 pub(crate) mod q4_k;
 pub(crate) mod q5_0;
@@ -42,6 +45,7 @@ pub(crate) mod q6_k;
 pub(crate) mod q8_0;
 pub(crate) mod q8_k;
 
+pub use interleaved::{interleave_rows, BlockQ4_0x8, BlockQ5_0x8, Interleaved, GROUP_ROWS};
 pub use q4_0::{dot_q4_0_q8_0, BlockQ4_0};
 pub use q4_k::{dot_q4_k_q8_k, BlockQ4K};
 pub use q5_0::{dot_q5_0_q8_0, BlockQ5_0};

@@ -140,13 +140,12 @@ pub fn cols_for(format: BlockFormat) -> usize {
 
 /// The reference dot product of weight row `n` and activation row `r`.
 pub fn reference(w: &QMatrix, x: &QuantizedActivations, n: usize, r: usize) -> f32 {
-    let nb = w.cols() / w.format().block_len();
-    let blocks = n * nb..(n + 1) * nb;
-    match w.weights() {
-        Weights::Q8_0(b) => dot_q8_0_q8_0(&b[blocks], x.q8_0_row(r).expect("Q8_0 activations")),
-        Weights::Q4_0(b) => dot_q4_0_q8_0(&b[blocks], x.q8_0_row(r).expect("Q8_0 activations")),
-        Weights::Q5_0(b) => dot_q5_0_q8_0(&b[blocks], x.q8_0_row(r).expect("Q8_0 activations")),
-        Weights::Q4K(b) => dot_q4_k_q8_k(&b[blocks], x.q8k_row(r).expect("Q8_K activations")),
-        Weights::Q6K(b) => dot_q6_k_q8_k(&b[blocks], x.q8k_row(r).expect("Q8_K activations")),
+    match w.row_weights(n) {
+        Weights::Q8_0(b) => dot_q8_0_q8_0(&b, x.q8_0_row(r).expect("Q8_0 activations")),
+        Weights::Q4_0(b) => dot_q4_0_q8_0(&b, x.q8_0_row(r).expect("Q8_0 activations")),
+        Weights::Q5_0(b) => dot_q5_0_q8_0(&b, x.q8_0_row(r).expect("Q8_0 activations")),
+        Weights::Q4K(b) => dot_q4_k_q8_k(&b, x.q8k_row(r).expect("Q8_K activations")),
+        Weights::Q6K(b) => dot_q6_k_q8_k(&b, x.q8k_row(r).expect("Q8_K activations")),
+        other => panic!("row_weights gave grouped blocks: {:?}", other.format()),
     }
 }

@@ -381,10 +381,13 @@ mod tests {
         };
         let plan = plan_hybrid(&request(Some(&weak)), &Proposal::default(), 1.0, 1);
         assert_eq!(plan, HybridPlan::Lookup);
-        // A model draft that beats plain decoding loses if the model must first read 200 tokens
-        // it missed.
-        let plan = plan_hybrid(&request(Some(&costs)), &Proposal::default(), 1.0, 200);
+        // A model draft that beats plain decoding loses if the model must first read 2000 tokens
+        // it missed (10 target steps, a share of 1.25 in this round), and wins after 20 (a share
+        // of 0.01).
+        let plan = plan_hybrid(&request(Some(&costs)), &Proposal::default(), 1.0, 2000);
         assert_eq!(plan, HybridPlan::Lookup);
+        let plan = plan_hybrid(&request(Some(&costs)), &Proposal::default(), 1.0, 20);
+        assert_eq!(plan, HybridPlan::Model);
     }
 
     #[test]

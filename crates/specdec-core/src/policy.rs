@@ -305,6 +305,10 @@ const PRIOR_ACCEPTANCE: f64 = 0.7;
 /// the estimates are noisy, and a round that drafts for a predicted 1% gain loses more often than
 /// not once the overheads the model does not see are paid.
 pub const PAY_MARGIN: f64 = 0.05;
+
+/// Rounds a model drafter's catch-up is shared by when a round decides whether to call the model
+/// ([`RoundCosts::catch_up_share`]).
+pub const CATCH_UP_ROUNDS: f64 = 8.0;
 /// Pseudo-observations behind the prior.
 const PRIOR_WEIGHT: f64 = 2.0;
 /// Per-round decay of the cost model's counts, so that it follows drift (a half-life of ~140 rounds).
@@ -831,9 +835,19 @@ impl RoundCosts {
         self.draft_per_token * (self.r(lag) - self.r(2)).max(0.0)
     }
 
-    /// [`RoundCosts::model_rate`] for a model with `lag` committed tokens to read first.
+    /// The part of [`RoundCosts::catch_up`] a decision charges to this round: a model that drafts
+    /// again goes on drafting in the rounds after, and the tokens it missed must be read before any
+    /// of them, now or later, so the catch-up is shared by [`CATCH_UP_ROUNDS`] rounds. Charged
+    /// whole, it grows with every round the model sits out and keeps it out for good, even where
+    /// its drafts pay (open chat); shared, a long lag (a prompt the model never read) still does.
+    pub fn catch_up_share(&self, lag: usize) -> f64 {
+        self.catch_up(lag) / CATCH_UP_ROUNDS
+    }
+
+    /// [`RoundCosts::model_rate`] for a model with `lag` committed tokens to read first, charged
+    /// its [`RoundCosts::catch_up_share`].
     pub fn model_rate_after(&self, lag: usize) -> f64 {
-        self.model_rate * self.model_steps / (self.model_steps + self.catch_up(lag))
+        self.model_rate * self.model_steps / (self.model_steps + self.catch_up_share(lag))
     }
 
     /// The draft model's cost, in target steps, of extending a lookup draft of `lookup_len` tokens by
@@ -850,7 +864,7 @@ impl RoundCosts {
     /// number of model tokens to extend it by (at most `max_len` tokens in all, at most
     /// `model_acceptance.len()` from the model) with the most expected tokens per target step, and
     /// that rate (before [`RoundCosts::extended_factor`]), for a model with `lag` committed tokens to
-    /// read first. `None` for an empty lookup draft, without room past it, or without a measured
+    /// read first (charged its [`RoundCosts::catch_up_share`]). `None` for an empty lookup draft, without room past it, or without a measured
     /// cost per model token.
     pub fn best_extension(
         &self,
@@ -875,7 +889,10 @@ impl RoundCosts {
             let k = i + 1;
             reach *= a;
             tokens += reach;
-            let cost = self.extension_draft_cost(lag, lookup_len, k) + self.r(lookup_len + k + 1);
+            // Reading the lookup draft is this round's own cost; catching up is shared.
+            let cost = self.extension_draft_cost(0, lookup_len, k)
+                + self.catch_up_share(lag)
+                + self.r(lookup_len + k + 1);
             let rate = tokens / cost;
             if best.is_none_or(|(_, b)| rate > b) {
                 best = Some((k, rate));

@@ -144,12 +144,10 @@ impl Session {
                 tokens: tokens.len(),
             });
         }
-        let split = tokens.len() - rows;
-        let (head, tail) = tokens.split_at(split);
+        let (head, tail) = tokens.split_at(tokens.len() - tail_len(tokens.len(), rows));
         for chunk in head.chunks(PREFILL_CHUNK) {
             self.step(chunk, 0, logits)?;
         }
-        // The positions whose logits are wanted go in one pass of their own.
         logits.clear();
         self.step(tail, rows, logits)
     }
@@ -164,6 +162,14 @@ impl Session {
         self.seq.tokens.extend_from_slice(tokens);
         Ok(())
     }
+}
+
+/// How many of `len` tokens to feed go in the last pass, the one that returns the logits of the last
+/// `rows`: up to [`PREFILL_CHUNK`] (or `rows`, if more), so that a few tokens before the rows (the
+/// last token a verification added, the tokens a drafter missed) share their pass instead of
+/// costing one of their own. The others go first, in chunks.
+pub(crate) fn tail_len(len: usize, rows: usize) -> usize {
+    len.min(rows.max(PREFILL_CHUNK))
 }
 
 /// How many leading tokens `a` and `b` share.

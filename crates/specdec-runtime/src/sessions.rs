@@ -16,7 +16,7 @@ use specdec_core::{Logits, Score, SeqId, Target, TokenId};
 
 use crate::error::{Error, Result};
 use crate::model::{Model, Part, Scratch};
-use crate::session::{Seq, PREFILL_CHUNK};
+use crate::session::{tail_len, Seq, PREFILL_CHUNK};
 
 /// Released caches kept for reuse (and their prefixes), at most this many.
 pub const SPARE_CACHES: usize = 8;
@@ -114,10 +114,15 @@ impl Sessions {
         }
         // Long prompts first, up to the rows asked for: in rounds of one chunk per sequence, all
         // sequences' chunks of a round in one pass, at most `PREFILL_CHUNK` rows per pass.
-        let heads: Vec<&[TokenId]> = batch
+        let tails: Vec<usize> = batch
             .iter()
             .zip(&feeds)
-            .map(|(req, feed)| &feed[..feed.len() - (req.draft.len() + 1)])
+            .map(|(req, feed)| tail_len(feed.len(), req.draft.len() + 1))
+            .collect();
+        let heads: Vec<&[TokenId]> = feeds
+            .iter()
+            .zip(&tails)
+            .map(|(feed, &tail)| &feed[..feed.len() - tail])
             .collect();
         let mut done = vec![0; heads.len()];
         let mut ignored: Vec<Vec<f32>> = vec![Vec::new(); heads.len()];
@@ -156,18 +161,19 @@ impl Sessions {
                 t.extend_from_slice(p.tokens);
             }
         }
-        // Then the rows asked for, of every sequence, in one pass, straight into the callers' buffers.
+        // Then the rows asked for, of every sequence, in one pass (with the tokens just before them,
+        // `tail_len`), straight into the callers' buffers.
         let vocab = self.model.config().vocab;
         let mut parts: Vec<Part<'_>> = batch
             .iter()
             .zip(seqs.iter_mut())
-            .zip(&feeds)
+            .zip(feeds.iter().zip(&tails))
             .zip(out.iter_mut())
-            .map(|(((req, s), feed), out)| {
+            .map(|(((req, s), (feed, &tail)), out)| {
                 let rows = req.draft.len() + 1;
                 Part {
                     cache: &mut s.cache,
-                    tokens: &feed[feed.len() - rows..],
+                    tokens: &feed[feed.len() - tail..],
                     logits_rows: rows,
                     logits: out.buffer(vocab),
                 }
@@ -179,9 +185,8 @@ impl Sessions {
             out.iter_mut().for_each(|o| o.reset(vocab));
             return Err(e);
         }
-        for ((req, s), feed) in batch.iter().zip(seqs.iter_mut()).zip(&feeds) {
-            s.tokens
-                .extend_from_slice(&feed[feed.len() - (req.draft.len() + 1)..]);
+        for ((s, feed), &tail) in seqs.iter_mut().zip(&feeds).zip(&tails) {
+            s.tokens.extend_from_slice(&feed[feed.len() - tail..]);
         }
         Ok(())
     }

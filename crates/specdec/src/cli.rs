@@ -81,14 +81,44 @@ pub struct ModelArgs {
     #[arg(long)]
     pub threads: Option<usize>,
     /// Let the draft model score only the first N token ids of the vocabulary (roughly the N most
-    /// frequent; the others are never drafted), which skips most of its output matrix. Lossless: the
-    /// target still verifies every token [default: the whole vocabulary].
-    #[arg(long)]
-    pub draft_vocab: Option<usize>,
+    /// frequent; the others are never drafted; at most its vocabulary), which skips most of its
+    /// output matrix, or `all`. Lossless: the target still verifies every token.
+    #[arg(long, default_value = "32768", value_parser = parse_draft_vocab)]
+    pub draft_vocab: DraftVocab,
     /// Re-quantise the draft model at load: fewer bytes read per draft step (cheaper drafts), at
     /// some cost in acceptance. Lossless like any draft: the target verifies every token.
-    #[arg(long, value_enum, default_value_t = DraftQuant::AsIs)]
+    #[arg(long, value_enum, default_value_t = DraftQuant::Q4_0)]
     pub draft_quant: DraftQuant,
+}
+
+/// How much of the vocabulary the draft model scores (`--draft-vocab`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DraftVocab {
+    /// The whole vocabulary.
+    All,
+    /// The first N token ids, or the whole vocabulary if it has fewer.
+    First(usize),
+}
+
+impl DraftVocab {
+    /// The number of token ids to score for a vocabulary of `vocab`.
+    pub fn limit(self, vocab: usize) -> usize {
+        match self {
+            DraftVocab::All => vocab,
+            DraftVocab::First(n) => n.min(vocab),
+        }
+    }
+}
+
+fn parse_draft_vocab(s: &str) -> Result<DraftVocab, String> {
+    if s == "all" {
+        return Ok(DraftVocab::All);
+    }
+    match s.parse::<usize>() {
+        Ok(0) => Err("the draft must score at least one token".into()),
+        Ok(n) => Ok(DraftVocab::First(n)),
+        Err(_) => Err(format!("expected a number of tokens or `all`, got {s:?}")),
+    }
 }
 
 /// The draft model's weight type at load.

@@ -14,9 +14,9 @@ use specdec_core::{
 };
 use specdec_runtime::fetch::{FetchOptions, ModelRef, Progress};
 
-use specdec_runtime::{GgmlDType, Gguf, LoadOptions, Model, Session, Tokenizer};
+use specdec_runtime::{GgmlDType, Gguf, LoadOptions, Model, ModelConfig, Session, Tokenizer};
 
-use crate::cli::{DecodeArgs, DraftQuant, DrafterKind, ModelArgs, VerifyModeArg};
+use crate::cli::{DecodeArgs, DraftQuant, DraftVocab, DrafterKind, ModelArgs, VerifyModeArg};
 
 /// Set by Ctrl-C; the token callback stops generation when it sees it.
 pub static INTERRUPTED: AtomicBool = AtomicBool::new(false);
@@ -109,8 +109,8 @@ impl Ui {
 /// How `--draft-quant` and `--draft-vocab` prepare the draft, as a short name.
 pub fn draft_variant(args: &ModelArgs) -> String {
     match args.draft_vocab {
-        Some(n) => format!("{}-v{n}", args.draft_quant.name()),
-        None => args.draft_quant.name().to_string(),
+        DraftVocab::First(n) => format!("{}-v{n}", args.draft_quant.name()),
+        DraftVocab::All => args.draft_quant.name().to_string(),
     }
 }
 
@@ -175,8 +175,10 @@ impl Loaded {
         let draft = match draft_path {
             Some(p) => {
                 let bar = ui.spinner(format!("loading {}", p.display()));
+                let g = Gguf::open(&p)?;
+                let vocab = ModelConfig::from_gguf(&g)?.vocab;
                 let draft_options = LoadOptions {
-                    logits_vocab: args.draft_vocab,
+                    logits_vocab: Some(args.draft_vocab.limit(vocab)),
                     requantize: match args.draft_quant {
                         DraftQuant::AsIs => None,
                         DraftQuant::Q4_0 => Some(GgmlDType::Q4_0),
@@ -184,7 +186,7 @@ impl Loaded {
                     },
                     ..options.clone()
                 };
-                let d = Arc::new(Model::load(&p, &draft_options)?);
+                let d = Arc::new(Model::from_gguf(&g, &draft_options)?);
                 bar.finish_and_clear();
                 let (dv, tv) = (d.config().vocab, target.config().vocab);
                 if dv != tv {

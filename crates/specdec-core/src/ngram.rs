@@ -157,12 +157,14 @@ pub enum HybridPlan {
 /// [`RoundCosts::model_rate`], the lookup draft times [`RoundCosts::lookup_factor`], an extension
 /// from [`RoundCosts::best_extension`] times [`RoundCosts::extended_factor`]. The lookup draft is
 /// free to make, so an option that calls the model must beat it by [`PAY_MARGIN`]. The model options
-/// include reading the `lag` committed tokens the model has not read ([`ModelLag::lag`]). Without a
-/// cost model: the lookup draft when there is one, else the model.
+/// are charged a share of reading the `lag` committed tokens the model has not read
+/// ([`ModelLag::lag`], [`RoundCosts::catch_up_share`]). Without a cost model: the lookup draft when
+/// there is one, else the model.
 ///
 /// [`RoundCosts::model_rate`]: crate::RoundCosts::model_rate
 /// [`RoundCosts::lookup_factor`]: crate::RoundCosts::lookup_factor
 /// [`RoundCosts::best_extension`]: crate::RoundCosts::best_extension
+/// [`RoundCosts::catch_up_share`]: crate::RoundCosts::catch_up_share
 /// [`RoundCosts::extended_factor`]: crate::RoundCosts::extended_factor
 pub fn plan_hybrid(
     req: &DraftRequest<'_>,

@@ -79,6 +79,21 @@ fn blocks_per_row(format: BlockFormat, cols: usize) -> Result<usize, KernelError
     Ok(cols / block_len)
 }
 
+/// Dequantises row `k` of a run of groups into `out`, block by block.
+fn dequantize_grouped<G: Interleaved>(groups: &[G], k: usize, out: &mut [f32])
+where
+    G::Block: WeightBlock,
+{
+    assert_eq!(
+        out.len(),
+        groups.len() * G::Block::VALUES,
+        "output length must match the blocks"
+    );
+    for (group, out) in groups.iter().zip(out.chunks_exact_mut(G::Block::VALUES)) {
+        group.row(k).dequantize(out);
+    }
+}
+
 fn read_blocks<B: WeightBlock>(bytes: &[u8]) -> Vec<B> {
     bytes.chunks_exact(B::BYTES).filter_map(B::read).collect()
 }
@@ -159,7 +174,9 @@ impl QMatrix {
         self.weights.format()
     }
 
-    /// The blocks.
+    /// The blocks, as stored: Q4_0 and Q5_0 matrices whose row count is a multiple of 8 as
+    /// [`Weights::Q4_0x8`] and [`Weights::Q5_0x8`] ([`QMatrix::row_weights`] gives a row's blocks
+    /// as the file has them).
     pub fn weights(&self) -> &Weights {
         &self.weights
     }
@@ -175,14 +192,18 @@ impl QMatrix {
     /// If `n >= rows` or `out.len() != cols`.
     pub fn dequantize_row(&self, n: usize, out: &mut [f32]) {
         assert!(n < self.rows, "row {n} out of {}", self.rows);
-        match self.row_weights(n) {
-            Weights::Q8_0(b) => dequantize_row(&b, out),
-            Weights::Q4_0(b) => dequantize_row(&b, out),
-            Weights::Q5_0(b) => dequantize_row(&b, out),
-            Weights::Q4K(b) => dequantize_row(&b, out),
-            Weights::Q6K(b) => dequantize_row(&b, out),
-            // `row_weights` gives back plain blocks.
-            Weights::Q4_0x8(_) | Weights::Q5_0x8(_) => {}
+        let nb = self.cols / self.format().block_len();
+        let blocks = n * nb..(n + 1) * nb;
+        let (g, k) = (n / GROUP_ROWS, n % GROUP_ROWS);
+        let groups = g * nb..(g + 1) * nb;
+        match &self.weights {
+            Weights::Q8_0(b) => dequantize_row(&b[blocks], out),
+            Weights::Q4_0(b) => dequantize_row(&b[blocks], out),
+            Weights::Q4_0x8(b) => dequantize_grouped(&b[groups], k, out),
+            Weights::Q5_0(b) => dequantize_row(&b[blocks], out),
+            Weights::Q5_0x8(b) => dequantize_grouped(&b[groups], k, out),
+            Weights::Q4K(b) => dequantize_row(&b[blocks], out),
+            Weights::Q6K(b) => dequantize_row(&b[blocks], out),
         }
     }
 

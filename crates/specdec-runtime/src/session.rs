@@ -167,8 +167,9 @@ impl Session {
 /// How many of `len` tokens to feed go in the last pass, the one that returns the logits of the last
 /// `rows`: up to [`PREFILL_CHUNK`] (or `rows`, if more), so that a few tokens before the rows (the
 /// last token a verification added, the tokens a drafter missed) share their pass instead of
-/// costing one of their own. The others go first, in chunks.
-pub(crate) fn tail_len(len: usize, rows: usize) -> usize {
+/// costing one of their own. The others go first, in chunks. (`Sessions` shares one chunk among
+/// the sequences of a batch.)
+fn tail_len(len: usize, rows: usize) -> usize {
     len.min(rows.max(PREFILL_CHUNK))
 }
 

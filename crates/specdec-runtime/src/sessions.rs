@@ -16,7 +16,7 @@ use specdec_core::{Logits, Score, SeqId, Target, TokenId};
 
 use crate::error::{Error, Result};
 use crate::model::{Model, Part, Scratch};
-use crate::session::{tail_len, Seq, PREFILL_CHUNK};
+use crate::session::{Seq, PREFILL_CHUNK};
 
 /// Released caches kept for reuse (and their prefixes), at most this many.
 pub const SPARE_CACHES: usize = 8;
@@ -112,13 +112,23 @@ impl Sessions {
         for (req, s) in batch.iter().zip(seqs.iter_mut()) {
             feeds.push(s.prepare(req, self.capacity)?);
         }
-        // Long prompts first, up to the rows asked for: in rounds of one chunk per sequence, all
-        // sequences' chunks of a round in one pass, at most `PREFILL_CHUNK` rows per pass.
+        // The last pass holds every sequence's rows asked for and, within one `PREFILL_CHUNK` for
+        // the whole batch, tokens just before them (as `Session::feed` does): a drafter that
+        // missed the last verified token reads it there instead of in a pass of its own.
+        let mut budget =
+            PREFILL_CHUNK.saturating_sub(batch.iter().map(|r| r.draft.len() + 1).sum::<usize>());
         let tails: Vec<usize> = batch
             .iter()
             .zip(&feeds)
-            .map(|(req, feed)| tail_len(feed.len(), req.draft.len() + 1))
+            .map(|(req, feed)| {
+                let rows = req.draft.len() + 1;
+                let extra = (feed.len() - rows).min(budget);
+                budget -= extra;
+                rows + extra
+            })
             .collect();
+        // Long prompts first, up to those tails: in rounds of one chunk per sequence, all
+        // sequences' chunks of a round in one pass, at most `PREFILL_CHUNK` rows per pass.
         let heads: Vec<&[TokenId]> = feeds
             .iter()
             .zip(&tails)
@@ -161,8 +171,8 @@ impl Sessions {
                 t.extend_from_slice(p.tokens);
             }
         }
-        // Then the rows asked for, of every sequence, in one pass (with the tokens just before them,
-        // `tail_len`), straight into the callers' buffers.
+        // Then the tails, of every sequence, in one pass, the rows asked for straight into the
+        // callers' buffers.
         let vocab = self.model.config().vocab;
         let mut parts: Vec<Part<'_>> = batch
             .iter()

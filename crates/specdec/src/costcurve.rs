@@ -157,10 +157,10 @@ fn model_costs(model: &Arc<Model>, name: &str, ctx: usize, read_gb_s: f64) -> Re
         s.feed(&p, 1)?;
         prefill.push(512.0 / start.elapsed().as_secs_f64());
     }
-    let achieved = model.weight_bytes() as f64 / t128 / 1e9;
+    let achieved = model.step_bytes() as f64 / t128 / 1e9;
     Ok(ModelCosts {
         model: name.to_string(),
-        weight_bytes: model.weight_bytes(),
+        weight_bytes: model.step_bytes(),
         decode_tok_s_ctx128: 1.0 / t128,
         decode_tok_s_ctx2048: t2048.map(|t| 1.0 / t),
         prefill_tok_s_512: prefill.iter().copied().fold(0.0, f64::max),

@@ -132,8 +132,11 @@ impl Interleaved for BlockQ5_0x8 {
 }
 
 /// Interleaves rows of `nb` blocks (`blocks.len()` a multiple of `8 · nb`): group `g · nb + b` is
-/// block `b` of rows `8g .. 8g + 8`.
+/// block `b` of rows `8g .. 8g + 8`. Empty for `nb == 0`.
 pub fn interleave_rows<G: Interleaved>(blocks: &[G::Block], nb: usize) -> Vec<G> {
+    if nb == 0 {
+        return Vec::new();
+    }
     let mut out = Vec::with_capacity(blocks.len() / GROUP_ROWS);
     for rows in blocks.chunks_exact(GROUP_ROWS * nb) {
         for b in 0..nb {

@@ -186,16 +186,24 @@ impl QMatrix {
         self.weights.len() * self.format().block_bytes()
     }
 
+    /// Where row `n` is stored: its blocks in a row-major matrix, or the groups that hold it and its
+    /// place in them in an interleaved one.
+    ///
+    /// # Panics
+    /// If `n >= rows`.
+    fn row_place(&self, n: usize) -> (Range<usize>, Range<usize>, usize) {
+        assert!(n < self.rows, "row {n} out of {}", self.rows);
+        let nb = self.cols / self.format().block_len();
+        let g = n / GROUP_ROWS;
+        (n * nb..(n + 1) * nb, g * nb..(g + 1) * nb, n % GROUP_ROWS)
+    }
+
     /// Dequantises weight row `n` into `out` (`cols` long).
     ///
     /// # Panics
     /// If `n >= rows` or `out.len() != cols`.
     pub fn dequantize_row(&self, n: usize, out: &mut [f32]) {
-        assert!(n < self.rows, "row {n} out of {}", self.rows);
-        let nb = self.cols / self.format().block_len();
-        let blocks = n * nb..(n + 1) * nb;
-        let (g, k) = (n / GROUP_ROWS, n % GROUP_ROWS);
-        let groups = g * nb..(g + 1) * nb;
+        let (blocks, groups, k) = self.row_place(n);
         match &self.weights {
             Weights::Q8_0(b) => dequantize_row(&b[blocks], out),
             Weights::Q4_0(b) => dequantize_row(&b[blocks], out),
@@ -213,11 +221,7 @@ impl QMatrix {
     /// # Panics
     /// If `n >= self.rows()`.
     pub fn row_weights(&self, n: usize) -> Weights {
-        assert!(n < self.rows, "row {n} out of {}", self.rows);
-        let nb = self.cols / self.format().block_len();
-        let blocks = n * nb..(n + 1) * nb;
-        let (g, k) = (n / GROUP_ROWS, n % GROUP_ROWS);
-        let groups = g * nb..(g + 1) * nb;
+        let (blocks, groups, k) = self.row_place(n);
         match &self.weights {
             Weights::Q8_0(b) => Weights::Q8_0(b[blocks].to_vec()),
             Weights::Q4_0(b) => Weights::Q4_0(b[blocks].to_vec()),
@@ -561,6 +565,12 @@ impl Kernels {
                 ptr: unsafe { out.ptr.add(rows.start * out.stride) },
                 stride: out.stride,
             };
+            // The same columns for the interleaved formats, through their groups.
+            let window = Window {
+                out,
+                skip,
+                len: columns.len(),
+            };
             let level = self.level();
             // SAFETY: `level` comes from a `Kernels`, so this CPU supports it; `out` is the caller's.
             unsafe {
@@ -575,20 +585,10 @@ impl Kernels {
                         pass::<simd::Q5_0>(level, &b[blocks.clone()], nb, &a[acts], out)
                     }
                     (Weights::Q4_0x8(g), ActBlocks::Q8_0(a)) => {
-                        let out = Window {
-                            out,
-                            skip,
-                            len: columns.len(),
-                        };
-                        pass_groups::<simd::Q4_0x8>(level, &g[groups.clone()], nb, &a[acts], out)
+                        pass_groups::<simd::Q4_0x8>(level, &g[groups.clone()], nb, &a[acts], window)
                     }
                     (Weights::Q5_0x8(g), ActBlocks::Q8_0(a)) => {
-                        let out = Window {
-                            out,
-                            skip,
-                            len: columns.len(),
-                        };
-                        pass_groups::<simd::Q5_0x8>(level, &g[groups.clone()], nb, &a[acts], out)
+                        pass_groups::<simd::Q5_0x8>(level, &g[groups.clone()], nb, &a[acts], window)
                     }
                     (Weights::Q4K(b), ActBlocks::Q8K(a)) => {
                         pass::<simd::Q4K>(level, &b[blocks.clone()], nb, &a[acts], out)

@@ -217,8 +217,14 @@ impl Model {
 
     /// Bytes of weights held.
     pub fn weight_bytes(&self) -> usize {
-        let l: usize = self
-            .layers
+        self.layer_bytes()
+            + self.embd.size_in_bytes()
+            + self.output.as_ref().map_or(0, QWeight::size_in_bytes)
+    }
+
+    /// Bytes of every layer's matrices.
+    fn layer_bytes(&self) -> usize {
+        self.layers
             .iter()
             .map(|l| {
                 [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]
@@ -226,27 +232,16 @@ impl Model {
                     .map(|w| w.size_in_bytes())
                     .sum::<usize>()
             })
-            .sum();
-        l + self.embd.size_in_bytes() + self.output.as_ref().map_or(0, QWeight::size_in_bytes)
+            .sum()
     }
 
     /// Bytes of weights a decode step reads: every layer's matrices and the rows of the output
     /// matrix (the embedding table when tied) that are scored ([`Model::logits_vocab`]); of the
     /// embedding table otherwise only a row, which is left out.
     pub fn step_bytes(&self) -> usize {
-        let l: usize = self
-            .layers
-            .iter()
-            .map(|l| {
-                [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]
-                    .iter()
-                    .map(|w| w.size_in_bytes())
-                    .sum::<usize>()
-            })
-            .sum();
         let output = self.output.as_ref().unwrap_or(&self.embd);
         let vocab = self.config().vocab.max(1);
-        l + output.size_in_bytes() / vocab * self.logits_vocab
+        self.layer_bytes() + output.size_in_bytes() / vocab * self.logits_vocab
     }
 
     /// The distinct types of the matrices as loaded (after any re-quantisation), embedding and

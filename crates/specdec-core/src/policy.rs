@@ -864,8 +864,8 @@ impl RoundCosts {
     /// number of model tokens to extend it by (at most `max_len` tokens in all, at most
     /// `model_acceptance.len()` from the model) with the most expected tokens per target step, and
     /// that rate (before [`RoundCosts::extended_factor`]), for a model with `lag` committed tokens
-    /// to read first (charged its [`RoundCosts::catch_up_share`]). `None` for an empty lookup draft, without room past it, or without a measured
-    /// cost per model token.
+    /// to read first (charged its [`RoundCosts::catch_up_share`]). `None` for an empty lookup draft,
+    /// without room past it, or without a measured cost per model token.
     pub fn best_extension(
         &self,
         confidence: &[f32],

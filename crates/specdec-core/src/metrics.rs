@@ -241,7 +241,14 @@ impl CostProfile {
             let a = (my - b * mx).max(my * 1e-3);
             (a, b / a)
         };
-        let measured = pts.iter().map(|&(m, t, _)| (m as usize, t / t1)).collect();
+        // Read as a non-decreasing curve (weighted by calls), as the cost model reads it.
+        let r: Vec<f64> = pts.iter().map(|&(_, t, _)| t / t1).collect();
+        let weights: Vec<f64> = pts.iter().map(|p| p.2).collect();
+        let measured = pts
+            .iter()
+            .zip(crate::policy::isotonic_curve(&r, &weights))
+            .map(|(&(m, _, _), r)| (m as usize, r))
+            .collect();
         Some(Self {
             target_step_secs: t1,
             c: draft_secs_per_token / t1,

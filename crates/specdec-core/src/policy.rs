@@ -501,15 +501,21 @@ impl Controller {
             Some((a, b)) => (a / t1, b / t1),
             None => prior.map_or((0.0, 0.0), |p| (p.draft_fixed, p.c)),
         };
-        let r = (1..=MAX_DRAFT_LEN + 1)
+        // Each measured length weighs its samples; lengths this run has not timed come from the
+        // prior (or the fitted line) with the weight of one sample.
+        let (r, weights): (Vec<f64>, Vec<f64>) = (1..=MAX_DRAFT_LEN + 1)
             .map(
                 |m| match (fit.measured.iter().find(|(mm, _)| *mm == m), prior) {
-                    (Some(&(_, r)), _) => r,
-                    (None, Some(p)) => p.r(m),
-                    (None, None) => fit.r(m),
+                    (Some(&(_, r)), _) => (
+                        r,
+                        self.verify_times.get(m - 1).map_or(1.0, |t| t.len() as f64),
+                    ),
+                    (None, Some(p)) => (p.r(m), 1.0),
+                    (None, None) => (fit.r(m), 1.0),
                 },
             )
-            .collect();
+            .unzip();
+        let r = isotonic_curve(&r, &weights);
         Some(Profile { fixed, c, r })
     }
 
@@ -757,6 +763,42 @@ fn curve_r(r: &[f64], m: usize) -> f64 {
     here + slope * (m - n) as f64
 }
 
+/// The non-decreasing curve closest to `values` in weighted least squares (isotonic regression, by
+/// pooling adjacent violators), floored at 1: how a measured cost curve `r(1), r(2), ..` is read.
+///
+/// Scoring more tokens cannot cost less, so a measurement under an earlier one is noise, and so is
+/// one above a later one. [`curve_r`]'s running maximum reads the first kind away but carries the
+/// second into every longer block: one disturbed timing (`r(5) = 2.47` between `r(4) = 1.50` and
+/// `r(6) = 1.97`) priced every draft of 4 to 7 tokens at 2.47. Pooling it with its neighbours
+/// spreads the error instead, by the weights (sample counts) of the points pooled. A weight of 0
+/// or less counts as a tiny one, so that every point still gets a value; `weights` shorter than
+/// `values` is padded with ones.
+pub fn isotonic_curve(values: &[f64], weights: &[f64]) -> Vec<f64> {
+    // Pooled blocks: (mean, weight, points).
+    let mut blocks: Vec<(f64, f64, usize)> = Vec::with_capacity(values.len());
+    for (i, &v) in values.iter().enumerate() {
+        let w = weights.get(i).copied().unwrap_or(1.0).max(1e-9);
+        let v = if v.is_finite() { v } else { 1.0 };
+        blocks.push((v, w, 1));
+        while blocks.len() >= 2 {
+            let (b, a) = (blocks[blocks.len() - 1], blocks[blocks.len() - 2]);
+            if a.0 <= b.0 {
+                break;
+            }
+            let w = a.1 + b.1;
+            let pooled = ((a.0 * a.1 + b.0 * b.1) / w, w, a.2 + b.2);
+            blocks.pop();
+            if let Some(last) = blocks.last_mut() {
+                *last = pooled;
+            }
+        }
+    }
+    blocks
+        .iter()
+        .flat_map(|&(v, _, n)| std::iter::repeat_n(v.max(1.0), n))
+        .collect()
+}
+
 /// The cost model's view of one round, handed to drafters in [`crate::DraftRequest::costs`]; every
 /// cost is in units of one target step on one token.
 #[derive(Clone, Debug, PartialEq)]
@@ -950,6 +992,46 @@ mod tests {
         assert!((curve_r(&rising, 5) - 2.1).abs() < 1e-12);
         assert_eq!(curve_r(&[], 3), 1.0);
         assert_eq!(curve_r(&[0.5], 0), 1.0);
+    }
+
+    #[test]
+    fn an_isotonic_curve_pools_a_disturbed_timing_with_its_neighbours() {
+        let r = [1.0, 1.10, 1.19, 1.50, 2.47, 1.97, 2.10, 2.33];
+        let fit = isotonic_curve(&r, &[]);
+        let pooled = (2.47 + 1.97 + 2.10) / 3.0;
+        let want = [1.0, 1.10, 1.19, 1.50, pooled, pooled, pooled, 2.33];
+        assert_eq!(fit.len(), want.len());
+        for (a, b) in fit.iter().zip(want) {
+            assert!((a - b).abs() < 1e-12, "{fit:?}");
+        }
+        // The running maximum would have read r(5..=7) as 2.47.
+        assert!(curve_r(&fit, 6) < 2.2);
+        // A well-sampled point moves less than a point of one sample.
+        let heavy = isotonic_curve(&[1.0, 2.0, 1.5], &[1.0, 9.0, 1.0]);
+        assert!((heavy[1] - 1.95).abs() < 1e-12 && heavy[1] == heavy[2], "{heavy:?}");
+        // Floored at 1, and the identity on a non-decreasing curve.
+        assert_eq!(isotonic_curve(&[0.8, 0.9, 1.2], &[]), [1.0, 1.0, 1.2]);
+        assert_eq!(isotonic_curve(&[1.0, 1.3, 1.3, 2.0], &[]), [1.0, 1.3, 1.3, 2.0]);
+        assert!(isotonic_curve(&[], &[]).is_empty());
+    }
+
+    proptest::proptest! {
+        /// The fit is non-decreasing, at least 1, as long as its input, and (on inputs of at least 1,
+        /// which the floor leaves alone) keeps the weighted sum: pooling moves values, never mass.
+        #[test]
+        fn an_isotonic_curve_is_monotone_and_keeps_the_weighted_sum(
+            v in proptest::collection::vec(1.0f64..8.0, 0..20),
+            w in proptest::collection::vec(0.5f64..10.0, 20),
+        ) {
+            let fit = isotonic_curve(&v, &w);
+            proptest::prop_assert_eq!(fit.len(), v.len());
+            for pair in fit.windows(2) {
+                proptest::prop_assert!(pair[0] <= pair[1] + 1e-12);
+            }
+            proptest::prop_assert!(fit.iter().all(|&r| r >= 1.0));
+            let sum = |x: &[f64]| x.iter().zip(&w).map(|(a, b)| a * b).sum::<f64>();
+            proptest::prop_assert!((sum(&fit) - sum(&v)).abs() < 1e-9 * (1.0 + sum(&v)));
+        }
     }
 
     fn round(drafted: usize, accepted: usize) -> Round {

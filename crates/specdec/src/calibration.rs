@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
-use specdec_core::{DraftLenPolicy, FixedCost};
+use specdec_core::{isotonic_curve, DraftLenPolicy, FixedCost};
 use specdec_runtime::fetch::home;
 use specdec_runtime::Session;
 
@@ -27,6 +27,9 @@ pub struct Calibration {
     pub r: Vec<f64>,
 }
 
+/// Repetitions of each timing in [`measure`].
+const SWEEPS: usize = 5;
+
 /// What is saved: the calibration and what it was measured on.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 struct Saved {
@@ -39,35 +42,37 @@ struct Saved {
 }
 
 /// Times the target on blocks of 1..=16 tokens after `context`, and the draft on single tokens:
-/// medians of 3 repetitions.
+/// medians of [`SWEEPS`] repetitions. The repetitions are sweeps over all lengths, so that a
+/// disturbance of the machine (another tenant, a frequency change) spoils one sample of several
+/// lengths instead of all samples of one.
 pub fn measure(loaded: &Loaded, context: &[u32]) -> Result<Calibration> {
-    let time_block = |s: &mut Session, m: usize| -> Result<f64> {
-        let mut t = Vec::new();
-        let vocab = loaded.target.config().vocab.max(1) as u32;
-        for rep in 0..3 {
-            s.rollback(context.len())?;
-            let block: Vec<u32> = (0..m as u32)
-                .map(|i| (100 + 7 * i + rep) % 1000 % vocab)
-                .collect();
-            let start = Instant::now();
-            s.feed(&block, m)?;
-            t.push(start.elapsed().as_secs_f64());
-        }
-        Ok(median(&mut t))
+    let vocab = loaded.target.config().vocab.max(1) as u32;
+    let time_block = |s: &mut Session, m: usize, rep: u32| -> Result<f64> {
+        s.rollback(context.len())?;
+        let block: Vec<u32> = (0..m as u32)
+            .map(|i| (100 + 7 * i + rep) % 1000 % vocab)
+            .collect();
+        let start = Instant::now();
+        s.feed(&block, m)?;
+        Ok(start.elapsed().as_secs_f64())
     };
     let mut s = loaded.target_session();
     s.feed(context, 1)?;
-    let times: Vec<f64> = (1..=16)
-        .map(|m| time_block(&mut s, m))
-        .collect::<Result<_>>()?;
+    let mut samples = vec![Vec::with_capacity(SWEEPS); 16];
+    for rep in 0..SWEEPS as u32 {
+        for (m, t) in samples.iter_mut().enumerate() {
+            t.push(time_block(&mut s, m + 1, rep)?);
+        }
+    }
+    let times: Vec<f64> = samples.iter_mut().map(|t| median(t)).collect();
     let t1 = times[0];
     let draft_step_s = match &loaded.draft {
         Some(d) => {
             let mut ds = Session::new(d.clone(), loaded.ctx);
             ds.feed(context, 1)?;
             let mut t = Vec::new();
-            for _ in 0..3 {
-                t.push(time_block(&mut ds, 1)?);
+            for rep in 0..SWEEPS as u32 {
+                t.push(time_block(&mut ds, 1, rep)?);
             }
             Some(median(&mut t))
         }
@@ -171,10 +176,11 @@ pub fn load_path(path: &Path) -> Option<FixedCost> {
     let text = std::fs::read_to_string(path).ok()?;
     let saved: Saved = serde_json::from_str(&text).ok()?;
     let cal = saved.calibration;
+    // The file keeps the medians as measured; the cost model reads them as a non-decreasing curve.
     let cost = FixedCost {
         c: cal.c.unwrap_or(0.0),
         draft_fixed: 0.0,
-        r: cal.r,
+        r: isotonic_curve(&cal.r, &[]),
     };
     let policy = DraftLenPolicy::auto(Some(cost.clone()));
     policy.validate().ok()?;

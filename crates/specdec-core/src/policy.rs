@@ -767,7 +767,7 @@ fn curve_r(r: &[f64], m: usize) -> f64 {
 /// pooling adjacent violators), floored at 1: how a measured cost curve `r(1), r(2), ..` is read.
 ///
 /// Scoring more tokens cannot cost less, so a measurement under an earlier one is noise, and so is
-/// one above a later one. [`curve_r`]'s running maximum reads the first kind away but carries the
+/// one above a later one. A running maximum reads the first kind away but carries the
 /// second into every longer block: one disturbed timing (`r(5) = 2.47` between `r(4) = 1.50` and
 /// `r(6) = 1.97`) priced every draft of 4 to 7 tokens at 2.47. Pooling it with its neighbours
 /// spreads the error instead, by the weights (sample counts) of the points pooled. A weight of 0
@@ -1008,10 +1008,16 @@ mod tests {
         assert!(curve_r(&fit, 6) < 2.2);
         // A well-sampled point moves less than a point of one sample.
         let heavy = isotonic_curve(&[1.0, 2.0, 1.5], &[1.0, 9.0, 1.0]);
-        assert!((heavy[1] - 1.95).abs() < 1e-12 && heavy[1] == heavy[2], "{heavy:?}");
+        assert!(
+            (heavy[1] - 1.95).abs() < 1e-12 && heavy[1] == heavy[2],
+            "{heavy:?}"
+        );
         // Floored at 1, and the identity on a non-decreasing curve.
         assert_eq!(isotonic_curve(&[0.8, 0.9, 1.2], &[]), [1.0, 1.0, 1.2]);
-        assert_eq!(isotonic_curve(&[1.0, 1.3, 1.3, 2.0], &[]), [1.0, 1.3, 1.3, 2.0]);
+        assert_eq!(
+            isotonic_curve(&[1.0, 1.3, 1.3, 2.0], &[]),
+            [1.0, 1.3, 1.3, 2.0]
+        );
         assert!(isotonic_curve(&[], &[]).is_empty());
     }
 

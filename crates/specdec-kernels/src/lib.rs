@@ -54,10 +54,10 @@ mod simd;
 pub use dispatch::{CpuLevel, Kernels, LEVEL_ENV};
 pub use f16::F16;
 pub use formats::{
-    dequantize_row, dot_q4_0_q8_0, dot_q4_k_q8_k, dot_q5_0_q8_0, dot_q6_k_q8_k, dot_q8_0_q8_0,
-    hsum8, q8k_position, q8k_value, quantize_row_q8_0, quantize_row_q8_k, ActQ8_0,
-    ActivationFormat, BlockFormat, BlockQ4K, BlockQ4_0, BlockQ4_0x8, BlockQ5_0, BlockQ5_0x8,
-    BlockQ6K, BlockQ8K, BlockQ8_0, Interleaved, WeightBlock, GROUP_ROWS,
+    dequantize_row, dot_q4_0_q8_0, dot_q4_k_q8_k, dot_q4_kx8_q8_k, dot_q5_0_q8_0, dot_q6_k_q8_k,
+    dot_q8_0_q8_0, hsum8, q8k_position, q8k_value, quantize_row_q8_0, quantize_row_q8_k, ActQ8_0,
+    ActivationFormat, BlockFormat, BlockQ4K, BlockQ4Kx8, BlockQ4_0, BlockQ4_0x8, BlockQ5_0,
+    BlockQ5_0x8, BlockQ6K, BlockQ8K, BlockQ8_0, Interleaved, WeightBlock, GROUP_ROWS,
 };
 pub use matrix::{matmul, QMatrix, QuantizedActivations, Weights};
 pub use pool::ThreadPool;
@@ -66,8 +66,8 @@ pub use simd::MAX_PASS_ROWS;
 /// The kernels' revision, raised whenever a change moves their speed (r(m), a step's time): a saved
 /// cost calibration names it, so a new revision is calibrated afresh instead of starting from costs
 /// measured on the old kernels. 23: the transposed K-quant order (stop 23); 24: Q4_0 and Q5_0 with
-/// 8 weight rows interleaved (stop 24).
-pub const REVISION: u32 = 24;
+/// 8 weight rows interleaved (stop 24); 25: Q4_K with 8 weight rows interleaved (stop 25).
+pub const REVISION: u32 = 25;
 
 /// Everything that can go wrong in this crate: shapes and levels, never arithmetic.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -3,8 +3,8 @@
 use crate::dispatch::Kernels;
 use crate::formats::{
     dequantize_row, interleave_rows, quantize_row_q8_0, quantize_row_q8_k, ActQ8_0,
-    ActivationFormat, BlockFormat, BlockQ4K, BlockQ4_0, BlockQ4_0x8, BlockQ5_0, BlockQ5_0x8,
-    BlockQ6K, BlockQ8K, BlockQ8_0, Interleaved, WeightBlock, GROUP_ROWS,
+    ActivationFormat, BlockFormat, BlockQ4K, BlockQ4Kx8, BlockQ4_0, BlockQ4_0x8, BlockQ5_0,
+    BlockQ5_0x8, BlockQ6K, BlockQ8K, BlockQ8_0, Interleaved, WeightBlock, GROUP_ROWS,
 };
 use crate::pool::ThreadPool;
 use crate::simd::{self, pass, pass_groups, Out, Window, MAX_PASS_ROWS};
@@ -26,8 +26,11 @@ pub enum Weights {
     Q5_0(Vec<BlockQ5_0>),
     /// Q5_0 blocks of 8 rows interleaved.
     Q5_0x8(Vec<BlockQ5_0x8>),
-    /// Q4_K blocks.
+    /// Q4_K blocks ([`QMatrix::from_blocks`] interleaves them when the rows are a multiple of 8).
     Q4K(Vec<BlockQ4K>),
+    /// Q4_K blocks of 8 rows interleaved, with their own arithmetic
+    /// ([`crate::formats::dot_q4_kx8_q8_k`]).
+    Q4Kx8(Vec<BlockQ4Kx8>),
     /// Q6_K blocks.
     Q6K(Vec<BlockQ6K>),
 }
@@ -39,7 +42,7 @@ impl Weights {
             Weights::Q8_0(_) => BlockFormat::Q8_0,
             Weights::Q4_0(_) | Weights::Q4_0x8(_) => BlockFormat::Q4_0,
             Weights::Q5_0(_) | Weights::Q5_0x8(_) => BlockFormat::Q5_0,
-            Weights::Q4K(_) => BlockFormat::Q4K,
+            Weights::Q4K(_) | Weights::Q4Kx8(_) => BlockFormat::Q4K,
             Weights::Q6K(_) => BlockFormat::Q6K,
         }
     }
@@ -53,6 +56,7 @@ impl Weights {
             Weights::Q5_0(b) => b.len(),
             Weights::Q5_0x8(g) => GROUP_ROWS * g.len(),
             Weights::Q4K(b) => b.len(),
+            Weights::Q4Kx8(g) => GROUP_ROWS * g.len(),
             Weights::Q6K(b) => b.len(),
         }
     }
@@ -99,8 +103,8 @@ fn read_blocks<B: WeightBlock>(bytes: &[u8]) -> Vec<B> {
 }
 
 impl QMatrix {
-    /// A matrix from its blocks. Q4_0 and Q5_0 blocks are interleaved in groups of 8 rows
-    /// ([`BlockQ4_0x8`], [`BlockQ5_0x8`]) when `rows` is a multiple of 8.
+    /// A matrix from its blocks. Q4_0, Q5_0 and Q4_K blocks are interleaved in groups of 8 rows
+    /// ([`BlockQ4_0x8`], [`BlockQ5_0x8`], [`BlockQ4Kx8`]) when `rows` is a multiple of 8.
     ///
     /// # Errors
     /// [`KernelError::RaggedRow`] if `cols` is not a multiple of the block length,
@@ -117,11 +121,12 @@ impl QMatrix {
         }
         let grouped = rows.is_multiple_of(GROUP_ROWS);
         let weights = match weights {
-            Weights::Q4_0x8(_) | Weights::Q5_0x8(_) if !grouped => {
+            Weights::Q4_0x8(_) | Weights::Q5_0x8(_) | Weights::Q4Kx8(_) if !grouped => {
                 return Err(KernelError::RaggedGroups { rows });
             }
             Weights::Q4_0(b) if grouped && nb > 0 => Weights::Q4_0x8(interleave_rows(&b, nb)),
             Weights::Q5_0(b) if grouped && nb > 0 => Weights::Q5_0x8(interleave_rows(&b, nb)),
+            Weights::Q4K(b) if grouped && nb > 0 => Weights::Q4Kx8(interleave_rows(&b, nb)),
             weights => weights,
         };
         Ok(QMatrix {
@@ -174,8 +179,8 @@ impl QMatrix {
         self.weights.format()
     }
 
-    /// The blocks, as stored: Q4_0 and Q5_0 matrices whose row count is a multiple of 8 as
-    /// [`Weights::Q4_0x8`] and [`Weights::Q5_0x8`] ([`QMatrix::row_weights`] gives a row's blocks
+    /// The blocks, as stored: Q4_0, Q5_0 and Q4_K matrices whose row count is a multiple of 8 as
+    /// [`Weights::Q4_0x8`], [`Weights::Q5_0x8`] and [`Weights::Q4Kx8`] ([`QMatrix::row_weights`] gives a row's blocks
     /// as the file has them).
     pub fn weights(&self) -> &Weights {
         &self.weights
@@ -211,6 +216,7 @@ impl QMatrix {
             Weights::Q5_0(b) => dequantize_row(&b[blocks], out),
             Weights::Q5_0x8(b) => dequantize_grouped(&b[groups], k, out),
             Weights::Q4K(b) => dequantize_row(&b[blocks], out),
+            Weights::Q4Kx8(b) => dequantize_grouped(&b[groups], k, out),
             Weights::Q6K(b) => dequantize_row(&b[blocks], out),
         }
     }
@@ -229,6 +235,7 @@ impl QMatrix {
             Weights::Q5_0(b) => Weights::Q5_0(b[blocks].to_vec()),
             Weights::Q5_0x8(b) => Weights::Q5_0(b[groups].iter().map(|g| g.row(k)).collect()),
             Weights::Q4K(b) => Weights::Q4K(b[blocks].to_vec()),
+            Weights::Q4Kx8(b) => Weights::Q4K(b[groups].iter().map(|g| g.row(k)).collect()),
             Weights::Q6K(b) => Weights::Q6K(b[blocks].to_vec()),
         }
     }
@@ -592,6 +599,9 @@ impl Kernels {
                     }
                     (Weights::Q4K(b), ActBlocks::Q8K(a)) => {
                         pass::<simd::Q4K>(level, &b[blocks.clone()], nb, &a[acts], out)
+                    }
+                    (Weights::Q4Kx8(g), ActBlocks::Q8K(a)) => {
+                        pass_groups::<simd::Q4Kx8>(level, &g[groups.clone()], nb, &a[acts], window)
                     }
                     (Weights::Q6K(b), ActBlocks::Q8K(a)) => {
                         pass::<simd::Q6K>(level, &b[blocks.clone()], nb, &a[acts], out)

@@ -7,9 +7,9 @@
 
 use crate::dispatch::CpuLevel;
 use crate::formats::{
-    dot_q4_0_q8_0, dot_q4_k_q8_k, dot_q5_0_q8_0, dot_q6_k_q8_k, dot_q8_0_q8_0, ActQ8_0, BlockQ4K,
-    BlockQ4_0, BlockQ4_0x8, BlockQ5_0, BlockQ5_0x8, BlockQ6K, BlockQ8K, BlockQ8_0, Interleaved,
-    GROUP_ROWS,
+    dot_q4_0_q8_0, dot_q4_k_q8_k, dot_q4_kx8_q8_k, dot_q5_0_q8_0, dot_q6_k_q8_k, dot_q8_0_q8_0,
+    ActQ8_0, BlockQ4K, BlockQ4Kx8, BlockQ4_0, BlockQ4_0x8, BlockQ5_0, BlockQ5_0x8, BlockQ6K,
+    BlockQ8K, BlockQ8_0, Interleaved, GROUP_ROWS,
 };
 
 /// Most activation rows dotted against one unpacked weight block.
@@ -104,24 +104,27 @@ format!(
     crate::formats::q6_k::avx2::Q6K
 );
 
-/// An interleaved weight format's kernels ([`crate::BlockQ4_0x8`], [`crate::BlockQ5_0x8`]): the reference dot of its
-/// plain blocks and the AVX2 and AVX-512 VNNI passes over groups of 8 rows.
+/// An interleaved weight format's kernels ([`crate::BlockQ4_0x8`], [`crate::BlockQ5_0x8`],
+/// [`crate::BlockQ4Kx8`]): the reference dot of its plain blocks and the AVX2 and AVX-512 VNNI passes
+/// over groups of 8 rows.
 pub(crate) trait GroupFormat {
     type Group: Interleaved;
-    fn dot(w: &[<Self::Group as Interleaved>::Block], x: &[ActQ8_0]) -> f32;
+    /// The activation blocks.
+    type Act;
+    fn dot(w: &[<Self::Group as Interleaved>::Block], x: &[Self::Act]) -> f32;
     /// [`pass_groups`] at [`CpuLevel::Avx2`].
     ///
     /// # Safety
     /// The CPU must support AVX2, F16C and FMA; `out` as [`pass_groups`].
     #[cfg(target_arch = "x86_64")]
-    unsafe fn avx2_pass(w: &[Self::Group], nb: usize, x: &[ActQ8_0], out: Window);
+    unsafe fn avx2_pass(w: &[Self::Group], nb: usize, x: &[Self::Act], out: Window);
     /// [`pass_groups`] at [`CpuLevel::Avx512Vnni`].
     ///
     /// # Safety
     /// The CPU must support AVX2, F16C, FMA, AVX512F, AVX512VL and AVX512_VNNI; `out` as
     /// [`pass_groups`].
     #[cfg(target_arch = "x86_64")]
-    unsafe fn vnni_pass(w: &[Self::Group], nb: usize, x: &[ActQ8_0], out: Window);
+    unsafe fn vnni_pass(w: &[Self::Group], nb: usize, x: &[Self::Act], out: Window);
 }
 
 macro_rules! group_format {
@@ -129,6 +132,7 @@ macro_rules! group_format {
         pub(crate) struct $name;
         impl GroupFormat for $name {
             type Group = $group;
+            type Act = ActQ8_0;
             fn dot(w: &[<$group as Interleaved>::Block], x: &[ActQ8_0]) -> f32 {
                 $dot(w, x)
             }
@@ -144,6 +148,29 @@ macro_rules! group_format {
             }
         }
     };
+}
+
+/// Q4_K with 8 rows interleaved ([`crate::formats::q4_k_x8`]). Its AVX-512 VNNI level runs the AVX2
+/// kernel: the `maddubs` sums already fill `i16`, so `vpdpbusd` would not save the `madd` by the
+/// scales, and the float work is shared by 8 rows either way.
+pub(crate) struct Q4Kx8;
+
+impl GroupFormat for Q4Kx8 {
+    type Group = BlockQ4Kx8;
+    type Act = BlockQ8K;
+    fn dot(w: &[BlockQ4K], x: &[BlockQ8K]) -> f32 {
+        dot_q4_kx8_q8_k(w, x)
+    }
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn avx2_pass(w: &[BlockQ4Kx8], nb: usize, x: &[BlockQ8K], out: Window) {
+        // SAFETY: the caller's contract.
+        unsafe { crate::formats::q4_k_x8::avx2::pass8(w, nb, x, out) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn vnni_pass(w: &[BlockQ4Kx8], nb: usize, x: &[BlockQ8K], out: Window) {
+        // SAFETY: the caller's contract; a CPU with AVX-512 VNNI has AVX2, F16C and FMA.
+        unsafe { crate::formats::q4_k_x8::avx2::pass8(w, nb, x, out) }
+    }
 }
 
 group_format!(
@@ -191,7 +218,7 @@ impl Window {
     /// # Safety
     /// As [`Out::write`] for every column of the window.
     #[inline]
-    unsafe fn write(self, r: usize, c: usize, v: f32) {
+    pub(crate) unsafe fn write(self, r: usize, c: usize, v: f32) {
         if c >= self.skip && c - self.skip < self.len {
             // SAFETY: the caller's contract.
             unsafe { self.out.write(r, c - self.skip, v) }
@@ -208,7 +235,7 @@ pub(crate) unsafe fn pass_groups<G: GroupFormat>(
     level: CpuLevel,
     w: &[G::Group],
     nb: usize,
-    x: &[ActQ8_0],
+    x: &[G::Act],
     out: Window,
 ) {
     match level {
@@ -231,7 +258,7 @@ pub(crate) unsafe fn pass_groups<G: GroupFormat>(
 ///
 /// # Safety
 /// As [`pass_groups`].
-unsafe fn scalar_groups<G: GroupFormat>(w: &[G::Group], nb: usize, x: &[ActQ8_0], out: Window) {
+unsafe fn scalar_groups<G: GroupFormat>(w: &[G::Group], nb: usize, x: &[G::Act], out: Window) {
     let mut row = Vec::with_capacity(nb);
     for (g, groups) in w.chunks_exact(nb).enumerate() {
         for k in 0..GROUP_ROWS {

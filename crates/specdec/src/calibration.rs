@@ -58,7 +58,7 @@ pub fn measure(loaded: &Loaded, context: &[u32]) -> Result<Calibration> {
     };
     let mut s = loaded.target_session();
     s.feed(context, 1)?;
-    let mut samples = vec![Vec::with_capacity(SWEEPS); 16];
+    let mut samples: Vec<Vec<f64>> = (0..16).map(|_| Vec::with_capacity(SWEEPS)).collect();
     for rep in 0..SWEEPS as u32 {
         for (m, t) in samples.iter_mut().enumerate() {
             t.push(time_block(&mut s, m + 1, rep)?);

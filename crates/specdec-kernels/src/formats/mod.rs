@@ -24,6 +24,11 @@
 //!   Q5_0 matrices are stored with 8 rows interleaved ([`BlockQ4_0x8`], [`BlockQ5_0x8`]), so that
 //!   each row's sum lands in its lane without a horizontal reduction.
 //!
+//! - **Q4_K stored with 8 rows interleaved** ([`BlockQ4Kx8`], what [`crate::QMatrix`] makes of a Q4_K
+//!   matrix whose row count is a multiple of 8): a block's products are summed into one exact `i32`
+//!   per row, its mins term into another, and both go into a single `f32` accumulator with two fused
+//!   multiply-adds ([`dot_q4_kx8_q8_k`]), so that the 8 rows of a group share the float work.
+//!
 //! The AVX2 kernels produce the same integers with `maddubs`/`madd` and the same float operations, so
 //! every CPU level returns identical bits. (For the K-quants they add several vectors' `maddubs`
 //! results in `i16` before one `madd` by the scales, all 8 of a Q4_K block and two of a Q6_K block,
@@ -40,6 +45,7 @@ use crate::f16::F16;
 pub(crate) mod interleaved;
 pub(crate) mod q4_0;
 pub(crate) mod q4_k;
+pub(crate) mod q4_k_x8;
 pub(crate) mod q5_0;
 pub(crate) mod q6_k;
 pub(crate) mod q8_0;
@@ -48,6 +54,7 @@ pub(crate) mod q8_k;
 pub use interleaved::{interleave_rows, BlockQ4_0x8, BlockQ5_0x8, Interleaved, GROUP_ROWS};
 pub use q4_0::{dot_q4_0_q8_0, BlockQ4_0};
 pub use q4_k::{dot_q4_k_q8_k, BlockQ4K};
+pub use q4_k_x8::{dot_q4_kx8_q8_k, BlockQ4Kx8};
 pub use q5_0::{dot_q5_0_q8_0, BlockQ5_0};
 pub use q6_k::{dot_q6_k_q8_k, BlockQ6K};
 pub use q8_0::{dot_q8_0_q8_0, quantize_row_q8_0, ActQ8_0, BlockQ8_0};

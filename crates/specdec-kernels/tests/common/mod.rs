@@ -3,9 +3,9 @@
 #![allow(dead_code)]
 
 use specdec_kernels::{
-    dot_q4_0_q8_0, dot_q4_k_q8_k, dot_q5_0_q8_0, dot_q6_k_q8_k, dot_q8_0_q8_0, BlockFormat,
-    BlockQ4K, BlockQ4_0, BlockQ5_0, BlockQ6K, BlockQ8_0, QMatrix, QuantizedActivations, Weights,
-    F16,
+    dot_q4_0_q8_0, dot_q4_k_q8_k, dot_q4_kx8_q8_k, dot_q5_0_q8_0, dot_q6_k_q8_k, dot_q8_0_q8_0,
+    BlockFormat, BlockQ4K, BlockQ4_0, BlockQ5_0, BlockQ6K, BlockQ8_0, QMatrix,
+    QuantizedActivations, Weights, F16,
 };
 
 pub struct Rng(pub u64);
@@ -144,6 +144,10 @@ pub fn reference(w: &QMatrix, x: &QuantizedActivations, n: usize, r: usize) -> f
         Weights::Q8_0(b) => dot_q8_0_q8_0(&b, x.q8_0_row(r).expect("Q8_0 activations")),
         Weights::Q4_0(b) => dot_q4_0_q8_0(&b, x.q8_0_row(r).expect("Q8_0 activations")),
         Weights::Q5_0(b) => dot_q5_0_q8_0(&b, x.q8_0_row(r).expect("Q8_0 activations")),
+        // A Q4_K matrix stored interleaved has the interleaved format's own arithmetic.
+        Weights::Q4K(b) if matches!(w.weights(), Weights::Q4Kx8(_)) => {
+            dot_q4_kx8_q8_k(&b, x.q8k_row(r).expect("Q8_K activations"))
+        }
         Weights::Q4K(b) => dot_q4_k_q8_k(&b, x.q8k_row(r).expect("Q8_K activations")),
         Weights::Q6K(b) => dot_q6_k_q8_k(&b, x.q8k_row(r).expect("Q8_K activations")),
         other => panic!("row_weights gave grouped blocks: {:?}", other.format()),

@@ -1,0 +1,387 @@
+//! Q4_K with 8 weight rows interleaved: the same bytes as 8 blocks of the file, rearranged so that a
+//! 32-byte load holds 4 quants of each of the 8 rows, and with one `f32` accumulator per row.
+//!
+//! A group holds block `b` of weight rows `8g .. 8g + 8`. Its quants are stored sub-block by
+//! sub-block: bytes `128 s + 32 c + 4 k + b` (`s < 8`, `c < 4`, `k < 8`, `b < 4`) hold row `k`'s
+//! value `32 s + 4 c + b` in their low nibble and value `32 s + 16 + 4 c + b` in their high one. So
+//! the 4 loads of sub-block `s` give 8 vectors `V_t` (`t < 8`) whose 4-byte lane `k` is row `k`'s
+//! values `32 s + 4 t .. + 4`; against a broadcast of the activation quants of the same 4 values,
+//! their products sum, lane by lane, into each row's sub-block sum, with no horizontal reduction.
+//! The rows' 12 scale bytes are stored as 3 words side by side (bytes `32 i + 4 k ..` are word `i` of
+//! row `k`), so ggml's `get_scale_min_k4` runs on all 8 rows at once in 32-bit lanes.
+//!
+//! # The arithmetic
+//!
+//! With the rows in the lanes, a block's float work (the conversion of its integer sums, the
+//! multiplications by `d`, `dmin` and the activation's scale) is one vector operation for 8 rows.
+//! That needs one number per row and block, so this format has its own reference
+//! ([`dot_q4_kx8_q8_k`]): per block the exact `i32` sums `Σ_s sc[s] Σ q y` and `Σ_j m[j] (bsums[2j]
+//! + bsums[2j + 1])`, one fused multiply-add with `d` and `-(mins · dmin)`, and one with the
+//! activation's `d` into a single `f32` accumulator. [`crate::QMatrix`] stores Q4_K matrices whose
+//! row count is a multiple of 8 this way, and every level computes this arithmetic; a Q4_K matrix
+//! of other row counts keeps [`crate::formats::dot_q4_k_q8_k`]'s.
+
+use super::{q8k_position, BlockQ4K, BlockQ8K, Interleaved, GROUP_ROWS};
+use crate::f16::F16;
+
+/// Block `b` of 8 Q4_K weight rows (1152 bytes, as the 8 blocks), interleaved (see the module).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C)]
+pub struct BlockQ4Kx8 {
+    /// The rows' super-block scales of the sub-block scales.
+    pub d: [F16; GROUP_ROWS],
+    /// The rows' super-block scales of the sub-block mins.
+    pub dmin: [F16; GROUP_ROWS],
+    /// The rows' packed scales and mins: bytes `32 i + 4 k .. + 4` are bytes `4 i .. 4 i + 4` of row
+    /// `k`'s ([`BlockQ4K::scales`]).
+    pub scales: [u8; 96],
+    /// The rows' nibbles, interleaved (see the module).
+    pub qs: [u8; 1024],
+}
+
+const _: () = assert!(std::mem::size_of::<BlockQ4Kx8>() == 8 * 144);
+
+impl Interleaved for BlockQ4Kx8 {
+    type Block = BlockQ4K;
+
+    fn pack(rows: [&BlockQ4K; GROUP_ROWS]) -> Self {
+        let mut scales = [0u8; 96];
+        let mut qs = [0u8; 1024];
+        for (k, row) in rows.iter().enumerate() {
+            for (j, &byte) in row.scales.iter().enumerate() {
+                scales[32 * (j / 4) + 4 * k + j % 4] = byte;
+            }
+            for s in 0..8 {
+                let q = row.sub_block(s);
+                for c in 0..4 {
+                    for b in 0..4 {
+                        qs[128 * s + 32 * c + 4 * k + b] = q[4 * c + b] | (q[16 + 4 * c + b] << 4);
+                    }
+                }
+            }
+        }
+        BlockQ4Kx8 {
+            d: rows.map(|r| r.d),
+            dmin: rows.map(|r| r.dmin),
+            scales,
+            qs,
+        }
+    }
+
+    fn row(&self, k: usize) -> BlockQ4K {
+        assert!(k < GROUP_ROWS, "a group holds 8 rows");
+        let mut qs = [0u8; 128];
+        for s in 0..8 {
+            for l in 0..32 {
+                let (c, high, b) = ((l % 16) / 4, l / 16, l % 4);
+                let q = (self.qs[128 * s + 32 * c + 4 * k + b] >> (4 * high)) & 0x0f;
+                // Where `BlockQ4K` keeps the quant of value `32 s + l` (see `BlockQ4K::sub_block`).
+                let p = q8k_position(32 * s + l);
+                qs[32 * (p / 64) + p % 32] |= q << (4 * ((p / 32) % 2));
+            }
+        }
+        BlockQ4K {
+            d: self.d[k],
+            dmin: self.dmin[k],
+            scales: std::array::from_fn(|j| self.scales[32 * (j / 4) + 4 * k + j % 4]),
+            qs,
+        }
+    }
+}
+
+/// Reference dot product of a Q4_K weight row with a Q8_K activation row in the arithmetic of the
+/// interleaved storage (see the module): per block, exactly in `i32`, `sumi = Σ_s sc[s] Σ q · y`
+/// and `mins = Σ_j m[j] · (bsums[2j] + bsums[2j + 1])`; then `acc = fma(fma(sumi, d, -(mins ·
+/// dmin)), dy, acc)` into one `f32`.
+///
+/// # Panics
+/// If the rows differ in length.
+pub fn dot_q4_kx8_q8_k(w: &[BlockQ4K], x: &[BlockQ8K]) -> f32 {
+    assert_eq!(w.len(), x.len(), "rows must have the same number of blocks");
+    let mut acc = 0f32;
+    for (wb, xb) in w.iter().zip(x) {
+        let (sc, m) = wb.scales_mins();
+        let mut sumi = 0i32;
+        for (s, &scale) in sc.iter().enumerate() {
+            let sub: i32 = wb
+                .sub_block(s)
+                .iter()
+                .enumerate()
+                .map(|(l, &q)| i32::from(q) * i32::from(xb.qs[q8k_position(32 * s + l)]))
+                .sum();
+            sumi += i32::from(scale) * sub;
+        }
+        let mins: i32 = m
+            .iter()
+            .enumerate()
+            .map(|(j, &m)| {
+                i32::from(m) * (i32::from(xb.bsums[2 * j]) + i32::from(xb.bsums[2 * j + 1]))
+            })
+            .sum();
+        let block = (sumi as f32).mul_add(wb.d.to_f32(), -(mins as f32 * wb.dmin.to_f32()));
+        acc = block.mul_add(xb.d, acc);
+    }
+    acc
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx2 {
+    use super::{BlockQ4Kx8, BlockQ8K};
+    use crate::simd::Window;
+    use std::arch::x86_64::*;
+
+    /// How far ahead of the group being unpacked [`rows8`] prefetches weights, in bytes.
+    const PREFETCH: usize = 4096;
+
+    /// A group's scales in registers.
+    struct Scales {
+        /// Sub-block `s`'s scales: `i32` lane `k` holds row `k`'s in both `i16` halves.
+        sc: [__m256i; 8],
+        /// Mins `2p` and `2p + 1` of row `k` in the low and high `i16` of lane `k`.
+        mins: [__m256i; 4],
+        d: __m256,
+        dmin: __m256,
+    }
+
+    /// A `pshufb` pattern that puts byte `lo` of each 32-bit lane in its low `i16` and byte `hi` in
+    /// its high one (zero-extended).
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma")]
+    fn spread(lo: i8, hi: i8) -> __m256i {
+        let z = -128i8; // 0x80: a zero byte
+        let lane = |l: i8| [4 * l + lo, z, 4 * l + hi, z];
+        let [a, b, c, d] = [lane(0), lane(1), lane(2), lane(3)];
+        let half = [
+            a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3], c[0], c[1], c[2], c[3], d[0], d[1],
+            d[2], d[3],
+        ];
+        // SAFETY: `half` is 16 bytes.
+        let h = unsafe { _mm_loadu_si128(half.as_ptr().cast()) };
+        _mm256_set_m128i(h, h)
+    }
+
+    /// The [`spread`] patterns [`scales`] uses: byte `b` to both halves (`b < 4`), then bytes 0, 1
+    /// and 2, 3 paired.
+    struct Patterns([__m256i; 6]);
+
+    impl Patterns {
+        #[inline]
+        #[target_feature(enable = "avx2,f16c,fma")]
+        fn new() -> Self {
+            Patterns([
+                spread(0, 0),
+                spread(1, 1),
+                spread(2, 2),
+                spread(3, 3),
+                spread(0, 1),
+                spread(2, 3),
+            ])
+        }
+    }
+
+    /// ggml's `get_scale_min_k4` for the 8 rows at once (lane `k` for row `k`), then each scale
+    /// spread to both `i16` halves and the mins paired.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma")]
+    fn scales(g: &BlockQ4Kx8, pat: &Patterns) -> Scales {
+        let p = g.scales.as_ptr();
+        // SAFETY: `scales` is 96 bytes: three 32-byte loads.
+        let (u0, u1, u2) = unsafe {
+            (
+                _mm256_loadu_si256(p.cast()),
+                _mm256_loadu_si256(p.add(32).cast()),
+                _mm256_loadu_si256(p.add(64).cast()),
+            )
+        };
+        let (k1, k2, k3) = (
+            _mm256_set1_epi32(0x3f3f_3f3f),
+            _mm256_set1_epi32(0x0f0f_0f0f),
+            _mm256_set1_epi32(0x0303_0303),
+        );
+        // Bytes of each lane: scales 0..4, scales 4..8, mins 0..4, mins 4..8.
+        let sc_lo = _mm256_and_si256(u0, k1);
+        let sc_hi = _mm256_or_si256(
+            _mm256_and_si256(u2, k2),
+            _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u0, 6), k3), 4),
+        );
+        let m_lo = _mm256_and_si256(u1, k1);
+        let m_hi = _mm256_or_si256(
+            _mm256_and_si256(_mm256_srli_epi32(u2, 4), k2),
+            _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u1, 6), k3), 4),
+        );
+        let p = &pat.0;
+        let sc = std::array::from_fn(|s| {
+            let src = if s < 4 { sc_lo } else { sc_hi };
+            _mm256_shuffle_epi8(src, p[s % 4])
+        });
+        let mins = [
+            _mm256_shuffle_epi8(m_lo, p[4]),
+            _mm256_shuffle_epi8(m_lo, p[5]),
+            _mm256_shuffle_epi8(m_hi, p[4]),
+            _mm256_shuffle_epi8(m_hi, p[5]),
+        ];
+        // SAFETY: `d` and `dmin` are 8 `u16` each, one unaligned 128-bit load.
+        let (d, dmin) = unsafe {
+            (
+                _mm256_cvtph_ps(_mm_loadu_si128(g.d.as_ptr().cast())),
+                _mm256_cvtph_ps(_mm_loadu_si128(g.dmin.as_ptr().cast())),
+            )
+        };
+        Scales { sc, mins, d, dmin }
+    }
+
+    /// Lane `k`: `Σ_j m[j] (bsums[2j] + bsums[2j + 1])` of row `k`, exactly (the pair sums are at
+    /// most 32 · 127 in magnitude, so they fit `i16`).
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma")]
+    fn mins(mins: &[__m256i; 4], x: &BlockQ8K) -> __m256i {
+        // SAFETY: `bsums` is 16 `i16`, 32 bytes.
+        let b = unsafe { _mm256_loadu_si256(x.bsums.as_ptr().cast()) };
+        // 32-bit elements 0, 1 (low half) and 4, 5 (high half) hold the pair sums (0, 1), (2, 3),
+        // (4, 5) and (6, 7).
+        let pairs = _mm256_hadd_epi16(b, b);
+        let at = |i: i32| _mm256_permutevar8x32_epi32(pairs, _mm256_set1_epi32(i));
+        _mm256_add_epi32(
+            _mm256_add_epi32(
+                _mm256_madd_epi16(mins[0], at(0)),
+                _mm256_madd_epi16(mins[1], at(1)),
+            ),
+            _mm256_add_epi32(
+                _mm256_madd_epi16(mins[2], at(4)),
+                _mm256_madd_epi16(mins[3], at(5)),
+            ),
+        )
+    }
+
+    /// [`rows8`] with the pass's row count (1 ..= [`crate::MAX_PASS_ROWS`]) as the constant.
+    ///
+    /// # Safety
+    /// As [`rows8`]; `nb > 0`.
+    pub(crate) unsafe fn pass8(w: &[BlockQ4Kx8], nb: usize, x: &[BlockQ8K], out: Window) {
+        macro_rules! by_rows {
+            ($($n:literal)*) => {
+                match x.len() / nb {
+                    // SAFETY: the caller's contract.
+                    $($n => unsafe { rows8::<$n>(w, nb, x, out) },)*
+                    _ => {}
+                }
+            };
+        }
+        by_rows!(1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16);
+    }
+
+    /// `N` activation rows against the groups of 8 weight rows in `w` (`nb` groups each): per group
+    /// the scales unpacked once; per sub-block its 8 vectors unpacked once and, per activation row,
+    /// 8 `maddubs` against broadcast activation quads summed in `i16` (at most 8 · 2 · 15 · 127 =
+    /// 30480) and one `madd` by the 8 rows' scales; then per row the float arithmetic of
+    /// [`super::dot_q4_kx8_q8_k`] for the 8 rows at once.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, F16C and FMA; `out` as [`crate::simd::pass_groups`].
+    #[target_feature(enable = "avx2,f16c,fma")]
+    unsafe fn rows8<const N: usize>(w: &[BlockQ4Kx8], nb: usize, x: &[BlockQ8K], out: Window) {
+        assert_eq!(x.len(), N * nb, "a pass holds N rows of nb blocks");
+        let low = _mm256_set1_epi8(0x0f);
+        let pat = Patterns::new();
+        // Kept rolled: unrolled over 16 rows, the loop spills the unpacked vectors.
+        let rows = std::hint::black_box(N);
+        for (g, groups) in w.chunks_exact(nb).enumerate() {
+            let mut acc = [_mm256_setzero_ps(); N];
+            for (b, group) in groups.iter().enumerate() {
+                let ahead = std::ptr::from_ref(group)
+                    .cast::<i8>()
+                    .wrapping_add(PREFETCH);
+                for line in (0..std::mem::size_of::<BlockQ4Kx8>()).step_by(64) {
+                    // A prefetch reads nothing the program sees and cannot fault.
+                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line));
+                }
+                let u = scales(group, &pat);
+                let mut sumi = [_mm256_setzero_si256(); N];
+                for (s, sc) in u.sc.iter().enumerate() {
+                    let mut v = [_mm256_setzero_si256(); 8];
+                    for c in 0..4 {
+                        // SAFETY: `qs` is 1024 bytes; bytes 128s + 32c .. + 32 are in bounds for
+                        // s < 8, c < 4.
+                        let q = unsafe {
+                            _mm256_loadu_si256(group.qs.as_ptr().add(128 * s + 32 * c).cast())
+                        };
+                        v[c] = _mm256_and_si256(q, low);
+                        v[c + 4] = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+                    }
+                    for (r, sumi) in sumi.iter_mut().enumerate().take(rows) {
+                        // Activation values 32s + 4t .. + 4 lie at positions 32t + 4s .. + 4.
+                        let y = x[r * nb + b].qs.as_ptr().wrapping_add(4 * s);
+                        let mut sum = _mm256_setzero_si256();
+                        for (t, &v) in v.iter().enumerate() {
+                            // SAFETY: positions 32t + 4s .. + 4 are in bounds of the 256 quants
+                            // for t < 8, s < 8.
+                            let word = unsafe { y.add(32 * t).cast::<i32>().read_unaligned() };
+                            sum = _mm256_add_epi16(
+                                sum,
+                                _mm256_maddubs_epi16(v, _mm256_set1_epi32(word)),
+                            );
+                        }
+                        *sumi = _mm256_add_epi32(*sumi, _mm256_madd_epi16(sum, *sc));
+                    }
+                }
+                for (r, (a, sumi)) in acc.iter_mut().zip(sumi).enumerate() {
+                    let xb = &x[r * nb + b];
+                    let m = _mm256_cvtepi32_ps(mins(&u.mins, xb));
+                    let block =
+                        _mm256_fmsub_ps(_mm256_cvtepi32_ps(sumi), u.d, _mm256_mul_ps(m, u.dmin));
+                    *a = _mm256_fmadd_ps(block, _mm256_set1_ps(xb.d), *a);
+                }
+            }
+            for (r, a) in acc.iter().enumerate() {
+                let mut lanes = [0f32; 8];
+                // SAFETY: `lanes` is 8 floats.
+                unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), *a) };
+                for (k, &v) in lanes.iter().enumerate() {
+                    // SAFETY: the caller's contract (the window's columns only).
+                    unsafe { out.write(r, 8 * g + k, v) };
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn q4k(seed: u8) -> BlockQ4K {
+        BlockQ4K {
+            d: F16(0x3c00 + u16::from(seed)),
+            dmin: F16(0x3800 + u16::from(seed)),
+            scales: std::array::from_fn(|i| seed.wrapping_mul(29).wrapping_add(i as u8 * 13)),
+            qs: std::array::from_fn(|i| seed.wrapping_mul(31).wrapping_add(i as u8 * 17)),
+        }
+    }
+
+    #[test]
+    fn groups_give_back_their_rows() {
+        let rows: Vec<BlockQ4K> = (0..8).map(|k| q4k(11 * k + 3)).collect();
+        let g = BlockQ4Kx8::pack(std::array::from_fn(|k| &rows[k]));
+        for (k, row) in rows.iter().enumerate() {
+            assert_eq!(g.row(k), *row);
+        }
+    }
+
+    #[test]
+    fn lanes_hold_each_rows_values() {
+        let rows: Vec<BlockQ4K> = (0..8).map(|k| q4k(7 * k + 1)).collect();
+        let g = BlockQ4Kx8::pack(std::array::from_fn(|k| &rows[k]));
+        for (k, row) in rows.iter().enumerate() {
+            for s in 0..8 {
+                let q = row.sub_block(s);
+                for t in 0..8 {
+                    for b in 0..4 {
+                        let byte = g.qs[128 * s + 32 * (t % 4) + 4 * k + b];
+                        let nibble = if t < 4 { byte & 0x0f } else { byte >> 4 };
+                        assert_eq!(nibble, q[4 * t + b], "row {k} sub-block {s} t {t} b {b}");
+                    }
+                }
+            }
+        }
+    }
+}

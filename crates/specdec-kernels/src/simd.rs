@@ -634,6 +634,36 @@ pub(crate) mod avx2 {
     /// How far ahead of the block being unpacked [`rows`] prefetches weights, in bytes.
     const PREFETCH: usize = 4096;
 
+    /// Prefetches the bytes [`PREFETCH`] ahead of `block`, one cache line per 64 bytes of `T`: the
+    /// rows of a pass are adjacent, so that is where the pass reads next.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma")]
+    pub(crate) fn prefetch_ahead<T>(block: &T) {
+        let ahead = std::ptr::from_ref(block)
+            .cast::<i8>()
+            .wrapping_add(PREFETCH);
+        for line in (0..std::mem::size_of::<T>()).step_by(64) {
+            // A prefetch reads nothing the program sees and cannot fault.
+            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line));
+        }
+    }
+
+    /// Writes the 8 lanes of `a`, one per row of group `g`, as columns `8g ..` of row `r`.
+    ///
+    /// # Safety
+    /// As [`super::Window::write`].
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma")]
+    pub(crate) unsafe fn write_group(out: super::Window, r: usize, g: usize, a: __m256) {
+        let mut lanes = [0f32; 8];
+        // SAFETY: `lanes` is 8 floats.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), a) };
+        for (k, &v) in lanes.iter().enumerate() {
+            // SAFETY: the caller's contract (the window's columns only).
+            unsafe { out.write(r, 8 * g + k, v) };
+        }
+    }
+
     /// Lane `k` = the sum of the 8 `i32` lanes of `p[k]`.
     #[inline]
     #[target_feature(enable = "avx2,f16c,fma")]
@@ -689,14 +719,7 @@ pub(crate) mod avx2 {
                 for (c, wrow) in w.chunks_exact(nb).enumerate() {
                     let mut acc = [_mm256_setzero_ps(); N];
                     for (b, block) in wrow.iter().enumerate() {
-                        // The rows of a pass are adjacent: fetch the bytes `PREFETCH` ahead of this block.
-                        let ahead = std::ptr::from_ref(block)
-                            .cast::<i8>()
-                            .wrapping_add(PREFETCH);
-                        for line in (0..std::mem::size_of::<D::Block>()).step_by(64) {
-                            // A prefetch reads nothing the program sees and cannot fault.
-                            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line));
-                        }
+                        prefetch_ahead(block);
                         // SAFETY: the level's target features are enabled for this function.
                         let u = unsafe { D::$unpack(block) };
                         // Block `b` of row `r` is `xb.add(r * nb)`, in bounds for r < N (asserted above).
@@ -908,13 +931,7 @@ pub(crate) mod avx2 {
                 for (g, groups) in w.chunks_exact(nb).enumerate() {
                     let mut acc = [_mm256_setzero_ps(); N];
                     for (b, group) in groups.iter().enumerate() {
-                        let ahead = std::ptr::from_ref(group)
-                            .cast::<i8>()
-                            .wrapping_add(PREFETCH);
-                        for line in (0..std::mem::size_of::<G::Group>()).step_by(64) {
-                            // A prefetch reads nothing the program sees and cannot fault.
-                            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line));
-                        }
+                        prefetch_ahead(group);
                         // SAFETY (both): the level's target features are enabled for this function.
                         let v = unsafe { G::unpack(group) };
                         let d = unsafe { G::d(group) };
@@ -926,14 +943,9 @@ pub(crate) mod avx2 {
                             *a = _mm256_add_ps(*a, _mm256_mul_ps(dd, _mm256_cvtepi32_ps(sums)));
                         }
                     }
-                    for (r, a) in acc.iter().enumerate() {
-                        let mut lanes = [0f32; 8];
-                        // SAFETY: `lanes` is 8 floats.
-                        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), *a) };
-                        for (k, &v) in lanes.iter().enumerate() {
-                            // SAFETY: the caller's contract (the window's columns only).
-                            unsafe { out.write(r, 8 * g + k, v) };
-                        }
+                    for (r, &a) in acc.iter().enumerate() {
+                        // SAFETY: the caller's contract.
+                        unsafe { write_group(out, r, g, a) };
                     }
                 }
             }

@@ -127,11 +127,9 @@ pub fn dot_q4_kx8_q8_k(w: &[BlockQ4K], x: &[BlockQ8K]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
     use super::{BlockQ4Kx8, BlockQ8K};
+    use crate::simd::avx2::{prefetch_ahead, write_group};
     use crate::simd::Window;
     use std::arch::x86_64::*;
-
-    /// How far ahead of the group being unpacked [`rows8`] prefetches weights, in bytes.
-    const PREFETCH: usize = 4096;
 
     /// A group's scales in registers.
     struct Scales {
@@ -288,13 +286,7 @@ pub(crate) mod avx2 {
         for (g, groups) in w.chunks_exact(nb).enumerate() {
             let mut acc = [_mm256_setzero_ps(); N];
             for (b, group) in groups.iter().enumerate() {
-                let ahead = std::ptr::from_ref(group)
-                    .cast::<i8>()
-                    .wrapping_add(PREFETCH);
-                for line in (0..std::mem::size_of::<BlockQ4Kx8>()).step_by(64) {
-                    // A prefetch reads nothing the program sees and cannot fault.
-                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line));
-                }
+                prefetch_ahead(group);
                 let u = scales(group, &pat);
                 let mut sumi = [_mm256_setzero_si256(); N];
                 for (s, sc) in u.sc.iter().enumerate() {
@@ -332,14 +324,9 @@ pub(crate) mod avx2 {
                     *a = _mm256_fmadd_ps(block, _mm256_set1_ps(xb.d), *a);
                 }
             }
-            for (r, a) in acc.iter().enumerate() {
-                let mut lanes = [0f32; 8];
-                // SAFETY: `lanes` is 8 floats.
-                unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), *a) };
-                for (k, &v) in lanes.iter().enumerate() {
-                    // SAFETY: the caller's contract (the window's columns only).
-                    unsafe { out.write(r, 8 * g + k, v) };
-                }
+            for (r, &a) in acc.iter().enumerate() {
+                // SAFETY: the caller's contract.
+                unsafe { write_group(out, r, g, a) };
             }
         }
     }

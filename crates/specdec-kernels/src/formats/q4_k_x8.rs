@@ -281,7 +281,7 @@ pub(crate) mod avx2 {
         assert_eq!(x.len(), N * nb, "a pass holds N rows of nb blocks");
         let low = _mm256_set1_epi8(0x0f);
         let pat = Patterns::new();
-        // Kept rolled: unrolled over 16 rows, the loop spills the unpacked vectors.
+        // The row loop kept rolled, as in the other multi-row passes (`black_box` hides the constant).
         let rows = std::hint::black_box(N);
         for (g, groups) in w.chunks_exact(nb).enumerate() {
             let mut acc = [_mm256_setzero_ps(); N];

@@ -143,9 +143,16 @@ impl Metrics {
     /// The cost profile measured in this generation: the draft/target step-cost ratio `c` and the
     /// verification cost curve `r(m)`.
     pub fn cost_profile(&self) -> Option<CostProfile> {
-        CostProfile::fit(
+        self.cost_profile_with(None)
+    }
+
+    /// [`Metrics::cost_profile`] with the shape of a calibrated curve `r(m)` (`prior[m - 1]`) for
+    /// `t(1)` when this generation never timed a single-token step (see [`CostProfile::fit_with`]).
+    pub fn cost_profile_with(&self, prior: Option<&[f64]>) -> Option<CostProfile> {
+        CostProfile::fit_with(
             ratio(self.draft_secs, self.drafted as f64),
             &self.verify_by_len,
+            prior,
         )
     }
 
@@ -156,8 +163,15 @@ impl Metrics {
     /// alone, `t(1)` and so `c` and `r(m)` would rest on [`CostProfile::PRIOR_SLOPE`], and the
     /// prediction on a guess.
     pub fn predicted_speedup(&self) -> Option<f64> {
-        let cost = self.cost_profile()?;
-        if cost.measured.len() < 2 {
+        self.predicted_speedup_with(None)
+    }
+
+    /// [`Metrics::predicted_speedup`] with a calibrated curve `r(m)` (`prior[m - 1]`) whose shape
+    /// gives `t(1)` when this generation never timed a single-token step (a model drafter that
+    /// drafted in every round). With a prior, one timed block length suffices.
+    pub fn predicted_speedup_with(&self, prior: Option<&[f64]>) -> Option<f64> {
+        let cost = self.cost_profile_with(prior)?;
+        if cost.measured.len() < 2 && prior.is_none() {
             return None;
         }
         let a = self.per_position_acceptance();
@@ -207,22 +221,52 @@ impl CostProfile {
     /// there is one (so `r(1) = 1` and every measured `r(m)` is relative to it), else the intercept
     /// of a least-squares line. `None` without any timing.
     pub fn fit(draft_secs_per_token: f64, verify: &[VerifyTiming]) -> Option<Self> {
+        Self::fit_with(draft_secs_per_token, verify, None)
+    }
+
+    /// [`CostProfile::fit`], where a single-token step was not timed but a calibrated curve `r(m)`
+    /// (`prior[m - 1]`, continued past its end with its last slope) is known: `t(1)` is then the
+    /// measured time over the calibrated cost, `Σ secs / Σ calls · r_prior(m)`, so that the measured
+    /// blocks keep their calibrated proportions instead of resting on a line's intercept (which a
+    /// convex `r(m)` measured at two or three lengths puts far off).
+    pub fn fit_with(
+        draft_secs_per_token: f64,
+        verify: &[VerifyTiming],
+        prior: Option<&[f64]>,
+    ) -> Option<Self> {
         let pts: Vec<(f64, f64, f64)> = verify
             .iter()
             .filter(|t| t.calls > 0 && t.secs > 0.0)
             .map(|t| (t.m as f64, t.secs / t.calls as f64, t.calls as f64))
             .collect();
         let first = pts.first()?;
-        let (t1, slope) = if first.0 == 1.0 && pts.len() >= 2 {
-            // t(1) was measured: every r(m) is relative to it, and the slope is a least-squares fit
-            // of r(m) - 1 on m - 1 through the origin (a line through the single-token time).
-            let t1 = first.1;
+        // The slope of r(m) - 1 on m - 1 through the origin, by least squares (a line through the
+        // single-token time).
+        let slope_from = |t1: f64| {
             let (mut sxy, mut sxx) = (0.0, 0.0);
-            for &(m, t, w) in &pts[1..] {
+            for &(m, t, w) in pts.iter().filter(|p| p.0 > 1.0) {
                 sxy += w * (m - 1.0) * (t / t1 - 1.0);
                 sxx += w * (m - 1.0) * (m - 1.0);
             }
-            (t1, (sxy / sxx).max(0.0))
+            if sxx > 0.0 {
+                (sxy / sxx).max(0.0)
+            } else {
+                Self::PRIOR_SLOPE
+            }
+        };
+        let prior = prior.filter(|r| !r.is_empty() && first.0 != 1.0);
+        let (t1, slope) = if first.0 == 1.0 && pts.len() >= 2 {
+            // t(1) was measured: every r(m) is relative to it.
+            let t1 = first.1;
+            (t1, slope_from(t1))
+        } else if let Some(r) = prior {
+            let secs: f64 = pts.iter().map(|p| p.2 * p.1).sum();
+            let cost: f64 = pts
+                .iter()
+                .map(|p| p.2 * crate::policy::curve_r(r, p.0 as usize))
+                .sum();
+            let t1 = secs / cost;
+            (t1, slope_from(t1))
         } else if pts.len() == 1 {
             let (m, t, _) = *first;
             let t1 = t / (1.0 + Self::PRIOR_SLOPE * (m - 1.0));
@@ -360,6 +404,46 @@ mod tests {
         assert!((p.r(1) - 1.0).abs() < 1e-9);
         assert!((p.r(2) - 1.1).abs() < 1e-9);
         assert!((p.r(8) - 4.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_calibrated_curve_gives_t1_when_no_single_token_step_was_timed() {
+        // A convex curve, timed at 3 and 5 tokens only (every round drafted).
+        let prior = [1.0, 1.1, 1.3, 1.6, 2.0];
+        let t = |m: usize, calls: u64| VerifyTiming {
+            m,
+            calls,
+            secs: 0.1 * prior[m - 1] * calls as f64,
+        };
+        let v = [t(3, 6), t(5, 2)];
+        let p = CostProfile::fit_with(0.02, &v, Some(&prior)).unwrap();
+        assert!((p.target_step_secs - 0.1).abs() < 1e-12);
+        assert!((p.r(3) - 1.3).abs() < 1e-12);
+        assert!((p.r(5) - 2.0).abs() < 1e-12);
+        assert!((p.c - 0.2).abs() < 1e-12);
+        // Without the curve, the line through the two points puts t(1) at its intercept, 0.06.
+        let line = CostProfile::fit(0.02, &v).unwrap();
+        assert!((line.target_step_secs - 0.06).abs() < 1e-12);
+        // A measured single-token step still wins over the calibration.
+        let p = CostProfile::fit_with(0.0, &[t(1, 1), t(3, 1)], Some(&[1.0, 5.0, 5.0])).unwrap();
+        assert!((p.target_step_secs - 0.1).abs() < 1e-12);
+        assert!((p.r(3) - 1.3).abs() < 1e-12);
+        // With a calibration, one timed length is enough for a prediction.
+        let mut m = Metrics::default();
+        m.record(&Round {
+            drafted: 2,
+            accepted: 2,
+            emitted: 3,
+            draft_secs: 0.04,
+            verify_secs: 0.13,
+            verified: 3,
+            ..Default::default()
+        });
+        assert_eq!(m.predicted_speedup(), None);
+        // 3 tokens for 2 · 0.2 + 1.3 target steps.
+        let want = 3.0 / (2.0 * 0.2 + 1.3);
+        let got = m.predicted_speedup_with(Some(&prior)).unwrap();
+        assert!((got - want).abs() < 1e-9, "{got} vs {want}");
     }
 
     #[test]

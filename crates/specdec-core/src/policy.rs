@@ -85,6 +85,14 @@ impl FixedCost {
 }
 
 impl DraftLenPolicy {
+    /// The calibration the cost model starts from (`prior` of [`DraftLenPolicy::CostModel`]), if any.
+    pub fn calibration(&self) -> Option<&FixedCost> {
+        match self {
+            DraftLenPolicy::CostModel { prior, .. } => prior.as_ref(),
+            _ => None,
+        }
+    }
+
     /// The adaptive policy of `--draft-len adaptive`: start at 4, between 1 and 8, holding an
     /// acceptance rate of 0.7 with an EWMA of weight 0.3.
     pub const ADAPTIVE: DraftLenPolicy = DraftLenPolicy::Adaptive {
@@ -495,7 +503,7 @@ impl Controller {
                 })
             })
             .collect();
-        let fit = CostProfile::fit(0.0, &verify)?;
+        let fit = CostProfile::fit_with(0.0, &verify, prior.map(|p| p.r.as_slice()))?;
         let t1 = fit.target_step_secs;
         let (fixed, c) = match fit_draft_cost(&self.draft_costs) {
             Some((a, b)) => (a / t1, b / t1),
@@ -747,7 +755,7 @@ impl Profile {
 /// `r[m - 1]` read as a cost curve: never below 1 nor below the cost of fewer tokens (scoring more
 /// tokens cannot cost less, so a noisy measurement under an earlier one reads as that one), and past
 /// the end continued with the last non-negative slope.
-fn curve_r(r: &[f64], m: usize) -> f64 {
+pub(crate) fn curve_r(r: &[f64], m: usize) -> f64 {
     let m = m.max(1);
     let upto = m.min(r.len());
     let here = r[..upto].iter().copied().fold(1.0, f64::max);

@@ -163,6 +163,8 @@ struct Record {
     end_to_end_s: f64,
     /// The cost model's prediction from this run's own acceptance and timings.
     predicted_speedup: Option<f64>,
+    /// The run's counters and timings, for offline analysis of the cost model.
+    metrics: specdec_core::Metrics,
     /// The prompt's token ids (`ar` records only, for replaying drafters offline).
     #[serde(skip_serializing_if = "Option::is_none")]
     prompt_tokens: Option<Vec<u32>>,
@@ -303,7 +305,9 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
                 matches_ar: matches,
                 speedup_vs_ar: speedup,
                 end_to_end_s: m.prefill_secs + m.decode_secs,
-                predicted_speedup: m.predicted_speedup(),
+                predicted_speedup: m
+                    .predicted_speedup_with(config.draft_len.calibration().map(|p| p.r.as_slice())),
+                metrics: m.clone(),
                 prompt_tokens: (*kind == DrafterKind::None).then(|| ids.clone()),
                 output_tokens: (*kind == DrafterKind::None).then(|| g.output.tokens.clone()),
             });

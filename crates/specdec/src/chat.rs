@@ -96,7 +96,7 @@ pub fn command(args: &ChatArgs, ui: Ui) -> Result<()> {
             &config,
             &args.decode.stop,
         )?;
-        ui.note(stats_line(&g));
+        ui.note(stats_line(&g, &config));
         if let Some(e) = &g.error {
             eprintln!("error: {e}");
         }

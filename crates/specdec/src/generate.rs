@@ -148,7 +148,8 @@ fn policy_name(p: &DraftLenPolicy) -> String {
 /// The statistics object of `--json` (and of bench records).
 pub fn stats_json(g: &Generation, config: &GenerateConfig, drafter: &str) -> serde_json::Value {
     let m = &g.output.metrics;
-    let cost = m.cost_profile();
+    let prior = config.draft_len.calibration().map(|p| p.r.as_slice());
+    let cost = m.cost_profile_with(prior);
     json!({
         "prompt_tokens": m.prompt_tokens,
         "generated_tokens": g.output.tokens.len(),
@@ -166,12 +167,13 @@ pub fn stats_json(g: &Generation, config: &GenerateConfig, drafter: &str) -> ser
         "seed": config.seed,
         "cost_ratio": if m.drafted > 0 { cost.as_ref().map(|c| c.c) } else { None },
         "verify_cost": cost.as_ref().map(|c| c.measured.clone()),
-        "predicted_speedup": if m.drafted > 0 { m.predicted_speedup() } else { None },
+        "predicted_speedup": if m.drafted > 0 { m.predicted_speedup_with(prior) } else { None },
     })
 }
 
-/// The one-line summary on stderr.
-pub fn stats_line(g: &Generation) -> String {
+/// The one-line summary on stderr; `config` is the generation's (its calibration completes the cost
+/// model's prediction).
+pub fn stats_line(g: &Generation, config: &GenerateConfig) -> String {
     let m = &g.output.metrics;
     let mut s = format!(
         "{} tokens, {:.1} tok/s decode, prefill {:.2}s ({} prompt tokens)",
@@ -187,7 +189,8 @@ pub fn stats_line(g: &Generation) -> String {
             m.mean_accepted_len(),
             m.rounds
         ));
-        if let Some(p) = m.predicted_speedup() {
+        let prior = config.draft_len.calibration().map(|p| p.r.as_slice());
+        if let Some(p) = m.predicted_speedup_with(prior) {
             s.push_str(&format!(", predicted speedup {p:.2}x"));
         }
     }
@@ -245,7 +248,7 @@ pub fn command(args: &GenerateArgs, ui: Ui) -> Result<()> {
         });
         println!("{}", serde_json::to_string(&obj)?);
     } else {
-        ui.note(stats_line(&g));
+        ui.note(stats_line(&g, &config));
     }
     if g.output.stop_reason == Some(StopReason::Cancelled) && !g.stopped_by_string {
         ui.note("interrupted");

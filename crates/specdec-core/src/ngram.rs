@@ -384,12 +384,20 @@ mod tests {
         let plan = plan_hybrid(&request(Some(&weak)), &Proposal::default(), 1.0, 1);
         assert_eq!(plan, HybridPlan::Lookup);
         // A model draft that beats plain decoding loses if the model must first read 2000 tokens
-        // it missed (10 target steps, a share of 1.25 in this round), and wins after 20 (a share
-        // of 0.01).
+        // it missed (10 target steps, a share of 0.31 in this round: shared by at most 32 rounds),
+        // and wins after 20 (a share of 0.01).
         let plan = plan_hybrid(&request(Some(&costs)), &Proposal::default(), 1.0, 2000);
         assert_eq!(plan, HybridPlan::Lookup);
         let plan = plan_hybrid(&request(Some(&costs)), &Proposal::default(), 1.0, 20);
         assert_eq!(plan, HybridPlan::Model);
+        // A lag built up over lookup rounds is shared by about as many rounds (2 tokens each, at
+        // most 32): at 100 tokens (0.49 target steps, a share of 0.015) the model still wins,
+        // where sharing by 8 rounds (0.061) would not against a lookup rate just below its bar.
+        let near = plan_hybrid(&request(Some(&costs)), &Proposal::default(), 1.12, 100);
+        assert_eq!(near, HybridPlan::Model);
+        assert!((costs.catch_up_share(100) - costs.catch_up(100) / 32.0).abs() < 1e-12);
+        assert!((costs.catch_up_share(40) - costs.catch_up(40) / 20.0).abs() < 1e-12);
+        assert!((costs.catch_up_share(6) - costs.catch_up(6) / 8.0).abs() < 1e-12);
     }
 
     #[test]

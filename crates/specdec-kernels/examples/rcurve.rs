@@ -1,6 +1,8 @@
 //! Quick r(m) of the matmul per format on a 1.5B-like FFN shape, threaded as the runtime runs it:
 //! `cargo run --release -p specdec-kernels --example rcurve [threads] [rows] [every]` (`every`: r(m)
-//! for every m in 1..=16, not only powers of two; `RCURVE_COLS=N` sets the input features, default 1536).
+//! for every m in 1..=16, not only powers of two; `RCURVE_COLS=N` sets the input features, default 1536;
+//! `RCURVE_FORMATS=Q4K,Q6K` times only those formats). Each line ends with the fastest pass's
+//! multiply-accumulate rate.
 
 use specdec_kernels::{BlockFormat, Kernels, QMatrix, ThreadPool};
 use std::time::Instant;
@@ -26,6 +28,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let kernels = Kernels::get();
     let rows: usize = std::env::args().nth(2).map_or(Ok(8960), |s| s.parse())?;
     let cols: usize = std::env::var("RCURVE_COLS").map_or(Ok(1536), |s| s.parse())?;
+    let only = std::env::var("RCURVE_FORMATS").unwrap_or_default();
     for format in [
         BlockFormat::Q4K,
         BlockFormat::Q6K,
@@ -33,6 +36,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         BlockFormat::Q5_0,
         BlockFormat::Q4_0,
     ] {
+        if !only.is_empty()
+            && !only
+                .split(',')
+                .any(|f| f.eq_ignore_ascii_case(&format!("{format:?}")))
+        {
+            continue;
+        }
         let n = rows * cols / format.block_len();
         let mut raw = bytes(7, n * format.block_bytes());
         // Small finite f16 scales (0x2000 ≈ 0.0078) at the start of every block but Q6_K's (at its end).
@@ -48,6 +58,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let w = QMatrix::from_bytes(format, rows, cols, &raw)?;
         let mut t1 = 0.0;
         let mut line = Vec::new();
+        // The multiply-accumulate rate of the fastest pass: the kernel's compute throughput where
+        // the matrix stays in cache.
+        let mut peak = 0f64;
         let every = std::env::args().nth(3).is_some_and(|s| s == "every");
         let ms: Vec<usize> = if every {
             (1..=16).collect()
@@ -69,6 +82,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
             times.sort_by(f64::total_cmp);
             let t = times[0]; // the fastest: least disturbed by other tenants of the machine
+            peak = peak.max((m * rows * cols) as f64 / t / 1e9);
             if m == 1 {
                 t1 = t;
                 line.push(format!(
@@ -80,6 +94,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 line.push(format!("r({m}) {:.2}", t / t1));
             }
         }
+        line.push(format!("{peak:.0} GMAC/s"));
         println!("{format:?} {}: {}", kernels.level().name(), line.join(", "));
     }
     Ok(())

@@ -66,8 +66,10 @@ pub use simd::MAX_PASS_ROWS;
 /// The kernels' revision, raised whenever a change moves their speed (r(m), a step's time): a saved
 /// cost calibration names it, so a new revision is calibrated afresh instead of starting from costs
 /// measured on the old kernels. 23: the transposed K-quant order (stop 23); 24: Q4_0 and Q5_0 with
-/// 8 weight rows interleaved (stop 24); 25: Q4_K with 8 weight rows interleaved (stop 25).
-pub const REVISION: u32 = 25;
+/// 8 weight rows interleaved (stop 24); 25: Q4_K with 8 weight rows interleaved (stop 25); 27: the
+/// VNNI passes of interleaved Q4_K and of Q6_K chain `vpdpbusd`, and weights are prefetched into L2
+/// (stop 27).
+pub const REVISION: u32 = 27;
 
 /// Everything that can go wrong in this crate: shapes and levels, never arithmetic.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

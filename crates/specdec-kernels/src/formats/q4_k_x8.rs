@@ -142,12 +142,12 @@ pub(crate) mod avx2 {
     }
 
     /// A `pshufb` pattern that puts byte `lo` of each 32-bit lane in its low `i16` and byte `hi` in
-    /// its high one (zero-extended).
+    /// its high one (zero-extended); a negative `hi` leaves the high `i16` zero.
     #[inline]
     #[target_feature(enable = "avx2,f16c,fma")]
     fn spread(lo: i8, hi: i8) -> __m256i {
         let z = -128i8; // 0x80: a zero byte
-        let lane = |l: i8| [4 * l + lo, z, 4 * l + hi, z];
+        let lane = |l: i8| [4 * l + lo, z, if hi < 0 { z } else { 4 * l + hi }, z];
         let [a, b, c, d] = [lane(0), lane(1), lane(2), lane(3)];
         let half = [
             a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3], c[0], c[1], c[2], c[3], d[0], d[1],
@@ -163,6 +163,7 @@ pub(crate) mod avx2 {
     struct Patterns([__m256i; 6]);
 
     impl Patterns {
+        /// Each scale in both `i16` halves of its lane, for a `madd` of `i16` sums.
         #[inline]
         #[target_feature(enable = "avx2,f16c,fma")]
         fn new() -> Self {
@@ -171,6 +172,21 @@ pub(crate) mod avx2 {
                 spread(1, 1),
                 spread(2, 2),
                 spread(3, 3),
+                spread(0, 1),
+                spread(2, 3),
+            ])
+        }
+
+        /// Each scale in the low `i16` of its lane and 0 in the high one, for a `vpdpwssd` of `i32`
+        /// sums that fit `i16`.
+        #[inline]
+        #[target_feature(enable = "avx2,f16c,fma")]
+        fn low() -> Self {
+            Patterns([
+                spread(0, -1),
+                spread(1, -1),
+                spread(2, -1),
+                spread(3, -1),
                 spread(0, 1),
                 spread(2, 3),
             ])
@@ -251,84 +267,183 @@ pub(crate) mod avx2 {
         )
     }
 
-    /// [`rows8`] with the pass's row count (1 ..= [`crate::MAX_PASS_ROWS`]) as the constant.
+    /// Sub-block `s`'s integer lanes for one activation row at [`crate::CpuLevel::Avx2`]: 8
+    /// `maddubs` of the unpacked vectors `v` against broadcast activation quads (`y` points at the
+    /// row's quants `4 s ..`), summed in `i16` (at most 8 · 2 · 15 · 127 = 30480), and one `madd` by
+    /// the 8 rows' scales `sc` (each in both `i16` halves of its lane).
     ///
     /// # Safety
-    /// As [`rows8`]; `nb > 0`.
-    pub(crate) unsafe fn pass8(w: &[BlockQ4Kx8], nb: usize, x: &[BlockQ8K], out: Window) {
-        macro_rules! by_rows {
-            ($($n:literal)*) => {
-                match x.len() / nb {
-                    // SAFETY: the caller's contract.
-                    $($n => unsafe { rows8::<$n>(w, nb, x, out) },)*
-                    _ => {}
-                }
-            };
+    /// The CPU must support AVX2; `y.add(32 * t)` must be 4 readable bytes for t < 8.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma")]
+    unsafe fn sub_block_lanes(
+        acc: __m256i,
+        v: &[__m256i; 8],
+        y: *const i8,
+        sc: __m256i,
+    ) -> __m256i {
+        let mut sum = _mm256_setzero_si256();
+        for (t, &v) in v.iter().enumerate() {
+            // SAFETY: the caller's contract.
+            let word = unsafe { y.add(32 * t).cast::<i32>().read_unaligned() };
+            sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(v, _mm256_set1_epi32(word)));
         }
-        by_rows!(1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16);
+        _mm256_add_epi32(acc, _mm256_madd_epi16(sum, sc))
     }
 
-    /// `N` activation rows against the groups of 8 weight rows in `w` (`nb` groups each): per group
-    /// the scales unpacked once; per sub-block its 8 vectors unpacked once and, per activation row,
-    /// 8 `maddubs` against broadcast activation quads summed in `i16` (at most 8 · 2 · 15 · 127 =
-    /// 30480) and one `madd` by the 8 rows' scales; then per row the float arithmetic of
-    /// [`super::dot_q4_kx8_q8_k`] for the 8 rows at once.
+    /// [`sub_block_lanes`] at [`crate::CpuLevel::Avx512Vnni`]: the same products summed exactly in
+    /// `i32` by `vpdpbusd`, in two chains of 4 vectors (each at most 16 · 15 · 127 = 30480, so it
+    /// fits `i16`), each multiplied by the scales (`sc`: each in the low `i16` of its lane, 0 in the
+    /// high one) with one `vpdpwssd`. The same integers, so the same results, in 10 vector
+    /// instructions instead of 18.
     ///
     /// # Safety
-    /// The CPU must support AVX2, F16C and FMA; `out` as [`crate::simd::pass_groups`].
-    #[target_feature(enable = "avx2,f16c,fma")]
-    unsafe fn rows8<const N: usize>(w: &[BlockQ4Kx8], nb: usize, x: &[BlockQ8K], out: Window) {
-        assert_eq!(x.len(), N * nb, "a pass holds N rows of nb blocks");
-        let low = _mm256_set1_epi8(0x0f);
-        let pat = Patterns::new();
-        // The row loop kept rolled, as in the other multi-row passes (`black_box` hides the constant).
-        let rows = std::hint::black_box(N);
-        for (g, groups) in w.chunks_exact(nb).enumerate() {
-            let mut acc = [_mm256_setzero_ps(); N];
-            for (b, group) in groups.iter().enumerate() {
-                prefetch_ahead(group);
-                let u = scales(group, &pat);
-                let mut sumi = [_mm256_setzero_si256(); N];
-                for (s, sc) in u.sc.iter().enumerate() {
-                    let mut v = [_mm256_setzero_si256(); 8];
-                    for c in 0..4 {
-                        // SAFETY: `qs` is 1024 bytes; bytes 128s + 32c .. + 32 are in bounds for
-                        // s < 8, c < 4.
-                        let q = unsafe {
-                            _mm256_loadu_si256(group.qs.as_ptr().add(128 * s + 32 * c).cast())
-                        };
-                        v[c] = _mm256_and_si256(q, low);
-                        v[c + 4] = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
-                    }
-                    for (r, sumi) in sumi.iter_mut().enumerate().take(rows) {
-                        // Activation values 32s + 4t .. + 4 lie at positions 32t + 4s .. + 4.
-                        let y = x[r * nb + b].qs.as_ptr().wrapping_add(4 * s);
-                        let mut sum = _mm256_setzero_si256();
-                        for (t, &v) in v.iter().enumerate() {
-                            // SAFETY: positions 32t + 4s .. + 4 are in bounds of the 256 quants
-                            // for t < 8, s < 8.
-                            let word = unsafe { y.add(32 * t).cast::<i32>().read_unaligned() };
-                            sum = _mm256_add_epi16(
-                                sum,
-                                _mm256_maddubs_epi16(v, _mm256_set1_epi32(word)),
-                            );
-                        }
-                        *sumi = _mm256_add_epi32(*sumi, _mm256_madd_epi16(sum, *sc));
-                    }
-                }
-                for (r, (a, sumi)) in acc.iter_mut().zip(sumi).enumerate() {
-                    let xb = &x[r * nb + b];
-                    let m = _mm256_cvtepi32_ps(mins(&u.mins, xb));
-                    let block =
-                        _mm256_fmsub_ps(_mm256_cvtepi32_ps(sumi), u.d, _mm256_mul_ps(m, u.dmin));
-                    *a = _mm256_fmadd_ps(block, _mm256_set1_ps(xb.d), *a);
-                }
-            }
-            for (r, &a) in acc.iter().enumerate() {
-                // SAFETY: the caller's contract.
-                unsafe { write_group(out, r, g, a) };
-            }
+    /// The CPU must support AVX2, F16C, FMA, AVX512F, AVX512VL and AVX512_VNNI; `y` as
+    /// [`sub_block_lanes`].
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni")]
+    unsafe fn sub_block_lanes_vnni(
+        acc: __m256i,
+        v: &[__m256i; 8],
+        y: *const i8,
+        sc: __m256i,
+    ) -> __m256i {
+        let (mut a, mut b) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+        for t in 0..4 {
+            // SAFETY: the caller's contract.
+            let (wa, wb) = unsafe {
+                (
+                    y.add(32 * t).cast::<i32>().read_unaligned(),
+                    y.add(32 * (t + 4)).cast::<i32>().read_unaligned(),
+                )
+            };
+            a = _mm256_dpbusd_epi32(a, v[t], _mm256_set1_epi32(wa));
+            b = _mm256_dpbusd_epi32(b, v[t + 4], _mm256_set1_epi32(wb));
         }
+        _mm256_dpwssd_epi32(_mm256_dpwssd_epi32(acc, a, sc), b, sc)
+    }
+
+    /// `$f::<N>(args)` for the pass's row count `N` (1 ..= [`crate::MAX_PASS_ROWS`]).
+    macro_rules! by_rows {
+        ($n:expr, $f:ident($($arg:expr),*)) => {
+            match $n {
+                1 => $f::<1>($($arg),*),
+                2 => $f::<2>($($arg),*),
+                3 => $f::<3>($($arg),*),
+                4 => $f::<4>($($arg),*),
+                5 => $f::<5>($($arg),*),
+                6 => $f::<6>($($arg),*),
+                7 => $f::<7>($($arg),*),
+                8 => $f::<8>($($arg),*),
+                9 => $f::<9>($($arg),*),
+                10 => $f::<10>($($arg),*),
+                11 => $f::<11>($($arg),*),
+                12 => $f::<12>($($arg),*),
+                13 => $f::<13>($($arg),*),
+                14 => $f::<14>($($arg),*),
+                15 => $f::<15>($($arg),*),
+                16 => $f::<16>($($arg),*),
+                _ => {}
+            }
+        };
+    }
+
+    /// The pass compiled once per level: the levels differ only in how a sub-block's integer lanes
+    /// are summed (`$lanes`) and so in how the scales are spread (`$patterns`).
+    macro_rules! level {
+        (
+            features: $features:literal, pass: $pass:ident, rows: $rows:ident,
+            patterns: $patterns:ident, lanes: $lanes:ident $(,)?
+        ) => {
+            /// [`rows8`] with the pass's row count (1 ..= [`crate::MAX_PASS_ROWS`]) as the
+            /// constant.
+            ///
+            /// # Safety
+            #[doc = concat!("The CPU must support `", $features, "`; `nb > 0`; `out` as")]
+            /// [`crate::simd::pass_groups`].
+            pub(crate) unsafe fn $pass(w: &[BlockQ4Kx8], nb: usize, x: &[BlockQ8K], out: Window) {
+                // SAFETY: the caller's contract.
+                unsafe { by_rows!(x.len() / nb, $rows(w, nb, x, out)) }
+            }
+
+            /// `N` activation rows against the groups of 8 weight rows in `w` (`nb` groups each): per
+            /// group the scales unpacked once; per sub-block its 8 vectors unpacked once and, per
+            /// activation row, the sub-block's integer lanes (`
+            #[doc = stringify!($lanes)]
+            /// `); then per row the float arithmetic of [`super::dot_q4_kx8_q8_k`] for the 8 rows at
+            /// once.
+            ///
+            /// # Safety
+            #[doc = concat!("The CPU must support `", $features, "`; `out` as")]
+            /// [`crate::simd::pass_groups`].
+            #[target_feature(enable = $features)]
+            unsafe fn $rows<const N: usize>(
+                w: &[BlockQ4Kx8],
+                nb: usize,
+                x: &[BlockQ8K],
+                out: Window,
+            ) {
+                assert_eq!(x.len(), N * nb, "a pass holds N rows of nb blocks");
+                let low = _mm256_set1_epi8(0x0f);
+                let pat = Patterns::$patterns();
+                // The row loop kept rolled, as in the other multi-row passes (`black_box` hides the
+                // constant).
+                let rows = std::hint::black_box(N);
+                for (g, groups) in w.chunks_exact(nb).enumerate() {
+                    let mut acc = [_mm256_setzero_ps(); N];
+                    for (b, group) in groups.iter().enumerate() {
+                        prefetch_ahead(group);
+                        let u = scales(group, &pat);
+                        let mut sumi = [_mm256_setzero_si256(); N];
+                        for (s, &sc) in u.sc.iter().enumerate() {
+                            let mut v = [_mm256_setzero_si256(); 8];
+                            for c in 0..4 {
+                                // SAFETY: `qs` is 1024 bytes; bytes 128s + 32c .. + 32 are in
+                                // bounds for s < 8, c < 4.
+                                let q = unsafe {
+                                    _mm256_loadu_si256(
+                                        group.qs.as_ptr().add(128 * s + 32 * c).cast(),
+                                    )
+                                };
+                                v[c] = _mm256_and_si256(q, low);
+                                v[c + 4] = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+                            }
+                            for (r, sumi) in sumi.iter_mut().enumerate().take(rows) {
+                                // Activation values 32s + 4t .. + 4 lie at positions 32t + 4s ..
+                                // + 4, in bounds of the 256 quants for t < 8, s < 8.
+                                let y = x[r * nb + b].qs.as_ptr().wrapping_add(4 * s);
+                                // SAFETY: as above; the level's features are enabled here.
+                                *sumi = unsafe { $lanes(*sumi, &v, y, sc) };
+                            }
+                        }
+                        for (r, (a, sumi)) in acc.iter_mut().zip(sumi).enumerate() {
+                            let xb = &x[r * nb + b];
+                            let m = _mm256_cvtepi32_ps(mins(&u.mins, xb));
+                            let block = _mm256_fmsub_ps(
+                                _mm256_cvtepi32_ps(sumi),
+                                u.d,
+                                _mm256_mul_ps(m, u.dmin),
+                            );
+                            *a = _mm256_fmadd_ps(block, _mm256_set1_ps(xb.d), *a);
+                        }
+                    }
+                    for (r, &a) in acc.iter().enumerate() {
+                        // SAFETY: the caller's contract.
+                        unsafe { write_group(out, r, g, a) };
+                    }
+                }
+            }
+        };
+    }
+
+    level! {
+        features: "avx2,f16c,fma", pass: pass8, rows: rows8,
+        patterns: new, lanes: sub_block_lanes,
+    }
+
+    level! {
+        features: "avx2,f16c,fma,avx512f,avx512vl,avx512vnni", pass: pass8_vnni, rows: rows8_vnni,
+        patterns: low, lanes: sub_block_lanes_vnni,
     }
 }
 

@@ -144,9 +144,7 @@ pub fn dot_q6_k_q8_k(w: &[BlockQ6K], x: &[BlockQ8K]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
     use super::{BlockQ6K, BlockQ8K};
-    use crate::simd::avx2::{
-        f16_to_f32, paired_lanes, paired_lanes_vnni, pick_i16, shuffle, Dequantizer,
-    };
+    use crate::simd::avx2::{f16_to_f32, paired_lanes, pick_i16, shuffle, Dequantizer};
     use std::arch::x86_64::*;
 
     pub(crate) struct Q6K;
@@ -250,7 +248,28 @@ pub(crate) mod avx2 {
             finish(w, paired_lanes(&w.q, &w.sc, x), x, acc);
         }
 
-        /// Pair by pair through [`paired_lanes_vnni`], then the float arithmetic of
+        /// The scales as [`chained_lanes_vnni`] takes them: `i32` lane `j` of `sc[h]` holds the
+        /// scale of sub-block `2 j + h`.
+        #[inline]
+        #[target_feature(enable = "avx2,f16c,fma")]
+        unsafe fn unpack_vnni(block: &BlockQ6K) -> Unpacked {
+            // SAFETY: AVX2 support is the caller's contract.
+            let mut u = unsafe { Self::unpack(block) };
+            // SAFETY: `scales` is 16 bytes, one unaligned 128-bit load.
+            let scales = unsafe { _mm_loadu_si128(block.scales.as_ptr().cast()) };
+            // The even scales in bytes 0..8, the odd ones in bytes 8..16.
+            let split = _mm_shuffle_epi8(
+                scales,
+                _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15),
+            );
+            u.sc = [
+                _mm256_cvtepi8_epi32(split),
+                _mm256_cvtepi8_epi32(_mm_srli_si128(split, 8)),
+            ];
+            u
+        }
+
+        /// Through [`chained_lanes_vnni`], then the float arithmetic of
         /// [`Dequantizer::accumulate_rows`].
         #[inline]
         #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni")]
@@ -259,8 +278,40 @@ pub(crate) mod avx2 {
             x: [&BlockQ8K; R],
             acc: &mut [__m256],
         ) {
-            finish(w, paired_lanes_vnni(&w.q, &w.sc, x), x, acc);
+            finish(w, chained_lanes_vnni(&w.q, &w.sc, x), x, acc);
         }
+    }
+
+    /// [`paired_lanes`] with `vpdpbusd`: per row, the 4 vectors whose lanes hold the even
+    /// sub-blocks summed exactly in `i32` (at most 16 · 63 · 127 = 128016 a lane), and the 4 of the
+    /// odd ones, each multiplied by its sub-blocks' scales (`sc`, as [`Q6K::unpack_vnni`] leaves
+    /// them) in `i32`: the same integers in 12 vector instructions per row instead of 16.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni")]
+    fn chained_lanes_vnni<const R: usize>(
+        q: &[__m256i; 8],
+        sc: &[__m256i; 2],
+        x: [&BlockQ8K; R],
+    ) -> [__m256i; R] {
+        let mut lanes = [_mm256_setzero_si256(); R];
+        for (l, x) in lanes.iter_mut().zip(x) {
+            let y = x.qs.as_ptr();
+            let (mut a, mut b) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+            for t in 0..4 {
+                // SAFETY: `x.qs` is 256 bytes; bytes 32t .. 32t + 32 and 128 + 32t .. + 32 are in
+                // bounds for t < 4.
+                let (ya, yb) = unsafe {
+                    (
+                        _mm256_loadu_si256(y.add(32 * t).cast()),
+                        _mm256_loadu_si256(y.add(128 + 32 * t).cast()),
+                    )
+                };
+                a = _mm256_dpbusd_epi32(a, q[t], ya);
+                b = _mm256_dpbusd_epi32(b, q[t + 4], yb);
+            }
+            *l = _mm256_add_epi32(_mm256_mullo_epi32(a, sc[0]), _mm256_mullo_epi32(b, sc[1]));
+        }
+        lanes
     }
 
     /// Each row's integer lanes `l` less the offset of 32 in the quants, then its float arithmetic in

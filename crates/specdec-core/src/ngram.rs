@@ -158,14 +158,16 @@ pub enum HybridPlan {
 /// from [`RoundCosts::best_extension`] times [`RoundCosts::extended_factor`]. The lookup draft is
 /// free to make, so an option that calls the model must beat it by [`PAY_MARGIN`]. The model options
 /// are charged a share of reading the `lag` committed tokens the model has not read
-/// ([`ModelLag::lag`], [`RoundCosts::catch_up_share`]). Without a cost model: the lookup draft when
-/// there is one, else the model.
+/// ([`ModelLag::lag`], [`RoundCosts::catch_up_share`]). A round with no lookup draft goes to the
+/// model when [`RoundCosts::probe_model`] asks for a probe. Without a cost model: the lookup draft
+/// when there is one, else the model.
 ///
 /// [`RoundCosts::model_rate`]: crate::RoundCosts::model_rate
 /// [`RoundCosts::lookup_factor`]: crate::RoundCosts::lookup_factor
 /// [`RoundCosts::best_extension`]: crate::RoundCosts::best_extension
 /// [`RoundCosts::catch_up_share`]: crate::RoundCosts::catch_up_share
 /// [`RoundCosts::extended_factor`]: crate::RoundCosts::extended_factor
+/// [`RoundCosts::probe_model`]: crate::RoundCosts::probe_model
 pub fn plan_hybrid(
     req: &DraftRequest<'_>,
     lookup: &Proposal,
@@ -189,7 +191,10 @@ pub fn plan_hybrid(
     // The lookup draft costs nothing to make; a model call must beat it by the margin.
     let bar = best * (1.0 + PAY_MARGIN);
     let model_rate = c.model_rate_after(lag);
-    if c.model_len > 0 && model_rate > bar {
+    // A probe: the model has been out for a while and lookup has nothing, so the round would
+    // otherwise decode plainly (see [`RoundCosts::probe_model`]).
+    let probe = c.probe_model && lookup.tokens.is_empty();
+    if c.model_len > 0 && (model_rate > bar || probe) {
         (plan, best) = (HybridPlan::Model, model_rate);
     }
     if let Some((k, rate)) = c.best_extension(&lookup.confidence, req.max_len, lag) {
@@ -382,6 +387,22 @@ mod tests {
             ..costs.clone()
         };
         let plan = plan_hybrid(&request(Some(&weak)), &Proposal::default(), 1.0, 1);
+        assert_eq!(plan, HybridPlan::Lookup);
+        // A probe: the model drafts although it is priced below plain decoding, but only where
+        // lookup has nothing, and only while the cost model still drafts (`model_len > 0`).
+        let probing = RoundCosts {
+            probe_model: true,
+            ..weak.clone()
+        };
+        let plan = plan_hybrid(&request(Some(&probing)), &Proposal::default(), 1.0, 1);
+        assert_eq!(plan, HybridPlan::Model);
+        let plan = plan_hybrid(&request(Some(&probing)), &lookup, rate, 1);
+        assert_ne!(plan, HybridPlan::Model);
+        let idle = RoundCosts {
+            model_len: 0,
+            ..probing.clone()
+        };
+        let plan = plan_hybrid(&request(Some(&idle)), &Proposal::default(), 1.0, 1);
         assert_eq!(plan, HybridPlan::Lookup);
         // A model draft that beats plain decoding loses if the model must first read 2000 tokens
         // it missed (10 target steps, a share of 0.31 in this round: shared by at most 32 rounds),

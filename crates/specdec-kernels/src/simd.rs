@@ -475,8 +475,33 @@ pub(crate) mod avx2 {
         lanes
     }
 
-    /// [`summed_lanes`] with AVX-512 VNNI: per row, two chains of four `vpdpbusd` sum the 16 products
-    /// of each 4-byte lane of vectors 0..4 and of vectors 4..8 into an `i32` (at most 16 · 15 · 127 <
+    /// The two `vpdpbusd` chains of a K-quant block unpacked into [`crate::formats::BlockQ8K`]'s
+    /// order against one activation block: lane by lane, the exact `i32` sums of the 4-byte lanes of
+    /// vectors 0..4 and of vectors 4..8 (16 products each).
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni")]
+    pub(crate) fn half_sums_vnni(
+        q: &[__m256i; 8],
+        x: &crate::formats::BlockQ8K,
+    ) -> (__m256i, __m256i) {
+        let y = x.qs.as_ptr();
+        let (mut a, mut b) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+        for t in 0..4 {
+            // SAFETY: `x.qs` is 256 bytes; bytes 32t .. 32t + 32 and 128 + 32t .. + 32 are in
+            // bounds for t < 4.
+            let (ya, yb) = unsafe {
+                (
+                    _mm256_loadu_si256(y.add(32 * t).cast()),
+                    _mm256_loadu_si256(y.add(128 + 32 * t).cast()),
+                )
+            };
+            a = _mm256_dpbusd_epi32(a, q[t], ya);
+            b = _mm256_dpbusd_epi32(b, q[t + 4], yb);
+        }
+        (a, b)
+    }
+
+    /// [`summed_lanes`] with AVX-512 VNNI: per row, [`half_sums_vnni`] (each at most 16 · 15 · 127 <
     /// 2^15 in magnitude), and two `vpdpwssd` multiply them by the lane's scale and add: 10
     /// instructions per row and block. `sc` must hold each lane's scale in its low `i16` and 0 in its
     /// high one: the high `i16` of a negative sum is -1, and the low one alone is the sum.
@@ -487,22 +512,10 @@ pub(crate) mod avx2 {
         sc: __m256i,
         x: [&crate::formats::BlockQ8K; R],
     ) -> [__m256i; R] {
+        // A loop, not `map`: a closure would not inline the VNNI function.
         let mut lanes = [_mm256_setzero_si256(); R];
         for (l, x) in lanes.iter_mut().zip(x) {
-            let y = x.qs.as_ptr();
-            let (mut a, mut b) = (_mm256_setzero_si256(), _mm256_setzero_si256());
-            for t in 0..4 {
-                // SAFETY: `x.qs` is 256 bytes; bytes 32t .. 32t + 32 and 128 + 32t .. + 32 are in
-                // bounds for t < 4.
-                let (ya, yb) = unsafe {
-                    (
-                        _mm256_loadu_si256(y.add(32 * t).cast()),
-                        _mm256_loadu_si256(y.add(128 + 32 * t).cast()),
-                    )
-                };
-                a = _mm256_dpbusd_epi32(a, q[t], ya);
-                b = _mm256_dpbusd_epi32(b, q[t + 4], yb);
-            }
+            let (a, b) = half_sums_vnni(q, x);
             *l = _mm256_dpwssd_epi32(_mm256_dpwssd_epi32(_mm256_setzero_si256(), a, sc), b, sc);
         }
         lanes

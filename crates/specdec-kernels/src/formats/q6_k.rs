@@ -144,7 +144,9 @@ pub fn dot_q6_k_q8_k(w: &[BlockQ6K], x: &[BlockQ8K]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
     use super::{BlockQ6K, BlockQ8K};
-    use crate::simd::avx2::{f16_to_f32, paired_lanes, pick_i16, shuffle, Dequantizer};
+    use crate::simd::avx2::{
+        f16_to_f32, half_sums_vnni, paired_lanes, pick_i16, shuffle, Dequantizer,
+    };
     use std::arch::x86_64::*;
 
     pub(crate) struct Q6K;
@@ -293,22 +295,10 @@ pub(crate) mod avx2 {
         sc: &[__m256i; 2],
         x: [&BlockQ8K; R],
     ) -> [__m256i; R] {
+        // A loop, not `map`: a closure would not inline the VNNI function.
         let mut lanes = [_mm256_setzero_si256(); R];
         for (l, x) in lanes.iter_mut().zip(x) {
-            let y = x.qs.as_ptr();
-            let (mut a, mut b) = (_mm256_setzero_si256(), _mm256_setzero_si256());
-            for t in 0..4 {
-                // SAFETY: `x.qs` is 256 bytes; bytes 32t .. 32t + 32 and 128 + 32t .. + 32 are in
-                // bounds for t < 4.
-                let (ya, yb) = unsafe {
-                    (
-                        _mm256_loadu_si256(y.add(32 * t).cast()),
-                        _mm256_loadu_si256(y.add(128 + 32 * t).cast()),
-                    )
-                };
-                a = _mm256_dpbusd_epi32(a, q[t], ya);
-                b = _mm256_dpbusd_epi32(b, q[t + 4], yb);
-            }
+            let (a, b) = half_sums_vnni(q, x);
             *l = _mm256_add_epi32(_mm256_mullo_epi32(a, sc[0]), _mm256_mullo_epi32(b, sc[1]));
         }
         lanes

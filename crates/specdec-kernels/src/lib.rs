@@ -68,8 +68,9 @@ pub use simd::MAX_PASS_ROWS;
 /// measured on the old kernels. 23: the transposed K-quant order (stop 23); 24: Q4_0 and Q5_0 with
 /// 8 weight rows interleaved (stop 24); 25: Q4_K with 8 weight rows interleaved (stop 25); 27: the
 /// VNNI passes of interleaved Q4_K and of Q6_K chain `vpdpbusd`, and weights are prefetched into L2
-/// (stop 27).
-pub const REVISION: u32 = 27;
+/// (stop 27); 28: interleaved Q4_K keeps at most 8 rows' sums in registers and adds both chains
+/// with one `vpdpwssd` (stop 28).
+pub const REVISION: u32 = 28;
 
 /// Everything that can go wrong in this crate: shapes and levels, never arithmetic.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

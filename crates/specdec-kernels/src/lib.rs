@@ -55,9 +55,10 @@ pub use dispatch::{CpuLevel, Kernels, LEVEL_ENV};
 pub use f16::F16;
 pub use formats::{
     dequantize_row, dot_q4_0_q8_0, dot_q4_k_q8_k, dot_q4_kx8_q8_k, dot_q5_0_q8_0, dot_q6_k_q8_k,
-    dot_q8_0_q8_0, hsum8, q8k_position, q8k_value, quantize_row_q8_0, quantize_row_q8_k, ActQ8_0,
-    ActivationFormat, BlockFormat, BlockQ4K, BlockQ4Kx8, BlockQ4_0, BlockQ4_0x8, BlockQ5_0,
-    BlockQ5_0x8, BlockQ6K, BlockQ8K, BlockQ8_0, Interleaved, WeightBlock, GROUP_ROWS,
+    dot_q6_kx8_q8_k, dot_q8_0_q8_0, hsum8, interleave_rows, q8k_position, q8k_value,
+    quantize_row_q8_0, quantize_row_q8_k, ActQ8_0, ActivationFormat, BlockFormat, BlockQ4K,
+    BlockQ4Kx8, BlockQ4_0, BlockQ4_0x8, BlockQ5_0, BlockQ5_0x8, BlockQ6K, BlockQ6Kx8, BlockQ8K,
+    BlockQ8_0, Interleaved, WeightBlock, GROUP_ROWS,
 };
 pub use matrix::{matmul, QMatrix, QuantizedActivations, Weights};
 pub use pool::ThreadPool;
@@ -69,7 +70,7 @@ pub use simd::MAX_PASS_ROWS;
 /// 8 weight rows interleaved (stop 24); 25: Q4_K with 8 weight rows interleaved (stop 25); 27: the
 /// VNNI passes of interleaved Q4_K and of Q6_K chain `vpdpbusd`, and weights are prefetched into L2
 /// (stop 27); 28: interleaved Q4_K keeps at most 8 rows' sums in registers and adds both chains
-/// with one `vpdpwssd` (stop 28).
+/// with one `vpdpwssd`, and Q6_K is interleaved at the VNNI level (stop 28).
 pub const REVISION: u32 = 28;
 
 /// Everything that can go wrong in this crate: shapes and levels, never arithmetic.

@@ -1,10 +1,10 @@
 //! Quantised weight matrices, quantised activations, and the multi-row matmul over them.
 
-use crate::dispatch::Kernels;
+use crate::dispatch::{CpuLevel, Kernels};
 use crate::formats::{
     dequantize_row, interleave_rows, quantize_row_q8_0, quantize_row_q8_k, ActQ8_0,
     ActivationFormat, BlockFormat, BlockQ4K, BlockQ4Kx8, BlockQ4_0, BlockQ4_0x8, BlockQ5_0,
-    BlockQ5_0x8, BlockQ6K, BlockQ8K, BlockQ8_0, Interleaved, WeightBlock, GROUP_ROWS,
+    BlockQ5_0x8, BlockQ6K, BlockQ6Kx8, BlockQ8K, BlockQ8_0, Interleaved, WeightBlock, GROUP_ROWS,
 };
 use crate::pool::ThreadPool;
 use crate::simd::{self, pass, pass_groups, Out, Window, MAX_PASS_ROWS};
@@ -31,8 +31,12 @@ pub enum Weights {
     /// Q4_K blocks of 8 rows interleaved, with their own arithmetic
     /// ([`crate::formats::dot_q4_kx8_q8_k`]).
     Q4Kx8(Vec<BlockQ4Kx8>),
-    /// Q6_K blocks.
+    /// Q6_K blocks ([`QMatrix::from_blocks`] interleaves them when the rows are a multiple of 8 and
+    /// the kernels run at [`CpuLevel::Avx512Vnni`]).
     Q6K(Vec<BlockQ6K>),
+    /// Q6_K blocks of 8 rows interleaved, with their own arithmetic
+    /// ([`crate::formats::dot_q6_kx8_q8_k`]).
+    Q6Kx8(Vec<BlockQ6Kx8>),
 }
 
 impl Weights {
@@ -43,7 +47,7 @@ impl Weights {
             Weights::Q4_0(_) | Weights::Q4_0x8(_) => BlockFormat::Q4_0,
             Weights::Q5_0(_) | Weights::Q5_0x8(_) => BlockFormat::Q5_0,
             Weights::Q4K(_) | Weights::Q4Kx8(_) => BlockFormat::Q4K,
-            Weights::Q6K(_) => BlockFormat::Q6K,
+            Weights::Q6K(_) | Weights::Q6Kx8(_) => BlockFormat::Q6K,
         }
     }
 
@@ -58,6 +62,7 @@ impl Weights {
             Weights::Q4K(b) => b.len(),
             Weights::Q4Kx8(g) => GROUP_ROWS * g.len(),
             Weights::Q6K(b) => b.len(),
+            Weights::Q6Kx8(g) => GROUP_ROWS * g.len(),
         }
     }
 }
@@ -104,7 +109,11 @@ fn read_blocks<B: WeightBlock>(bytes: &[u8]) -> Vec<B> {
 
 impl QMatrix {
     /// A matrix from its blocks. Q4_0, Q5_0 and Q4_K blocks are interleaved in groups of 8 rows
-    /// ([`BlockQ4_0x8`], [`BlockQ5_0x8`], [`BlockQ4Kx8`]) when `rows` is a multiple of 8.
+    /// ([`BlockQ4_0x8`], [`BlockQ5_0x8`], [`BlockQ4Kx8`]) when `rows` is a multiple of 8, and Q6_K
+    /// blocks ([`BlockQ6Kx8`]) too where the process-wide [`Kernels::get`] runs at
+    /// [`CpuLevel::Avx512Vnni`]: at AVX2 the interleaved Q6_K pass is slower for 1 to 8 rows
+    /// (two `maddubs` sums are all that fit `i16` with 6-bit quants), so the file's layout stays.
+    /// Interleaved blocks passed in stay interleaved at every level.
     ///
     /// # Errors
     /// [`KernelError::RaggedRow`] if `cols` is not a multiple of the block length,
@@ -121,12 +130,19 @@ impl QMatrix {
         }
         let grouped = rows.is_multiple_of(GROUP_ROWS);
         let weights = match weights {
-            Weights::Q4_0x8(_) | Weights::Q5_0x8(_) | Weights::Q4Kx8(_) if !grouped => {
+            Weights::Q4_0x8(_) | Weights::Q5_0x8(_) | Weights::Q4Kx8(_) | Weights::Q6Kx8(_)
+                if !grouped =>
+            {
                 return Err(KernelError::RaggedGroups { rows });
             }
             Weights::Q4_0(b) if grouped && nb > 0 => Weights::Q4_0x8(interleave_rows(&b, nb)),
             Weights::Q5_0(b) if grouped && nb > 0 => Weights::Q5_0x8(interleave_rows(&b, nb)),
             Weights::Q4K(b) if grouped && nb > 0 => Weights::Q4Kx8(interleave_rows(&b, nb)),
+            Weights::Q6K(b)
+                if grouped && nb > 0 && Kernels::get().level() == CpuLevel::Avx512Vnni =>
+            {
+                Weights::Q6Kx8(interleave_rows(&b, nb))
+            }
             weights => weights,
         };
         Ok(QMatrix {
@@ -180,8 +196,9 @@ impl QMatrix {
     }
 
     /// The blocks, as stored: Q4_0, Q5_0 and Q4_K matrices whose row count is a multiple of 8 as
-    /// [`Weights::Q4_0x8`], [`Weights::Q5_0x8`] and [`Weights::Q4Kx8`] ([`QMatrix::row_weights`] gives a row's blocks
-    /// as the file has them).
+    /// [`Weights::Q4_0x8`], [`Weights::Q5_0x8`] and [`Weights::Q4Kx8`], Q6_K ones as
+    /// [`Weights::Q6Kx8`] where [`QMatrix::from_blocks`] says ([`QMatrix::row_weights`] gives a
+    /// row's blocks as the file has them).
     pub fn weights(&self) -> &Weights {
         &self.weights
     }
@@ -218,6 +235,7 @@ impl QMatrix {
             Weights::Q4K(b) => dequantize_row(&b[blocks], out),
             Weights::Q4Kx8(b) => dequantize_grouped(&b[groups], k, out),
             Weights::Q6K(b) => dequantize_row(&b[blocks], out),
+            Weights::Q6Kx8(b) => dequantize_grouped(&b[groups], k, out),
         }
     }
 
@@ -237,6 +255,7 @@ impl QMatrix {
             Weights::Q4K(b) => Weights::Q4K(b[blocks].to_vec()),
             Weights::Q4Kx8(b) => Weights::Q4K(b[groups].iter().map(|g| g.row(k)).collect()),
             Weights::Q6K(b) => Weights::Q6K(b[blocks].to_vec()),
+            Weights::Q6Kx8(b) => Weights::Q6K(b[groups].iter().map(|g| g.row(k)).collect()),
         }
     }
 
@@ -396,7 +415,7 @@ impl Kernels {
     ///
     /// Activation rows go in passes of up to 16; within a pass each weight block is unpacked once and
     /// dotted against every row of the pass. Each result is bit-identical to the one-row call and to
-    /// every other [`CpuLevel`](crate::CpuLevel).
+    /// every other [`CpuLevel`].
     ///
     /// # Errors
     /// [`KernelError::ActivationFormat`] or [`KernelError::WidthMismatch`] if `x` does not fit `w`,
@@ -605,6 +624,9 @@ impl Kernels {
                     }
                     (Weights::Q6K(b), ActBlocks::Q8K(a)) => {
                         pass::<simd::Q6K>(level, &b[blocks.clone()], nb, &a[acts], out)
+                    }
+                    (Weights::Q6Kx8(g), ActBlocks::Q8K(a)) => {
+                        pass_groups::<simd::Q6Kx8>(level, &g[groups.clone()], nb, &a[acts], window)
                     }
                     // `check` rules these out.
                     _ => {}

@@ -7,9 +7,9 @@
 
 use crate::dispatch::CpuLevel;
 use crate::formats::{
-    dot_q4_0_q8_0, dot_q4_k_q8_k, dot_q4_kx8_q8_k, dot_q5_0_q8_0, dot_q6_k_q8_k, dot_q8_0_q8_0,
-    ActQ8_0, BlockQ4K, BlockQ4Kx8, BlockQ4_0, BlockQ4_0x8, BlockQ5_0, BlockQ5_0x8, BlockQ6K,
-    BlockQ8K, BlockQ8_0, Interleaved, GROUP_ROWS,
+    dot_q4_0_q8_0, dot_q4_k_q8_k, dot_q4_kx8_q8_k, dot_q5_0_q8_0, dot_q6_k_q8_k, dot_q6_kx8_q8_k,
+    dot_q8_0_q8_0, ActQ8_0, BlockQ4K, BlockQ4Kx8, BlockQ4_0, BlockQ4_0x8, BlockQ5_0, BlockQ5_0x8,
+    BlockQ6K, BlockQ6Kx8, BlockQ8K, BlockQ8_0, Interleaved, GROUP_ROWS,
 };
 
 /// Most activation rows dotted against one unpacked weight block.
@@ -105,7 +105,7 @@ format!(
 );
 
 /// An interleaved weight format's kernels ([`crate::BlockQ4_0x8`], [`crate::BlockQ5_0x8`],
-/// [`crate::BlockQ4Kx8`]): the reference dot of its plain blocks and the AVX2 and AVX-512 VNNI passes
+/// [`crate::BlockQ4Kx8`], [`crate::BlockQ6Kx8`]): the reference dot of its plain blocks and the AVX2 and AVX-512 VNNI passes
 /// over groups of 8 rows.
 pub(crate) trait GroupFormat {
     type Group: Interleaved;
@@ -168,6 +168,27 @@ impl GroupFormat for Q4Kx8 {
     unsafe fn vnni_pass(w: &[BlockQ4Kx8], nb: usize, x: &[BlockQ8K], out: Window) {
         // SAFETY: the caller's contract.
         unsafe { crate::formats::q4_k_x8::avx2::pass8_vnni(w, nb, x, out) }
+    }
+}
+
+/// Q6_K with 8 rows interleaved ([`crate::formats::q6_k_x8`]).
+pub(crate) struct Q6Kx8;
+
+impl GroupFormat for Q6Kx8 {
+    type Group = BlockQ6Kx8;
+    type Act = BlockQ8K;
+    fn dot(w: &[BlockQ6K], x: &[BlockQ8K]) -> f32 {
+        dot_q6_kx8_q8_k(w, x)
+    }
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn avx2_pass(w: &[BlockQ6Kx8], nb: usize, x: &[BlockQ8K], out: Window) {
+        // SAFETY: the caller's contract.
+        unsafe { crate::formats::q6_k_x8::avx2::pass8(w, nb, x, out) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn vnni_pass(w: &[BlockQ6Kx8], nb: usize, x: &[BlockQ8K], out: Window) {
+        // SAFETY: the caller's contract.
+        unsafe { crate::formats::q6_k_x8::avx2::pass8_vnni(w, nb, x, out) }
     }
 }
 

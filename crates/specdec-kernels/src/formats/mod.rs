@@ -28,6 +28,9 @@
 //!   matrix whose row count is a multiple of 8): a block's products are summed into one exact `i32`
 //!   per row, its mins term into another, and both go into a single `f32` accumulator with two fused
 //!   multiply-adds ([`dot_q4_kx8_q8_k`]), so that the 8 rows of a group share the float work.
+//! - **Q6_K stored with 8 rows interleaved** ([`BlockQ6Kx8`], likewise): a block's products, less
+//!   the quants' offset of 32, are summed into one exact `i32` per row, which is multiplied by `d`
+//!   and goes into a single `f32` accumulator with one fused multiply-add ([`dot_q6_kx8_q8_k`]).
 //!
 //! The AVX2 kernels produce the same integers with `maddubs`/`madd` and the same float operations, so
 //! every CPU level returns identical bits. (For the K-quants they add several vectors' `maddubs`
@@ -48,6 +51,7 @@ pub(crate) mod q4_k;
 pub(crate) mod q4_k_x8;
 pub(crate) mod q5_0;
 pub(crate) mod q6_k;
+pub(crate) mod q6_k_x8;
 pub(crate) mod q8_0;
 pub(crate) mod q8_k;
 
@@ -57,6 +61,7 @@ pub use q4_k::{dot_q4_k_q8_k, BlockQ4K};
 pub use q4_k_x8::{dot_q4_kx8_q8_k, BlockQ4Kx8};
 pub use q5_0::{dot_q5_0_q8_0, BlockQ5_0};
 pub use q6_k::{dot_q6_k_q8_k, BlockQ6K};
+pub use q6_k_x8::{dot_q6_kx8_q8_k, BlockQ6Kx8};
 pub use q8_0::{dot_q8_0_q8_0, quantize_row_q8_0, ActQ8_0, BlockQ8_0};
 pub use q8_k::{q8k_position, q8k_value, quantize_row_q8_k, BlockQ8K};
 

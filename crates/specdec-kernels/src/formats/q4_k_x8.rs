@@ -312,8 +312,9 @@ pub(crate) mod avx2 {
         _mm256_dpwssd_epi32(acc, ab, sc)
     }
 
-    /// The most activation rows whose sums a pass keeps in registers at once.
-    const CHUNK: usize = 8;
+    /// The most activation rows whose sums a pass keeps in registers at once (here and in
+    /// [`crate::formats::q6_k_x8`]).
+    pub(crate) const CHUNK: usize = 8;
 
     /// `$f::<N>(args)` for the pass's row count `N` (1 ..= [`crate::MAX_PASS_ROWS`]).
     macro_rules! by_rows {
@@ -339,6 +340,7 @@ pub(crate) mod avx2 {
             }
         };
     }
+    pub(crate) use by_rows;
 
     /// The pass compiled once per level: the levels differ only in how a sub-block's integer lanes
     /// are summed (`$lanes`).

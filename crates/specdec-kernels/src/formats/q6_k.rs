@@ -31,6 +31,19 @@ pub struct BlockQ6K {
 }
 
 impl BlockQ6K {
+    /// A block from its unsigned 6-bit quants in value order (each below 64), sub-block scales and
+    /// super-block scale: the inverse of [`BlockQ6K::quants`].
+    pub fn from_quants(quants: &[u8; QK_K], scales: [i8; QK_K / 16], d: F16) -> BlockQ6K {
+        let (mut ql, mut qh) = ([0u8; QK_K / 2], [0u8; QK_K / 4]);
+        for (v, &q) in quants.iter().enumerate() {
+            let p = q8k_position(v);
+            let (h, g, l) = (p / 128, (p % 128) / 32, p % 32);
+            ql[64 * h + l + 32 * (g % 2)] |= (q & 0x0f) << (4 * (g / 2));
+            qh[32 * h + l] |= ((q >> 4) & 3) << (2 * g);
+        }
+        BlockQ6K { ql, qh, scales, d }
+    }
+
     /// The unsigned 6-bit quants (0..64, before the offset of 32), in value order.
     pub fn quants(&self) -> [u8; QK_K] {
         std::array::from_fn(|v| {

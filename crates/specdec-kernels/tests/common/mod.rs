@@ -3,9 +3,9 @@
 #![allow(dead_code)]
 
 use specdec_kernels::{
-    dot_q4_0_q8_0, dot_q4_k_q8_k, dot_q4_kx8_q8_k, dot_q5_0_q8_0, dot_q6_k_q8_k, dot_q8_0_q8_0,
-    BlockFormat, BlockQ4K, BlockQ4_0, BlockQ5_0, BlockQ6K, BlockQ8_0, QMatrix,
-    QuantizedActivations, Weights, F16,
+    dot_q4_0_q8_0, dot_q4_k_q8_k, dot_q4_kx8_q8_k, dot_q5_0_q8_0, dot_q6_k_q8_k, dot_q6_kx8_q8_k,
+    dot_q8_0_q8_0, interleave_rows, BlockFormat, BlockQ4K, BlockQ4_0, BlockQ5_0, BlockQ6K,
+    BlockQ8_0, QMatrix, QuantizedActivations, Weights, F16, GROUP_ROWS,
 };
 
 pub struct Rng(pub u64);
@@ -98,6 +98,13 @@ pub fn random_matrix(rng: &mut Rng, format: BlockFormat, rows: usize, cols: usiz
                 .collect(),
         ),
     };
+    // Q6_K is interleaved at load only at the VNNI level; both layouts are tested at every level.
+    let weights = match weights {
+        Weights::Q6K(b) if rows.is_multiple_of(GROUP_ROWS) => {
+            Weights::Q6Kx8(interleave_rows(&b, cols / format.block_len()))
+        }
+        weights => weights,
+    };
     QMatrix::from_blocks(rows, cols, weights).expect("shape built to match")
 }
 
@@ -149,6 +156,10 @@ pub fn reference(w: &QMatrix, x: &QuantizedActivations, n: usize, r: usize) -> f
             dot_q4_kx8_q8_k(&b, x.q8k_row(r).expect("Q8_K activations"))
         }
         Weights::Q4K(b) => dot_q4_k_q8_k(&b, x.q8k_row(r).expect("Q8_K activations")),
+        // Likewise Q6_K.
+        Weights::Q6K(b) if matches!(w.weights(), Weights::Q6Kx8(_)) => {
+            dot_q6_kx8_q8_k(&b, x.q8k_row(r).expect("Q8_K activations"))
+        }
         Weights::Q6K(b) => dot_q6_k_q8_k(&b, x.q8k_row(r).expect("Q8_K activations")),
         other => panic!("row_weights gave grouped blocks: {:?}", other.format()),
     }

@@ -241,3 +241,35 @@ pub(crate) fn bytes<const W: usize, const B: usize>(words: &[u32; W]) -> [u8; B]
     const { assert!(B == 4 * W, "4 bytes per word") };
     std::array::from_fn(|i| words[i / 4].to_le_bytes()[i % 4])
 }
+
+/// Asserts that a K-quant row's two arithmetics, `grouped` (an interleaved format's) and `per_lane`
+/// (the plain blocks'), agree on `w` against a fixed activation row: the same integers, grouped
+/// differently into float operations, so within a few rounding errors of the sum of magnitudes.
+#[cfg(test)]
+pub(crate) fn assert_arithmetics_agree<B: WeightBlock>(
+    w: &[B],
+    grouped: fn(&[B], &[BlockQ8K]) -> f32,
+    per_lane: fn(&[B], &[BlockQ8K]) -> f32,
+) {
+    let n = w.len() * QK_K;
+    let x: Vec<f32> = (0..n)
+        .map(|i| ((i * 7919 % 1000) as f32 / 250.0 - 2.0) * if i % 13 == 0 { 8.0 } else { 1.0 })
+        .collect();
+    let mut xq = vec![
+        BlockQ8K {
+            qs: [0; QK_K],
+            bsums: [0; QK_K / 16],
+            d: 0.0
+        };
+        w.len()
+    ];
+    quantize_row_q8_k(&x, &mut xq);
+    let (a, b) = (grouped(w, &xq), per_lane(w, &xq));
+    // The magnitudes: every dequantised weight times its activation.
+    let mut wf = vec![0f32; n];
+    for (blk, out) in w.iter().zip(wf.chunks_exact_mut(QK_K)) {
+        blk.dequantize(out);
+    }
+    let mag: f32 = wf.iter().zip(&x).map(|(w, x)| (w * x).abs()).sum();
+    assert!((a - b).abs() <= 1e-6 * mag, "{a} vs {b} (magnitude {mag})");
+}

@@ -402,28 +402,7 @@ mod tests {
     #[test]
     fn the_grouped_arithmetic_agrees_with_the_per_lane_one() {
         let w: Vec<BlockQ6K> = (0..6).map(|b| q6k(17 * b + 5)).collect();
-        let x: Vec<f32> = (0..6 * 256)
-            .map(|i| ((i * 7919 % 1000) as f32 / 250.0 - 2.0) * if i % 13 == 0 { 8.0 } else { 1.0 })
-            .collect();
-        let mut xq = vec![
-            BlockQ8K {
-                qs: [0; 256],
-                bsums: [0; 16],
-                d: 0.0
-            };
-            6
-        ];
-        super::super::quantize_row_q8_k(&x, &mut xq);
-        let (a, b) = (
-            dot_q6_kx8_q8_k(&w, &xq),
-            super::super::dot_q6_k_q8_k(&w, &xq),
-        );
-        let mut wf = vec![0f32; 6 * 256];
-        for (blk, out) in w.iter().zip(wf.chunks_exact_mut(256)) {
-            super::super::WeightBlock::dequantize(blk, out);
-        }
-        let mag: f32 = wf.iter().zip(&x).map(|(w, x)| (w * x).abs()).sum();
-        assert!((a - b).abs() <= 1e-6 * mag, "{a} vs {b} (magnitude {mag})");
+        super::super::assert_arithmetics_agree(&w, dot_q6_kx8_q8_k, super::super::dot_q6_k_q8_k);
     }
 
     #[test]

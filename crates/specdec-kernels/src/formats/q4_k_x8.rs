@@ -342,11 +342,40 @@ pub(crate) mod avx2 {
     }
     pub(crate) use by_rows;
 
+    /// `$f::<R>(args)` for a chunk's row count `R` (0: nothing; 1 ..= [`CHUNK`]).
+    macro_rules! by_chunk {
+        ($n:expr, $f:ident($($arg:expr),*)) => {
+            match $n {
+                1 => $f::<1>($($arg),*),
+                2 => $f::<2>($($arg),*),
+                3 => $f::<3>($($arg),*),
+                4 => $f::<4>($($arg),*),
+                5 => $f::<5>($($arg),*),
+                6 => $f::<6>($($arg),*),
+                7 => $f::<7>($($arg),*),
+                8 => $f::<8>($($arg),*),
+                _ => {}
+            }
+        };
+    }
+    pub(crate) use by_chunk;
+
+    /// How a pass of `n` rows (at most 2 · [`CHUNK`]) splits into two chunks that each keep their
+    /// sums in registers: all in the first up to [`CHUNK`], else halves (9 rows as 5 + 4). Each
+    /// chunk's size is a constant of its code ([`by_chunk`]), so its row loop unrolls.
+    pub(crate) const fn chunks(n: usize) -> (usize, usize) {
+        if n <= CHUNK {
+            (n, 0)
+        } else {
+            (n.div_ceil(2), n / 2)
+        }
+    }
+
     /// The pass compiled once per level: the levels differ only in how a sub-block's integer lanes
     /// are summed (`$lanes`).
     macro_rules! level {
         (
-            features: $features:literal, pass: $pass:ident, rows: $rows:ident,
+            features: $features:literal, pass: $pass:ident, rows: $rows:ident, chunk: $chunk:ident,
             lanes: $lanes:ident $(,)?
         ) => {
             /// [`rows8`] with the pass's row count (1 ..= [`crate::MAX_PASS_ROWS`]) as the
@@ -361,11 +390,8 @@ pub(crate) mod avx2 {
             }
 
             /// `N` activation rows against the groups of 8 weight rows in `w` (`nb` groups each): per
-            /// group the scales unpacked once; per chunk of at most [`CHUNK`] rows and sub-block, its
-            /// 8 vectors unpacked and, per activation row, the sub-block's integer lanes (`
-            #[doc = stringify!($lanes)]
-            /// `); then per row the float arithmetic of [`super::dot_q4_kx8_q8_k`] for the 8 rows at
-            /// once.
+            /// group the scales unpacked once, then the rows in at most two chunks of at most
+            /// [`CHUNK`] ([`chunks`]).
             ///
             /// # Safety
             #[doc = concat!("The CPU must support `", $features, "`; `out` as")]
@@ -378,53 +404,19 @@ pub(crate) mod avx2 {
                 out: Window,
             ) {
                 assert_eq!(x.len(), N * nb, "a pass holds N rows of nb blocks");
-                let low = _mm256_set1_epi8(0x0f);
                 let pat = Patterns::new();
-                // The rows split evenly into chunks of at most `CHUNK`.
-                let split = N.div_ceil(N.div_ceil(CHUNK));
+                let (first, second) = chunks(N);
                 for (g, groups) in w.chunks_exact(nb).enumerate() {
                     let mut acc = [_mm256_setzero_ps(); N];
                     for (b, group) in groups.iter().enumerate() {
                         prefetch_ahead(group);
                         let u = scales(group, &pat);
-                        // At most `CHUNK` rows at a time, so that their sums, the sub-block's
-                        // vectors and the chains stay in registers; the group's bytes stay in L1
-                        // for the next chunk.
-                        for first in (0..N).step_by(split) {
-                            let rows = (N - first).min(split);
-                            let mut sumi = [_mm256_setzero_si256(); CHUNK];
-                            for (s, &sc) in u.sc.iter().enumerate() {
-                                let mut v = [_mm256_setzero_si256(); 8];
-                                for c in 0..4 {
-                                    // SAFETY: `qs` is 1024 bytes; bytes 128s + 32c .. + 32 are in
-                                    // bounds for s < 8, c < 4.
-                                    let q = unsafe {
-                                        _mm256_loadu_si256(
-                                            group.qs.as_ptr().add(128 * s + 32 * c).cast(),
-                                        )
-                                    };
-                                    v[c] = _mm256_and_si256(q, low);
-                                    v[c + 4] = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
-                                }
-                                for (i, sumi) in sumi.iter_mut().enumerate().take(rows) {
-                                    // Activation values 32s + 4t .. + 4 lie at positions 32t + 4s
-                                    // .. + 4, in bounds of the 256 quants for t < 8, s < 8.
-                                    let y = x[(first + i) * nb + b].qs.as_ptr().wrapping_add(4 * s);
-                                    // SAFETY: as above; the level's features are enabled here.
-                                    *sumi = unsafe { $lanes(*sumi, &v, y, sc) };
-                                }
-                            }
-                            for (i, sumi) in sumi.iter().enumerate().take(rows) {
-                                let xb = &x[(first + i) * nb + b];
-                                let m = _mm256_cvtepi32_ps(mins(&u.mins, xb));
-                                let block = _mm256_fmsub_ps(
-                                    _mm256_cvtepi32_ps(*sumi),
-                                    u.d,
-                                    _mm256_mul_ps(m, u.dmin),
-                                );
-                                acc[first + i] =
-                                    _mm256_fmadd_ps(block, _mm256_set1_ps(xb.d), acc[first + i]);
-                            }
+                        let (a0, a1) = acc.split_at_mut(first);
+                        // SAFETY: the chunks' rows are rows of the pass; the level's features are
+                        // enabled here.
+                        unsafe {
+                            by_chunk!(first, $chunk(group, &u, &x[b..], nb, a0));
+                            by_chunk!(second, $chunk(group, &u, &x[first * nb + b..], nb, a1));
                         }
                     }
                     for (r, &a) in acc.iter().enumerate() {
@@ -433,17 +425,66 @@ pub(crate) mod avx2 {
                     }
                 }
             }
+
+            /// `R` activation rows (row `i`'s block at `x[i * nb]`) against one group: per
+            /// sub-block its 8 vectors unpacked (again for a second chunk, from L1) and, per row,
+            /// the sub-block's integer lanes (`
+            #[doc = stringify!($lanes)]
+            /// `); then per row the float arithmetic of [`super::dot_q4_kx8_q8_k`] for the 8 rows
+            /// at once, into `acc[i]`.
+            ///
+            /// # Safety
+            #[doc = concat!("The CPU must support `", $features, "`; `x` must hold")]
+            /// `(R - 1) * nb + 1` blocks and `acc` `R` accumulators.
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn $chunk<const R: usize>(
+                group: &BlockQ4Kx8,
+                u: &Scales,
+                x: &[BlockQ8K],
+                nb: usize,
+                acc: &mut [__m256],
+            ) {
+                let low = _mm256_set1_epi8(0x0f);
+                let mut sumi = [_mm256_setzero_si256(); R];
+                for (s, &sc) in u.sc.iter().enumerate() {
+                    let mut v = [_mm256_setzero_si256(); 8];
+                    for c in 0..4 {
+                        // SAFETY: `qs` is 1024 bytes; bytes 128s + 32c .. + 32 are in bounds for
+                        // s < 8, c < 4.
+                        let q = unsafe {
+                            _mm256_loadu_si256(group.qs.as_ptr().add(128 * s + 32 * c).cast())
+                        };
+                        v[c] = _mm256_and_si256(q, low);
+                        v[c + 4] = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+                    }
+                    for (i, sumi) in sumi.iter_mut().enumerate() {
+                        // Activation values 32s + 4t .. + 4 lie at positions 32t + 4s .. + 4, in
+                        // bounds of the 256 quants for t < 8, s < 8.
+                        let y = x[i * nb].qs.as_ptr().wrapping_add(4 * s);
+                        // SAFETY: as above; the level's features are enabled here.
+                        *sumi = unsafe { $lanes(*sumi, &v, y, sc) };
+                    }
+                }
+                for (i, (sumi, acc)) in sumi.iter().zip(acc.iter_mut()).enumerate() {
+                    let xb = &x[i * nb];
+                    let m = _mm256_cvtepi32_ps(mins(&u.mins, xb));
+                    let block =
+                        _mm256_fmsub_ps(_mm256_cvtepi32_ps(*sumi), u.d, _mm256_mul_ps(m, u.dmin));
+                    *acc = _mm256_fmadd_ps(block, _mm256_set1_ps(xb.d), *acc);
+                }
+            }
         };
     }
 
     level! {
-        features: "avx2,f16c,fma", pass: pass8, rows: rows8,
+        features: "avx2,f16c,fma", pass: pass8, rows: rows8, chunk: chunk8,
         lanes: sub_block_lanes,
     }
 
     level! {
         features: "avx2,f16c,fma,avx512f,avx512vl,avx512vnni", pass: pass8_vnni, rows: rows8_vnni,
-        lanes: sub_block_lanes_vnni,
+        chunk: chunk8_vnni, lanes: sub_block_lanes_vnni,
     }
 }
 

@@ -117,7 +117,7 @@ pub fn dot_q6_kx8_q8_k(w: &[BlockQ6K], x: &[BlockQ8K]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
     use super::{BlockQ6Kx8, BlockQ8K};
-    use crate::formats::q4_k_x8::avx2::{by_rows, CHUNK};
+    use crate::formats::q4_k_x8::avx2::{by_chunk, by_rows, chunks};
     use crate::simd::avx2::{prefetch_ahead, write_group};
     use crate::simd::Window;
     use std::arch::x86_64::*;
@@ -300,8 +300,8 @@ pub(crate) mod avx2 {
     /// held (`$both`).
     macro_rules! level {
         (
-            features: $features:literal, pass: $pass:ident, rows: $rows:ident, both: $both:literal,
-            lanes: $lanes:ident, offset: $offset:ident $(,)?
+            features: $features:literal, pass: $pass:ident, rows: $rows:ident, chunk: $chunk:ident,
+            both: $both:literal, lanes: $lanes:ident, offset: $offset:ident $(,)?
         ) => {
             /// [`rows8`] with the pass's row count (1 ..= [`crate::MAX_PASS_ROWS`]) as the
             /// constant.
@@ -315,11 +315,8 @@ pub(crate) mod avx2 {
             }
 
             /// `N` activation rows against the groups of 8 weight rows in `w` (`nb` groups each): per
-            /// group the scales unpacked once; per chunk of at most [`CHUNK`] rows and sub-block
-            /// pair, its 8 vectors unpacked and, per activation row, the pair's integer lanes (`
-            #[doc = stringify!($lanes)]
-            /// `); then per row the offset and the float arithmetic of
-            /// [`super::dot_q6_kx8_q8_k`] for the 8 rows at once.
+            /// group the scales unpacked once, then the rows in at most two chunks of at most
+            /// [`CHUNK`] ([`rows_of`]).
             ///
             /// # Safety
             #[doc = concat!("The CPU must support `", $features, "`; `out` as")]
@@ -332,35 +329,18 @@ pub(crate) mod avx2 {
                 out: Window,
             ) {
                 assert_eq!(x.len(), N * nb, "a pass holds N rows of nb blocks");
-                // The rows split evenly into chunks of at most `CHUNK`.
-                let split = N.div_ceil(N.div_ceil(CHUNK));
+                let (first, second) = chunks(N);
                 for (g, groups) in w.chunks_exact(nb).enumerate() {
                     let mut acc = [_mm256_setzero_ps(); N];
                     for (b, group) in groups.iter().enumerate() {
                         prefetch_ahead(group);
                         let u = scales::<$both>(group);
-                        for first in (0..N).step_by(split) {
-                            let rows = (N - first).min(split);
-                            let mut sumi = [_mm256_setzero_si256(); CHUNK];
-                            for s in 0..8 {
-                                // SAFETY: s < 8.
-                                let v = unsafe { unpack(group, s) };
-                                let sc = [u.sc[2 * s], u.sc[2 * s + 1]];
-                                for (i, sumi) in sumi.iter_mut().enumerate().take(rows) {
-                                    // Activation values 32s + 4t .. + 4 lie at positions 32t + 4s
-                                    // .. + 4, in bounds of the 256 quants for t < 8, s < 8.
-                                    let y = x[(first + i) * nb + b].qs.as_ptr().wrapping_add(4 * s);
-                                    // SAFETY: as above; the level's features are enabled here.
-                                    *sumi = unsafe { $lanes(*sumi, &v, y, sc) };
-                                }
-                            }
-                            for (i, sumi) in sumi.iter().enumerate().take(rows) {
-                                let xb = &x[(first + i) * nb + b];
-                                let total = $offset(*sumi, &u.offset, xb);
-                                let block = _mm256_mul_ps(_mm256_cvtepi32_ps(total), u.d);
-                                acc[first + i] =
-                                    _mm256_fmadd_ps(block, _mm256_set1_ps(xb.d), acc[first + i]);
-                            }
+                        let (a0, a1) = acc.split_at_mut(first);
+                        // SAFETY: the chunks' rows are rows of the pass; the level's features are
+                        // enabled here.
+                        unsafe {
+                            by_chunk!(first, $chunk(group, &u, &x[b..], nb, a0));
+                            by_chunk!(second, $chunk(group, &u, &x[first * nb + b..], nb, a1));
                         }
                     }
                     for (r, &a) in acc.iter().enumerate() {
@@ -369,17 +349,58 @@ pub(crate) mod avx2 {
                     }
                 }
             }
+
+            /// `R` activation rows (row `i`'s block at `x[i * nb]`) against one group: per sub-block
+            /// pair its 8 vectors unpacked (again for a second chunk: unpacking them once into L1
+            /// for both measured slower) and, per row, the pair's integer lanes (`
+            #[doc = stringify!($lanes)]
+            /// `); then per row the offset and the float arithmetic of
+            /// [`super::dot_q6_kx8_q8_k`] for the 8 rows at once, into `acc[i]`.
+            ///
+            /// # Safety
+            #[doc = concat!("The CPU must support `", $features, "`; `x` must hold")]
+            /// `(R - 1) * nb + 1` blocks and `acc` `R` accumulators.
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn $chunk<const R: usize>(
+                group: &BlockQ6Kx8,
+                u: &Scales,
+                x: &[BlockQ8K],
+                nb: usize,
+                acc: &mut [__m256],
+            ) {
+                let mut sumi = [_mm256_setzero_si256(); R];
+                for s in 0..8 {
+                    // SAFETY: s < 8.
+                    let v = unsafe { unpack(group, s) };
+                    let sc = [u.sc[2 * s], u.sc[2 * s + 1]];
+                    for (i, sumi) in sumi.iter_mut().enumerate() {
+                        // Activation values 32s + 4t .. + 4 lie at positions 32t + 4s .. + 4, in
+                        // bounds of the 256 quants for t < 8, s < 8.
+                        let y = x[i * nb].qs.as_ptr().wrapping_add(4 * s);
+                        // SAFETY: as above; the level's features are enabled here.
+                        *sumi = unsafe { $lanes(*sumi, &v, y, sc) };
+                    }
+                }
+                for (i, (sumi, acc)) in sumi.iter().zip(acc.iter_mut()).enumerate() {
+                    let xb = &x[i * nb];
+                    let total = $offset(*sumi, &u.offset, xb);
+                    let block = _mm256_mul_ps(_mm256_cvtepi32_ps(total), u.d);
+                    *acc = _mm256_fmadd_ps(block, _mm256_set1_ps(xb.d), *acc);
+                }
+            }
         };
     }
 
     level! {
-        features: "avx2,f16c,fma", pass: pass8, rows: rows8, both: true,
+        features: "avx2,f16c,fma", pass: pass8, rows: rows8, chunk: chunk8,
+        both: true,
         lanes: sub_blocks, offset: offset,
     }
 
     level! {
         features: "avx2,f16c,fma,avx512f,avx512vl,avx512vnni", pass: pass8_vnni, rows: rows8_vnni,
-        both: false, lanes: sub_blocks_vnni, offset: offset_vnni,
+        chunk: chunk8_vnni, both: false, lanes: sub_blocks_vnni, offset: offset_vnni,
     }
 }
 

@@ -21,7 +21,7 @@
 //! matrices whose row count is a multiple of 8 this way, and every level computes this arithmetic;
 //! a Q6_K matrix of other row counts keeps [`crate::formats::dot_q6_k_q8_k`]'s.
 
-use super::{q8k_position, BlockQ6K, BlockQ8K, Interleaved, GROUP_ROWS};
+use super::{bytes, q8k_position, words, BlockQ6K, BlockQ8K, Interleaved, GROUP_ROWS};
 use crate::f16::F16;
 
 /// Block `b` of 8 Q6_K weight rows (1680 bytes, as the 8 blocks), interleaved (see the module).
@@ -53,25 +53,37 @@ fn places(k: usize, v: usize) -> ((usize, usize), (usize, usize)) {
 impl Interleaved for BlockQ6Kx8 {
     type Block = BlockQ6K;
 
+    /// Four values at a time, as 32-bit words: the values `32 s + 4 t .. + 4` of a row are 4
+    /// consecutive bytes of its low bits and of its high bits (at the [`q8k_position`] `32 t + 4 s`,
+    /// see [`BlockQ6K`]), and 4 consecutive bytes of the group's (see the module).
     fn pack(rows: [&BlockQ6K; GROUP_ROWS]) -> Self {
         let mut scales = [0i8; 128];
-        let mut ql = [0u8; 1024];
-        let mut qh = [0u8; 512];
+        let mut ql = [0u32; 256];
+        let mut qh = [0u32; 128];
         for (k, row) in rows.iter().enumerate() {
             for (j, &scale) in row.scales.iter().enumerate() {
                 scales[8 * j + k] = scale;
             }
-            for (v, q) in row.quants().into_iter().enumerate() {
-                let ((l, ls), (h, hs)) = places(k, v);
-                ql[l] |= (q & 0x0f) << ls;
-                qh[h] |= (q >> 4) << hs;
+            let (row_ql, row_qh): ([u32; 32], [u32; 16]) = (words(&row.ql), words(&row.qh));
+            for s in 0..8 {
+                for t in 0..8 {
+                    // Where `BlockQ6K::quants` reads the values 32s + 4t .. + 4.
+                    let p = 32 * t + 4 * s;
+                    let (h, g, l) = (p / 128, (p % 128) / 32, p % 32);
+                    let low =
+                        (row_ql[(64 * h + l + 32 * (g % 2)) / 4] >> (4 * (g / 2))) & 0x0f0f_0f0f;
+                    let high = (row_qh[(32 * h + l) / 4] >> (2 * g)) & 0x0303_0303;
+                    let (half, c) = (t / 4, t % 4);
+                    ql[(128 * s + 32 * c + 4 * k) / 4] |= low << (4 * half);
+                    qh[(64 * s + 32 * half + 4 * k) / 4] |= high << (2 * c);
+                }
             }
         }
         BlockQ6Kx8 {
             d: rows.map(|r| r.d),
             scales,
-            ql,
-            qh,
+            ql: bytes(&ql),
+            qh: bytes(&qh),
         }
     }
 

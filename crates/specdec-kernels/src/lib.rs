@@ -70,7 +70,7 @@ pub use simd::MAX_PASS_ROWS;
 /// 8 weight rows interleaved (stop 24); 25: Q4_K with 8 weight rows interleaved (stop 25); 27: the
 /// VNNI passes of interleaved Q4_K and of Q6_K chain `vpdpbusd`, and weights are prefetched into L2
 /// (stop 27); 28: interleaved Q4_K keeps at most 8 rows' sums in registers and adds both chains
-/// with one `vpdpwssd`, and Q6_K is interleaved at the VNNI level (stop 28).
+/// with one `vpdpwssd`, and Q6_K is stored with 8 rows interleaved (stop 28).
 pub const REVISION: u32 = 28;
 
 /// Everything that can go wrong in this crate: shapes and levels, never arithmetic.

@@ -1,6 +1,6 @@
 //! Quantised weight matrices, quantised activations, and the multi-row matmul over them.
 
-use crate::dispatch::{CpuLevel, Kernels};
+use crate::dispatch::Kernels;
 use crate::formats::{
     dequantize_row, interleave_rows, quantize_row_q8_0, quantize_row_q8_k, ActQ8_0,
     ActivationFormat, BlockFormat, BlockQ4K, BlockQ4Kx8, BlockQ4_0, BlockQ4_0x8, BlockQ5_0,
@@ -31,8 +31,7 @@ pub enum Weights {
     /// Q4_K blocks of 8 rows interleaved, with their own arithmetic
     /// ([`crate::formats::dot_q4_kx8_q8_k`]).
     Q4Kx8(Vec<BlockQ4Kx8>),
-    /// Q6_K blocks ([`QMatrix::from_blocks`] interleaves them when the rows are a multiple of 8 and
-    /// the kernels run at [`CpuLevel::Avx512Vnni`]).
+    /// Q6_K blocks ([`QMatrix::from_blocks`] interleaves them when the rows are a multiple of 8).
     Q6K(Vec<BlockQ6K>),
     /// Q6_K blocks of 8 rows interleaved, with their own arithmetic
     /// ([`crate::formats::dot_q6_kx8_q8_k`]).
@@ -108,12 +107,9 @@ fn read_blocks<B: WeightBlock>(bytes: &[u8]) -> Vec<B> {
 }
 
 impl QMatrix {
-    /// A matrix from its blocks. Q4_0, Q5_0 and Q4_K blocks are interleaved in groups of 8 rows
-    /// ([`BlockQ4_0x8`], [`BlockQ5_0x8`], [`BlockQ4Kx8`]) when `rows` is a multiple of 8, and Q6_K
-    /// blocks ([`BlockQ6Kx8`]) too where the process-wide [`Kernels::get`] runs at
-    /// [`CpuLevel::Avx512Vnni`]: at AVX2 the interleaved Q6_K pass is slower for 1 to 8 rows
-    /// (two `maddubs` sums are all that fit `i16` with 6-bit quants), so the file's layout stays.
-    /// Interleaved blocks passed in stay interleaved at every level.
+    /// A matrix from its blocks. Q4_0, Q5_0, Q4_K and Q6_K blocks are interleaved in groups of 8
+    /// rows ([`BlockQ4_0x8`], [`BlockQ5_0x8`], [`BlockQ4Kx8`], [`BlockQ6Kx8`]) when `rows` is a
+    /// multiple of 8, at every kernel level, so that every level computes the same arithmetic.
     ///
     /// # Errors
     /// [`KernelError::RaggedRow`] if `cols` is not a multiple of the block length,
@@ -138,11 +134,7 @@ impl QMatrix {
             Weights::Q4_0(b) if grouped && nb > 0 => Weights::Q4_0x8(interleave_rows(&b, nb)),
             Weights::Q5_0(b) if grouped && nb > 0 => Weights::Q5_0x8(interleave_rows(&b, nb)),
             Weights::Q4K(b) if grouped && nb > 0 => Weights::Q4Kx8(interleave_rows(&b, nb)),
-            Weights::Q6K(b)
-                if grouped && nb > 0 && Kernels::get().level() == CpuLevel::Avx512Vnni =>
-            {
-                Weights::Q6Kx8(interleave_rows(&b, nb))
-            }
+            Weights::Q6K(b) if grouped && nb > 0 => Weights::Q6Kx8(interleave_rows(&b, nb)),
             weights => weights,
         };
         Ok(QMatrix {
@@ -195,10 +187,9 @@ impl QMatrix {
         self.weights.format()
     }
 
-    /// The blocks, as stored: Q4_0, Q5_0 and Q4_K matrices whose row count is a multiple of 8 as
-    /// [`Weights::Q4_0x8`], [`Weights::Q5_0x8`] and [`Weights::Q4Kx8`], Q6_K ones as
-    /// [`Weights::Q6Kx8`] where [`QMatrix::from_blocks`] says ([`QMatrix::row_weights`] gives a
-    /// row's blocks as the file has them).
+    /// The blocks, as stored: Q4_0, Q5_0, Q4_K and Q6_K matrices whose row count is a multiple of
+    /// 8 as [`Weights::Q4_0x8`], [`Weights::Q5_0x8`], [`Weights::Q4Kx8`] and [`Weights::Q6Kx8`]
+    /// ([`QMatrix::row_weights`] gives a row's blocks as the file has them).
     pub fn weights(&self) -> &Weights {
         &self.weights
     }
@@ -415,7 +406,7 @@ impl Kernels {
     ///
     /// Activation rows go in passes of up to 16; within a pass each weight block is unpacked once and
     /// dotted against every row of the pass. Each result is bit-identical to the one-row call and to
-    /// every other [`CpuLevel`].
+    /// every other [`CpuLevel`](crate::CpuLevel).
     ///
     /// # Errors
     /// [`KernelError::ActivationFormat`] or [`KernelError::WidthMismatch`] if `x` does not fit `w`,

@@ -4,8 +4,8 @@
 
 use specdec_kernels::{
     dot_q4_0_q8_0, dot_q4_k_q8_k, dot_q4_kx8_q8_k, dot_q5_0_q8_0, dot_q6_k_q8_k, dot_q6_kx8_q8_k,
-    dot_q8_0_q8_0, interleave_rows, BlockFormat, BlockQ4K, BlockQ4_0, BlockQ5_0, BlockQ6K,
-    BlockQ8_0, QMatrix, QuantizedActivations, Weights, F16, GROUP_ROWS,
+    dot_q8_0_q8_0, BlockFormat, BlockQ4K, BlockQ4_0, BlockQ5_0, BlockQ6K, BlockQ8_0, QMatrix,
+    QuantizedActivations, Weights, F16,
 };
 
 pub struct Rng(pub u64);
@@ -97,13 +97,6 @@ pub fn random_matrix(rng: &mut Rng, format: BlockFormat, rows: usize, cols: usiz
                 })
                 .collect(),
         ),
-    };
-    // Q6_K is interleaved at load only at the VNNI level; both layouts are tested at every level.
-    let weights = match weights {
-        Weights::Q6K(b) if rows.is_multiple_of(GROUP_ROWS) => {
-            Weights::Q6Kx8(interleave_rows(&b, cols / format.block_len()))
-        }
-        weights => weights,
     };
     QMatrix::from_blocks(rows, cols, weights).expect("shape built to match")
 }

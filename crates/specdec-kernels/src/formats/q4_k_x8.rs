@@ -316,46 +316,29 @@ pub(crate) mod avx2 {
     /// [`crate::formats::q6_k_x8`]).
     pub(crate) const CHUNK: usize = 8;
 
-    /// `$f::<N>(args)` for the pass's row count `N` (1 ..= [`crate::MAX_PASS_ROWS`]).
-    macro_rules! by_rows {
-        ($n:expr, $f:ident($($arg:expr),*)) => {
+    /// `$f::<K>(args)` for the first constant `K` of the list equal to `$n`; nothing if none is.
+    macro_rules! by_const {
+        ($n:expr, $f:ident $args:tt, [$($k:literal),*]) => {
             match $n {
-                1 => $f::<1>($($arg),*),
-                2 => $f::<2>($($arg),*),
-                3 => $f::<3>($($arg),*),
-                4 => $f::<4>($($arg),*),
-                5 => $f::<5>($($arg),*),
-                6 => $f::<6>($($arg),*),
-                7 => $f::<7>($($arg),*),
-                8 => $f::<8>($($arg),*),
-                9 => $f::<9>($($arg),*),
-                10 => $f::<10>($($arg),*),
-                11 => $f::<11>($($arg),*),
-                12 => $f::<12>($($arg),*),
-                13 => $f::<13>($($arg),*),
-                14 => $f::<14>($($arg),*),
-                15 => $f::<15>($($arg),*),
-                16 => $f::<16>($($arg),*),
+                $($k => $f::<$k> $args,)*
                 _ => {}
             }
+        };
+    }
+    pub(crate) use by_const;
+
+    /// `$f::<N>(args)` for the pass's row count `N` (1 ..= [`crate::MAX_PASS_ROWS`]).
+    macro_rules! by_rows {
+        ($n:expr, $f:ident $args:tt) => {
+            by_const!($n, $f $args, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16])
         };
     }
     pub(crate) use by_rows;
 
     /// `$f::<R>(args)` for a chunk's row count `R` (0: nothing; 1 ..= [`CHUNK`]).
     macro_rules! by_chunk {
-        ($n:expr, $f:ident($($arg:expr),*)) => {
-            match $n {
-                1 => $f::<1>($($arg),*),
-                2 => $f::<2>($($arg),*),
-                3 => $f::<3>($($arg),*),
-                4 => $f::<4>($($arg),*),
-                5 => $f::<5>($($arg),*),
-                6 => $f::<6>($($arg),*),
-                7 => $f::<7>($($arg),*),
-                8 => $f::<8>($($arg),*),
-                _ => {}
-            }
+        ($n:expr, $f:ident $args:tt) => {
+            by_const!($n, $f $args, [1, 2, 3, 4, 5, 6, 7, 8])
         };
     }
     pub(crate) use by_chunk;

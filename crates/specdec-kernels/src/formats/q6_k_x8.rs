@@ -129,7 +129,7 @@ pub fn dot_q6_kx8_q8_k(w: &[BlockQ6K], x: &[BlockQ8K]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
     use super::{BlockQ6Kx8, BlockQ8K};
-    use crate::formats::q4_k_x8::avx2::{by_chunk, by_rows, chunks};
+    use crate::formats::q4_k_x8::avx2::{by_chunk, by_const, by_rows, chunks};
     use crate::simd::avx2::{prefetch_ahead, write_group};
     use crate::simd::Window;
     use std::arch::x86_64::*;

@@ -23,6 +23,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let requantize = match std::env::var("STEP_TIME_QUANT").as_deref() {
         Ok("q4_0") => Some(specdec_runtime::GgmlDType::Q4_0),
         Ok("q8_0") => Some(specdec_runtime::GgmlDType::Q8_0),
+        Ok("q4_k") => Some(specdec_runtime::GgmlDType::Q4K),
         Ok(other) => return Err(format!("STEP_TIME_QUANT: unknown type {other}").into()),
         Err(_) => None,
     };

@@ -57,7 +57,7 @@ pub use config::{Arch, ModelConfig};
 pub use error::{Error, Result};
 pub use gguf::Gguf;
 pub use kv::KvCache;
-pub use model::{thread_pool, LoadOptions, Model};
+pub use model::{requantized_type, thread_pool, LoadOptions, Model};
 pub use session::Session;
 pub use sessions::Sessions;
 pub use tokenizer::{Message, StreamDecoder, Tokenizer};

@@ -91,6 +91,31 @@ fn block_logits_equal_single_token_logits_bit_for_bit() {
     }
 }
 
+/// `--draft-quant q4_k`: Q4_K where a matrix's rows are whole 256-value super-blocks (here the
+/// feed-forward down matrix, 256 wide), Q4_0 elsewhere (the 64-wide ones); the model still scores
+/// blocks exactly as single tokens.
+#[test]
+fn requantizing_to_a_k_quant_falls_back_where_rows_are_too_short() {
+    use GgmlDType::*;
+    let spec = TinySpec {
+        n_ff: 256,
+        ..TinySpec::new(Arch::Qwen2, Q8_0)
+    };
+    let (_dir, path) = tiny(&spec);
+    let options = LoadOptions {
+        requantize: Some(Q4K),
+        ..LoadOptions::default()
+    };
+    let model = Arc::new(Model::load(&path, &options).unwrap());
+    let mut loaded = model.matrix_types();
+    loaded.sort_by_key(|t| format!("{t:?}"));
+    assert_eq!(loaded, vec![Q4K, Q4_0]);
+    assert_eq!(specdec_runtime::requantized_type(Q4K, 4864), Q4K);
+    assert_eq!(specdec_runtime::requantized_type(Q4K, 896), Q4_0);
+    assert_eq!(specdec_runtime::requantized_type(Q8_0, 896), Q8_0);
+    check_block_equals_single(&model, "Q8_0 file re-quantised to Q4_K");
+}
+
 #[test]
 fn chunked_prefill_equals_one_pass() {
     let spec = TinySpec {

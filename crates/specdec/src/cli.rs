@@ -130,6 +130,10 @@ pub enum DraftQuant {
     /// 4.5 bits per weight.
     #[value(name = "q4_0")]
     Q4_0,
+    /// 4.5 bits per weight, with per-sub-block scales and minimums; matrices whose rows are not
+    /// whole 256-value super-blocks get q4_0.
+    #[value(name = "q4_k")]
+    Q4K,
     /// 8.5 bits per weight.
     #[value(name = "q8_0")]
     Q8_0,
@@ -141,6 +145,7 @@ impl DraftQuant {
         match self {
             DraftQuant::AsIs => "as-is",
             DraftQuant::Q4_0 => "q4_0",
+            DraftQuant::Q4K => "q4_k",
             DraftQuant::Q8_0 => "q8_0",
         }
     }

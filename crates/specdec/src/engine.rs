@@ -182,6 +182,7 @@ impl Loaded {
                     requantize: match args.draft_quant {
                         DraftQuant::AsIs => None,
                         DraftQuant::Q4_0 => Some(GgmlDType::Q4_0),
+                        DraftQuant::Q4K => Some(GgmlDType::Q4K),
                         DraftQuant::Q8_0 => Some(GgmlDType::Q8_0),
                     },
                     ..options.clone()

@@ -91,11 +91,21 @@ pub fn quantize_row_q8_0(x: &[f32], out: &mut [ActQ8_0]) {
         let id = if d != 0.0 { 1.0 / d } else { 0.0 };
         block.d = F16::from_f32(d).to_f32();
         for (q, &v) in block.qs.iter_mut().zip(x) {
-            // |v · id| ≤ 127 (up to rounding of id, which round() absorbs), so the cast cannot saturate.
-            *q = (v * id).round() as i8;
+            // |v · id| ≤ 127 (up to rounding of id, which rounding absorbs), so the cast cannot
+            // saturate.
+            *q = round_to_i8(v * id);
         }
         block.sum = block.qs.iter().map(|&q| i32::from(q)).sum();
     }
+}
+
+/// `v.round() as i8` (halves away from zero): a truncating cast of `v` plus the float just below ½
+/// with `v`'s sign. Exact (the sum rounds up to the next integer exactly where `v`'s fraction is ½ or
+/// more), and unlike `round()`, which calls `libm`'s `roundf` value by value, it vectorises.
+#[inline]
+fn round_to_i8(v: f32) -> i8 {
+    const JUST_BELOW_HALF: f32 = 0.499_999_97;
+    (v + JUST_BELOW_HALF.copysign(v)) as i8
 }
 
 /// Reference dot product of a Q8_0 weight row with a Q8_0 activation row (see the module docs of
@@ -194,6 +204,29 @@ pub(crate) mod avx2 {
         #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni")]
         unsafe fn quads_vnni(w: &[__m256i; 2], y: __m256i) -> __m256i {
             _mm256_dpbusd_epi32(_mm256_setzero_si256(), w[1], _mm256_sign_epi8(y, w[0]))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::round_to_i8;
+
+    /// The vectorisable rounding equals `round()`: at every half and its neighbouring floats, and on
+    /// a sweep through the bit patterns of every float of magnitude up to 127.
+    #[test]
+    fn rounding_equals_round() {
+        let check = |v: f32| assert_eq!(round_to_i8(v), v.round() as i8, "{v:e}");
+        for k in -127..127 {
+            let half = k as f32 + 0.5;
+            check(half);
+            check(f32::from_bits(half.to_bits() + 1));
+            check(f32::from_bits(half.to_bits() - 1));
+        }
+        let top = 127f32.to_bits();
+        for bits in (0..=top).step_by(101) {
+            check(f32::from_bits(bits));
+            check(-f32::from_bits(bits));
         }
     }
 }

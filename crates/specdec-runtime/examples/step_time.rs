@@ -3,7 +3,7 @@
 //! (`STEP_TIME_CONTEXT=N` sets the context before the timed steps, default 64; `STEP_TIME_STEPS=N`
 //! the number of timed steps, default 64; `STEP_TIME_THREADS=N` the kernel threads; `STEP_TIME_BLOCK=M`
 //! times verification-shaped steps instead: M tokens scored in one pass with M logits rows, then rolled
-//! back; `STEP_TIME_QUANT=q4_0|q8_0` re-quantises every matrix at load, as `--draft-quant` does).
+//! back; `STEP_TIME_QUANT=q4_0|q4_k|q8_0` re-quantises every matrix at load, as `--draft-quant` does).
 
 use std::sync::Arc;
 use std::time::Instant;

@@ -337,6 +337,7 @@ impl<T: Target, D: Draft> Batch<T, D> {
                     } else {
                         // Emitting at most k + 1 tokens must fit both the token limit and the
                         // context.
+                        s.controller.set_context(s.tokens.len());
                         s.k = s.controller.next_draft_len();
                         if s.controller.costs().is_some() {
                             // The cost model chose the model draft's length; a lookup draft may

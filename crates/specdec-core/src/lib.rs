@@ -81,8 +81,8 @@ pub use metrics::{CostProfile, Metrics, Round};
 pub use model::{Draft, DraftRequest, Logits, NoDraft, Proposal, Score, SeqId, Target};
 pub use ngram::{draft_planned, plan_hybrid, HybridDrafter, HybridPlan, ModelLag, NGramDrafter};
 pub use policy::{
-    best_draft_len, best_draft_len_with, isotonic_curve, Controller, DraftLenPolicy, FixedCost,
-    RoundCosts,
+    best_draft_len, best_draft_len_with, isotonic_curve, ContextCost, Controller, DraftLenPolicy,
+    FixedCost, RoundCosts,
 };
 pub use rng::{CounterRng, Stream};
 pub use sampling::{Probs, Sampler, SamplingParams};

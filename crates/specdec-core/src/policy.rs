@@ -75,12 +75,96 @@ pub struct FixedCost {
     /// `r[m - 1] = cost(target on m tokens) / cost(target on 1 token)`, for `m = 1..`; past the end the
     /// curve continues with its last slope.
     pub r: Vec<f64>,
+    /// How the target's costs grow with the context they attend to, where measured: `c` and `r`
+    /// hold at [`ContextCost::at`] tokens of context, and [`FixedCost::at_context`] moves them.
+    #[serde(default)]
+    pub context: Option<ContextCost>,
+}
+
+/// The target's attention cost as a function of context: scoring `m` tokens after `n` tokens of
+/// context costs `r(m) + (shared + m · per_row) · (n - at)` single-token steps at context `at`.
+///
+/// Reading the cache is shared by the rows of a block, the dot products over it are not, so a
+/// long context makes every step dearer and blocks more so: calibrated on the default pair (stop 30,
+/// `shared` ≈ 2·10⁻⁴, `per_row` ≈ 4·10⁻⁵), a single step at 1,000 tokens costs 1.2 times one at 64,
+/// and `r(4)` grows from 1.15 to about 1.22. A cost curve measured at a short context alone makes
+/// the cost model overrate speculation on long prompts, and the predicted speedup with it.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ContextCost {
+    /// The context the curve was measured at, in tokens.
+    pub at: usize,
+    /// Cost per call per token of context beyond `at`, in single-token steps at `at`.
+    pub shared: f64,
+    /// Cost per scored token per token of context beyond `at`, in the same unit.
+    pub per_row: f64,
+}
+
+impl ContextCost {
+    /// Fits `t(m, long) / t(1, at) - r(m) = (shared + m · per_row) · (long - at)` by least squares
+    /// to blocks of `m` tokens timed after `long` tokens of context (`(m, t(m, long) / t(1, at))`
+    /// pairs), with `r(m)` measured at `at`. `None` without two block lengths or with `long <= at`.
+    /// A negative cost is read as noise: clamped to 0 (the other refitted without it).
+    pub fn fit(at: usize, long: usize, r: &[f64], timed: &[(usize, f64)]) -> Option<ContextCost> {
+        if long <= at || timed.is_empty() {
+            return None;
+        }
+        let d = (long - at) as f64;
+        let pts: Vec<(f64, f64)> = timed
+            .iter()
+            .map(|&(m, t)| (m as f64, (t - curve_r(r, m)) / d))
+            .collect();
+        let n = pts.len() as f64;
+        let mx = pts.iter().map(|p| p.0).sum::<f64>() / n;
+        let my = pts.iter().map(|p| p.1).sum::<f64>() / n;
+        let sxx: f64 = pts.iter().map(|p| (p.0 - mx).powi(2)).sum();
+        if sxx <= 0.0 {
+            return None;
+        }
+        let sxy: f64 = pts.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
+        let (mut shared, mut per_row) = (my - sxy / sxx * mx, sxy / sxx);
+        if per_row < 0.0 {
+            (shared, per_row) = (my.max(0.0), 0.0);
+        } else if shared < 0.0 {
+            let sxy0: f64 = pts.iter().map(|p| p.0 * p.1).sum();
+            let sxx0: f64 = pts.iter().map(|p| p.0 * p.0).sum();
+            (shared, per_row) = (0.0, (sxy0 / sxx0).max(0.0));
+        }
+        (shared.is_finite() && per_row.is_finite()).then_some(ContextCost {
+            at,
+            shared,
+            per_row,
+        })
+    }
 }
 
 impl FixedCost {
     /// `r(m)`, extended past the measured lengths with the last slope.
     pub fn r(&self, m: usize) -> f64 {
         curve_r(&self.r, m)
+    }
+
+    /// The costs after `n` tokens of context, in single-token steps at `n`: `r(m)` is
+    /// `(r_at(m) + (shared + m per_row) d) / (1 + (shared + per_row) d)` with `d = n - at` (negative
+    /// below `at`), and `c` and the fixed draft cost scale by the same denominator (the draft's own
+    /// growth is not modelled; online measurement replaces it). Unchanged without a
+    /// [`ContextCost`]; the result carries none (its unit is a step at `n`).
+    pub fn at_context(&self, n: usize) -> FixedCost {
+        let Some(cc) = self.context else {
+            return self.clone();
+        };
+        let d = n as f64 - cc.at as f64;
+        let unit = 1.0 + (cc.shared + cc.per_row) * d;
+        if unit.is_nan() || unit <= 0.0 {
+            return self.clone();
+        }
+        FixedCost {
+            c: self.c / unit,
+            draft_fixed: self.draft_fixed / unit,
+            r: (1..=self.r.len())
+                .map(|m| (self.r(m) + (cc.shared + m as f64 * cc.per_row) * d) / unit)
+                .collect(),
+            context: None,
+        }
     }
 }
 
@@ -170,12 +254,18 @@ impl DraftLenPolicy {
                         && cost.draft_fixed.is_finite()
                         && cost.draft_fixed >= 0.0
                         && !cost.r.is_empty()
-                        && cost.r.iter().all(|v| v.is_finite() && *v > 0.0);
+                        && cost.r.iter().all(|v| v.is_finite() && *v > 0.0)
+                        && cost.context.is_none_or(|cc| {
+                            cc.shared.is_finite()
+                                && cc.shared >= 0.0
+                                && cc.per_row.is_finite()
+                                && cc.per_row >= 0.0
+                        });
                     if !ok {
                         return Err(Error::config(
                             "cost",
                             format!("c {} r {:?}", cost.c, cost.r),
-                            "c >= 0 and a non-empty r of positive finite numbers",
+                            "c >= 0, a non-empty r of positive finite numbers, context costs >= 0",
                         ));
                     }
                 }
@@ -210,6 +300,7 @@ impl DraftLenPolicy {
             realised_lookup: Realised::default(),
             realised_extended: Realised::default(),
             rounds_without_model: 0,
+            context: 0,
         }
     }
 }
@@ -248,6 +339,8 @@ pub struct Controller {
     realised_extended: Realised,
     /// Rounds since the last one drafted by the model alone ([`RoundCosts::probe_model`]).
     rounds_without_model: u64,
+    /// Tokens of context the next round's target pass attends to ([`Controller::set_context`]).
+    context: usize,
 }
 
 /// How one kind of draft (model, lookup, or extended lookup) has done against the cost model's
@@ -380,6 +473,12 @@ fn median(v: &[f64]) -> Option<f64> {
 }
 
 impl Controller {
+    /// Tells the cost model how many tokens of context the next round scores after, so that given
+    /// and calibrated costs measured at another context are moved there ([`FixedCost::at_context`]).
+    pub fn set_context(&mut self, tokens: usize) {
+        self.context = tokens;
+    }
+
     /// The length to draft next. Under [`DraftLenPolicy::CostModel`] this is the model draft's length;
     /// [`Controller::costs`] then holds the round's costs for drafters with other options.
     pub fn next_draft_len(&mut self) -> usize {
@@ -392,8 +491,9 @@ impl Controller {
                 prior,
             } => {
                 let (max, probe_every) = (*max, *probe_every as u64);
+                let prior = prior.as_ref().map(|p| p.at_context(self.context));
                 let profile = match cost {
-                    Some(fixed) => Some(Profile::fixed(fixed)),
+                    Some(fixed) => Some(Profile::fixed(&fixed.at_context(self.context))),
                     None => {
                         let measured = (self.rounds >= WARMUP_ROUNDS)
                             .then(|| self.measured_profile(prior.as_ref()))
@@ -1094,6 +1194,93 @@ mod tests {
     }
 
     #[test]
+    fn context_cost_is_recovered_from_blocks_timed_after_a_longer_context() {
+        let r = [1.0, 1.02, 1.06, 1.12, 1.3];
+        let (shared, per_row) = (1e-5, 4e-5);
+        let timed: Vec<(usize, f64)> = [1, 2, 4, 5]
+            .iter()
+            .map(|&m| (m, r[m - 1] + (shared + m as f64 * per_row) * 1000.0))
+            .collect();
+        let cc = ContextCost::fit(100, 1100, &r, &timed).unwrap();
+        assert_eq!(cc.at, 100);
+        assert!((cc.shared - shared).abs() < 1e-12, "{cc:?}");
+        assert!((cc.per_row - per_row).abs() < 1e-12, "{cc:?}");
+        // Costs that fall with the rows are noise: no per-row cost.
+        let falling: Vec<(usize, f64)> = [(1, 1.1), (4, 1.12)].to_vec();
+        let cc = ContextCost::fit(100, 1100, &r, &falling).unwrap();
+        assert_eq!(cc.per_row, 0.0);
+        assert!(cc.shared >= 0.0);
+        // A negative shared cost is refitted through the origin.
+        let steep: Vec<(usize, f64)> = [(1, 1.0), (4, 1.12 + 0.4)].to_vec();
+        let cc = ContextCost::fit(100, 1100, &r, &steep).unwrap();
+        assert_eq!(cc.shared, 0.0);
+        assert!(cc.per_row > 0.0);
+        // Nothing to fit from.
+        assert_eq!(ContextCost::fit(100, 100, &r, &timed), None);
+        assert_eq!(ContextCost::fit(100, 1100, &r, &timed[..1]), None);
+    }
+
+    #[test]
+    fn a_long_context_makes_blocks_dearer_and_speculation_pay_less() {
+        let cost = FixedCost {
+            c: 0.2,
+            draft_fixed: 0.0,
+            r: vec![1.0, 1.02, 1.05, 1.1, 1.2, 1.3],
+            context: Some(ContextCost {
+                at: 64,
+                shared: 1e-5,
+                per_row: 5e-5,
+            }),
+        };
+        // At the calibrated context nothing moves.
+        let same = cost.at_context(64);
+        for m in 1..=8 {
+            assert!((same.r(m) - cost.r(m)).abs() < 1e-12);
+        }
+        assert!((same.c - cost.c).abs() < 1e-12);
+        // Further out r(1) stays 1 and every longer block costs more relative to it.
+        let long = cost.at_context(4064);
+        assert!((long.r(1) - 1.0).abs() < 1e-12);
+        for m in 2..=8 {
+            assert!(
+                long.r(m) > cost.r(m),
+                "r({m}) {} <= {}",
+                long.r(m),
+                cost.r(m)
+            );
+        }
+        assert!(long.c < cost.c);
+        // Below it, cheaper.
+        assert!(cost.at_context(0).r(4) < cost.r(4));
+        // Without a context cost, no change.
+        let flat = FixedCost {
+            context: None,
+            ..cost.clone()
+        };
+        assert_eq!(flat.at_context(4064), flat);
+        // The controller prices rounds at the context it is told.
+        let choose = |n: usize| {
+            let mut c = DraftLenPolicy::CostModel {
+                max: 6,
+                cost: Some(cost.clone()),
+                probe_every: 1000,
+                prior: None,
+            }
+            .controller();
+            c.set_context(n);
+            c.next_draft_len();
+            c.last_choice().unwrap()
+        };
+        let (short, far) = (choose(64), choose(8064));
+        assert!(short.draft_len > 0, "{short:?}");
+        assert!(far.draft_len <= short.draft_len, "{far:?} {short:?}");
+        assert!(
+            far.tokens_per_step < short.tokens_per_step,
+            "{far:?} {short:?}"
+        );
+    }
+
+    #[test]
     fn cost_model_declines_speculation_that_cannot_pay() {
         // A draft as expensive as the target never pays.
         let choice = best_draft_len(&[0.9; 8], 1.0, |m| 1.0 + 0.1 * (m as f64 - 1.0));
@@ -1137,6 +1324,7 @@ mod tests {
                 c: 0.1,
                 draft_fixed: 0.0,
                 r: vec![1.0, 1.1, 1.2, 1.3],
+                context: None,
             }),
             probe_every: 1000,
             prior: None,
@@ -1206,6 +1394,7 @@ mod tests {
             c: 0.2,
             draft_fixed: 0.0,
             r: (1..=17).map(|m| 1.0 + 0.1 * (m - 1) as f64).collect(),
+            context: None,
         };
         let p = DraftLenPolicy::CostModel {
             max: 4,
@@ -1261,6 +1450,7 @@ mod tests {
                 c: 0.2,
                 draft_fixed: 0.0,
                 r: vec![1.0, 1.1, 1.2, 1.3, 1.4],
+                context: None,
             }),
             probe_every: 1000,
             prior: None,
@@ -1300,6 +1490,7 @@ mod tests {
                 c: 0.2,
                 draft_fixed: 0.0,
                 r: vec![1.0, 1.1, 1.2, 1.3, 1.4],
+                context: None,
             }),
             probe_every: 1000,
             prior: None,
@@ -1388,7 +1579,8 @@ mod tests {
             cost: Some(FixedCost {
                 c: f64::NAN,
                 draft_fixed: 0.0,
-                r: vec![1.0]
+                r: vec![1.0],
+                context: None,
             }),
             probe_every: 8,
             prior: None,

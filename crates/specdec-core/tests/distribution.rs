@@ -231,6 +231,7 @@ fn rejection_mode_is_exact_for_every_drafter_option() {
                     c: 0.2,
                     draft_fixed: 0.1,
                     r: vec![1.0, 1.05, 1.1, 1.15, 1.2],
+                    context: None,
                 }),
             },
             ..config(min_confidence)

@@ -51,6 +51,7 @@ fn policies(k: usize) -> Vec<DraftLenPolicy> {
                 c: 0.05,
                 draft_fixed: 0.0,
                 r: vec![1.0, 1.1, 1.2, 1.3, 1.4],
+                context: None,
             }),
             probe_every: 3,
             prior: None,
@@ -69,6 +70,7 @@ fn policies(k: usize) -> Vec<DraftLenPolicy> {
                 c: 0.1,
                 draft_fixed: 0.3,
                 r: vec![1.0, 1.05, 1.1],
+                context: None,
             }),
         },
     ]

@@ -305,8 +305,11 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
                 matches_ar: matches,
                 speedup_vs_ar: speedup,
                 end_to_end_s: m.prefill_secs + m.decode_secs,
-                predicted_speedup: m
-                    .predicted_speedup_with(config.draft_len.calibration().map(|p| p.r.as_slice())),
+                predicted_speedup: m.predicted_speedup_with(
+                    crate::generate::calibration_at_run(&config, m)
+                        .as_ref()
+                        .map(|p| p.r.as_slice()),
+                ),
                 metrics: m.clone(),
                 prompt_tokens: (*kind == DrafterKind::None).then(|| ids.clone()),
                 output_tokens: (*kind == DrafterKind::None).then(|| g.output.tokens.clone()),
@@ -380,6 +383,10 @@ pub struct Row {
     /// Median over prompts of the cost model's prediction from each run's measured acceptance,
     /// draft cost and r(m).
     pub predicted_speedup: Option<f64>,
+    /// Median over prompts of each prompt's predicted over measured speedup: how far the cost
+    /// model is off on one run, which the two medians above, taken over prompts in different
+    /// orders, do not show.
+    pub median_prediction_ratio: Option<f64>,
     /// Median seconds per prompt, prefill included.
     pub median_end_to_end_s: f64,
 }
@@ -398,7 +405,7 @@ fn summarize(records: &[Record], modes: &[&str], cal: &Calibration) -> Summary {
     let mut rows = Vec::new();
     let mut table = String::new();
     table.push_str(&format!(
-        "{:<10} {:<7} {:>7} {:>8} {:>8} {:>8} {:>9} {:>10} {:>10}\n",
+        "{:<10} {:<7} {:>7} {:>8} {:>8} {:>8} {:>9} {:>10} {:>10} {:>10}\n",
         "category",
         "mode",
         "prompts",
@@ -407,6 +414,7 @@ fn summarize(records: &[Record], modes: &[&str], cal: &Calibration) -> Summary {
         "accept",
         "mean len",
         "predicted",
+        "pred/meas",
         "e2e s"
     ));
     for (cat, rs) in &cats {
@@ -424,6 +432,12 @@ fn summarize(records: &[Record], modes: &[&str], cal: &Calibration) -> Summary {
             // over prompts like the measured speedup.
             let mut predicted: Vec<f64> = mine.iter().filter_map(|r| r.predicted_speedup).collect();
             let predicted = (!predicted.is_empty()).then(|| median(&mut predicted));
+            let mut ratios: Vec<f64> = mine
+                .iter()
+                .filter(|r| r.speedup_vs_ar > 0.0)
+                .filter_map(|r| r.predicted_speedup.map(|p| p / r.speedup_vs_ar))
+                .collect();
+            let ratio = (!ratios.is_empty()).then(|| median(&mut ratios));
             let mut e2e: Vec<f64> = mine.iter().map(|r| r.end_to_end_s).collect();
             let row = Row {
                 category: cat.clone(),
@@ -442,10 +456,11 @@ fn summarize(records: &[Record], modes: &[&str], cal: &Calibration) -> Summary {
                     1.0
                 },
                 predicted_speedup: predicted,
+                median_prediction_ratio: ratio,
                 median_end_to_end_s: median(&mut e2e),
             };
             table.push_str(&format!(
-                "{:<10} {:<7} {:>7} {:>8.2} {:>7.2}x {:>7.1}% {:>9.2} {:>10} {:>10.2}\n",
+                "{:<10} {:<7} {:>7} {:>8.2} {:>7.2}x {:>7.1}% {:>9.2} {:>10} {:>10} {:>10.2}\n",
                 row.category,
                 row.mode,
                 row.prompts,
@@ -455,6 +470,8 @@ fn summarize(records: &[Record], modes: &[&str], cal: &Calibration) -> Summary {
                 row.mean_accepted_len,
                 row.predicted_speedup
                     .map_or("-".into(), |p| format!("{p:.2}x")),
+                row.median_prediction_ratio
+                    .map_or("-".into(), |p| format!("{p:.2}")),
                 row.median_end_to_end_s,
             ));
             rows.push(row);
@@ -472,5 +489,11 @@ fn summarize(records: &[Record], modes: &[&str], cal: &Calibration) -> Summary {
             .collect::<Vec<_>>()
             .join(" ")
     ));
+    if let Some(cc) = &cal.context {
+        table.push_str(&format!(
+            "context: scoring m tokens after n > {} tokens of context costs r(m) + ({:.2e} + m · {:.2e}) · (n - {}) more\n",
+            cc.at, cc.shared, cc.per_row, cc.at
+        ));
+    }
     Summary { table, rows }
 }

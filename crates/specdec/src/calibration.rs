@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
-use specdec_core::{isotonic_curve, DraftLenPolicy, FixedCost};
+use specdec_core::{isotonic_curve, ContextCost, DraftLenPolicy, FixedCost};
 use specdec_runtime::fetch::home;
 use specdec_runtime::Session;
 
@@ -25,10 +25,23 @@ pub struct Calibration {
     pub c: Option<f64>,
     /// `r(m)` for `m = 1..=16`.
     pub r: Vec<f64>,
+    /// How the target's costs grow with context, from blocks timed after [`LONG_CONTEXT`] tokens;
+    /// `None` where the context size leaves no room for them (or in files written before stop 30).
+    #[serde(default)]
+    pub context: Option<ContextCost>,
+    /// The context the blocks for `context` were timed after; `None` where they were not timed.
+    #[serde(default)]
+    pub long_context: Option<usize>,
 }
 
 /// Repetitions of each timing in [`measure`].
 const SWEEPS: usize = 5;
+
+/// The context after which [`measure`] times blocks again, to see how costs grow with context.
+pub const LONG_CONTEXT: usize = 1024;
+
+/// The block lengths timed after [`LONG_CONTEXT`] tokens.
+const LONG_BLOCKS: [usize; 4] = [1, 4, 8, 16];
 
 /// What is saved: the calibration and what it was measured on.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -44,11 +57,13 @@ struct Saved {
 /// Times the target on blocks of 1..=16 tokens after `context`, and the draft on single tokens:
 /// medians of [`SWEEPS`] repetitions. The repetitions are sweeps over all lengths, so that a
 /// disturbance of the machine (another tenant, a frequency change) spoils one sample of several
-/// lengths instead of all samples of one.
+/// lengths instead of all samples of one. Where the context size allows, the target is then fed up
+/// to [`LONG_CONTEXT`] tokens and timed on blocks of [`LONG_BLOCKS`] tokens again, which gives
+/// [`ContextCost`].
 pub fn measure(loaded: &Loaded, context: &[u32]) -> Result<Calibration> {
     let vocab = loaded.target.config().vocab.max(1) as u32;
-    let time_block = |s: &mut Session, m: usize, rep: u32| -> Result<f64> {
-        s.rollback(context.len())?;
+    let time_block = |s: &mut Session, base: usize, m: usize, rep: u32| -> Result<f64> {
+        s.rollback(base)?;
         let block: Vec<u32> = (0..m as u32)
             .map(|i| (100 + 7 * i + rep) % 1000 % vocab)
             .collect();
@@ -56,23 +71,55 @@ pub fn measure(loaded: &Loaded, context: &[u32]) -> Result<Calibration> {
         s.feed(&block, m)?;
         Ok(start.elapsed().as_secs_f64())
     };
+    let at = context.len();
     let mut s = loaded.target_session();
     s.feed(context, 1)?;
+    // A second session `long - at` tokens further on, timed in the same sweeps, so that a change in
+    // the machine's speed weighs on both alike.
+    let long = LONG_CONTEXT.max(at + LONG_CONTEXT / 2);
+    let mut far = if long + 16 <= loaded.ctx {
+        let mut far = loaded.target_session();
+        let filler: Vec<u32> = (0..(long - at) as u32)
+            .map(|i| (300 + 11 * i) % 4000 % vocab)
+            .collect();
+        far.feed(context, 1)?;
+        far.feed(&filler, 1)?;
+        Some(far)
+    } else {
+        None
+    };
     let mut samples: Vec<Vec<f64>> = (0..16).map(|_| Vec::with_capacity(SWEEPS)).collect();
+    let mut far_samples: Vec<Vec<f64>> = LONG_BLOCKS.iter().map(|_| Vec::new()).collect();
     for rep in 0..SWEEPS as u32 {
         for (m, t) in samples.iter_mut().enumerate() {
-            t.push(time_block(&mut s, m + 1, rep)?);
+            t.push(time_block(&mut s, at, m + 1, rep)?);
+        }
+        if let Some(far) = far.as_mut() {
+            for (&m, t) in LONG_BLOCKS.iter().zip(far_samples.iter_mut()) {
+                t.push(time_block(far, long, m, rep)?);
+            }
         }
     }
     let times: Vec<f64> = samples.iter_mut().map(|t| median(t)).collect();
     let t1 = times[0];
+    let r: Vec<f64> = times.iter().map(|t| t / t1).collect();
+    let context_cost = far.as_ref().and_then(|_| {
+        let timed: Vec<(usize, f64)> = LONG_BLOCKS
+            .iter()
+            .zip(far_samples.iter_mut())
+            .map(|(&m, t)| (m, median(t) / t1))
+            .collect();
+        // Against the medians at the same lengths, not the smoothed curve.
+        ContextCost::fit(at, long, &r, &timed)
+    });
+    drop(far);
     let draft_step_s = match &loaded.draft {
         Some(d) => {
             let mut ds = Session::new(d.clone(), loaded.ctx);
             ds.feed(context, 1)?;
             let mut t = Vec::new();
             for rep in 0..SWEEPS as u32 {
-                t.push(time_block(&mut ds, 1, rep)?);
+                t.push(time_block(&mut ds, at, 1, rep)?);
             }
             Some(median(&mut t))
         }
@@ -82,7 +129,9 @@ pub fn measure(loaded: &Loaded, context: &[u32]) -> Result<Calibration> {
         target_step_s: t1,
         draft_step_s,
         c: draft_step_s.map(|d| d / t1),
-        r: times.iter().map(|t| t / t1).collect(),
+        r,
+        context: context_cost,
+        long_context: (long + 16 <= loaded.ctx).then_some(long),
     })
 }
 
@@ -173,14 +222,24 @@ pub fn save(loaded: &Loaded, cal: &Calibration) -> Result<PathBuf> {
 
 /// The saved calibration at `path` as a cost-model prior; `None` if there is none or it is unreadable.
 pub fn load_path(path: &Path) -> Option<FixedCost> {
+    read(path).and_then(|cal| as_prior(&cal))
+}
+
+/// The calibration saved at `path`, if there is a readable one.
+fn read(path: &Path) -> Option<Calibration> {
     let text = std::fs::read_to_string(path).ok()?;
     let saved: Saved = serde_json::from_str(&text).ok()?;
-    let cal = saved.calibration;
+    Some(saved.calibration)
+}
+
+/// A calibration as a cost-model prior; `None` if it is not a valid one.
+fn as_prior(cal: &Calibration) -> Option<FixedCost> {
     // The file keeps the medians as measured; the cost model reads them as a non-decreasing curve.
     let cost = FixedCost {
         c: cal.c.unwrap_or(0.0),
         draft_fixed: 0.0,
         r: isotonic_curve(&cal.r, &[]),
+        context: cal.context,
     };
     let policy = DraftLenPolicy::auto(Some(cost.clone()));
     policy.validate().ok()?;
@@ -188,7 +247,7 @@ pub fn load_path(path: &Path) -> Option<FixedCost> {
 }
 
 /// Gives a cost-model policy without a prior the saved calibration of `loaded`, measuring and saving
-/// one first (a few seconds, once per models, CPU and thread count) when `measure_if_missing`.
+/// one first (about ten seconds, once per models, CPU and thread count) when `measure_if_missing`.
 pub fn apply(
     policy: &mut DraftLenPolicy,
     loaded: &Loaded,
@@ -202,7 +261,14 @@ pub fn apply(
         return Ok(());
     }
     let p = saved_path(loaded);
-    if let Some(saved) = load_path(&p) {
+    let saved = read(&p);
+    // A calibration that did not time blocks after a long context (written before stop 30, or with
+    // a context size too small for it) is measured again where this run's context allows and
+    // measuring is allowed; else it serves as it is.
+    let stale = saved.as_ref().is_some_and(|s| s.long_context.is_none())
+        && loaded.ctx >= LONG_CONTEXT + 16
+        && measure_if_missing;
+    if let Some(saved) = saved.filter(|_| !stale).as_ref().and_then(as_prior) {
         ui.note(format!("cost model: calibration from {}", p.display()));
         *prior = Some(saved);
         return Ok(());
@@ -214,7 +280,7 @@ pub fn apply(
     if loaded.ctx < 128 {
         return Ok(());
     }
-    ui.note("cost model: calibrating once for these models on this machine (a few seconds)");
+    ui.note("cost model: calibrating once for these models on this machine (about ten seconds)");
     let vocab = loaded.target.config().vocab.max(1) as u32;
     let context: Vec<u32> = (0..64).map(|i| (100 + 13 * i) % vocab).collect();
     // Without a calibration the cost model measures online from a short warm-up: a failure here

@@ -6,7 +6,9 @@ use std::sync::atomic::Ordering;
 
 use anyhow::{Context, Result};
 use serde_json::json;
-use specdec_core::{generate, DraftLenPolicy, GenerateConfig, Output, StopReason, TokenId};
+use specdec_core::{
+    generate, DraftLenPolicy, FixedCost, GenerateConfig, Metrics, Output, StopReason, TokenId,
+};
 use specdec_runtime::{Session, StreamDecoder, Tokenizer};
 use specdec_server::text::{Release, StopText};
 
@@ -145,10 +147,22 @@ fn policy_name(p: &DraftLenPolicy) -> String {
     }
 }
 
+/// The calibration the cost model started from, moved to the generation's mean context (the prompt
+/// and half the generated tokens; [`specdec_core::FixedCost::at_context`]): the shape of `r(m)` by
+/// which a run's predicted speedup is read when it timed no single-token step.
+pub fn calibration_at_run(config: &GenerateConfig, m: &Metrics) -> Option<FixedCost> {
+    let context = m.prompt_tokens + (m.emitted / 2) as usize;
+    config
+        .draft_len
+        .calibration()
+        .map(|p| p.at_context(context))
+}
+
 /// The statistics object of `--json` (and of bench records).
 pub fn stats_json(g: &Generation, config: &GenerateConfig, drafter: &str) -> serde_json::Value {
     let m = &g.output.metrics;
-    let prior = config.draft_len.calibration().map(|p| p.r.as_slice());
+    let calibration = calibration_at_run(config, m);
+    let prior = calibration.as_ref().map(|p| p.r.as_slice());
     let cost = m.cost_profile_with(prior);
     json!({
         "prompt_tokens": m.prompt_tokens,
@@ -189,8 +203,8 @@ pub fn stats_line(g: &Generation, config: &GenerateConfig) -> String {
             m.mean_accepted_len(),
             m.rounds
         ));
-        let prior = config.draft_len.calibration().map(|p| p.r.as_slice());
-        if let Some(p) = m.predicted_speedup_with(prior) {
+        let calibration = calibration_at_run(config, m);
+        if let Some(p) = m.predicted_speedup_with(calibration.as_ref().map(|p| p.r.as_slice())) {
             s.push_str(&format!(", predicted speedup {p:.2}x"));
         }
     }

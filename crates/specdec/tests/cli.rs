@@ -245,6 +245,53 @@ fn json_output_has_the_documented_schema() {
 }
 
 #[test]
+fn auto_calibrates_once_with_costs_against_context() {
+    let f = fixture();
+    let run = || {
+        let out = specdec(
+            &f,
+            &[
+                "generate",
+                "--target",
+                s(&f.target),
+                "--draft",
+                s(&f.draft),
+                "--draft-len",
+                "auto",
+                "--prompt",
+                "hello",
+                "--max-tokens",
+                "4",
+            ],
+        );
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let first = run();
+    assert!(first.contains("calibration saved to"), "{first}");
+    let files: Vec<PathBuf> = std::fs::read_dir(f.home.join("calibration"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(files.len(), 1, "{files:?}");
+    let saved: Value = serde_json::from_str(&std::fs::read_to_string(&files[0]).unwrap()).unwrap();
+    let cal = &saved["calibration"];
+    assert_eq!(cal["r"].as_array().unwrap().len(), 16, "{cal}");
+    // Blocks were timed again after 1,024 tokens, and a context cost fitted from them.
+    assert_eq!(cal["long_context"], 1024, "{cal}");
+    let context = &cal["context"];
+    assert_eq!(context["at"], 64, "{cal}");
+    for key in ["shared", "per_row"] {
+        let v = context[key].as_f64().unwrap();
+        assert!(v.is_finite() && v >= 0.0, "{key} {v}");
+    }
+    // The second run starts from it, without measuring again.
+    let second = run();
+    assert!(second.contains("calibration from"), "{second}");
+    assert!(!second.contains("calibrating"), "{second}");
+}
+
+#[test]
 fn greedy_output_is_identical_for_every_drafter() {
     let f = fixture();
     let tokens = |drafter: &str, k: &str| {

@@ -57,9 +57,9 @@ struct Saved {
 /// Times the target on blocks of 1..=16 tokens after `context`, and the draft on single tokens:
 /// medians of [`SWEEPS`] repetitions. The repetitions are sweeps over all lengths, so that a
 /// disturbance of the machine (another tenant, a frequency change) spoils one sample of several
-/// lengths instead of all samples of one. Where the context size allows, the target is then fed up
-/// to [`LONG_CONTEXT`] tokens and timed on blocks of [`LONG_BLOCKS`] tokens again, which gives
-/// [`ContextCost`].
+/// lengths instead of all samples of one. Where the context size allows, each sweep also times
+/// blocks of [`LONG_BLOCKS`] tokens in a second target session [`LONG_CONTEXT`] tokens long (at
+/// least half of it past `context`), which gives [`ContextCost`].
 pub fn measure(loaded: &Loaded, context: &[u32]) -> Result<Calibration> {
     let vocab = loaded.target.config().vocab.max(1) as u32;
     let time_block = |s: &mut Session, base: usize, m: usize, rep: u32| -> Result<f64> {

@@ -158,7 +158,9 @@ pub enum HybridPlan {
 /// from [`RoundCosts::best_extension`] times [`RoundCosts::extended_factor`]. The lookup draft is
 /// free to make, so an option that calls the model must beat it by [`PAY_MARGIN`]. The model options
 /// are charged a share of reading the `lag` committed tokens the model has not read
-/// ([`ModelLag::lag`], [`RoundCosts::catch_up_share`]). A round with no lookup draft goes to the
+/// ([`ModelLag::lag`], [`RoundCosts::catch_up_share`]). Where lookup has no draft, the model draft
+/// is weighed against plain decoding at its predicted rate
+/// ([`RoundCosts::predicted_model_rate_after`]). A round with no lookup draft goes to the
 /// model when [`RoundCosts::probe_model`] asks for a probe. Without a cost model: the lookup draft
 /// when there is one, else the model.
 ///
@@ -166,6 +168,7 @@ pub enum HybridPlan {
 /// [`RoundCosts::lookup_factor`]: crate::RoundCosts::lookup_factor
 /// [`RoundCosts::best_extension`]: crate::RoundCosts::best_extension
 /// [`RoundCosts::catch_up_share`]: crate::RoundCosts::catch_up_share
+/// [`RoundCosts::predicted_model_rate_after`]: crate::RoundCosts::predicted_model_rate_after
 /// [`RoundCosts::extended_factor`]: crate::RoundCosts::extended_factor
 /// [`RoundCosts::probe_model`]: crate::RoundCosts::probe_model
 pub fn plan_hybrid(
@@ -190,7 +193,16 @@ pub fn plan_hybrid(
     let (mut plan, mut best) = (HybridPlan::Lookup, lookup_rate * factor);
     // The lookup draft costs nothing to make; a model call must beat it by the margin.
     let bar = best * (1.0 + PAY_MARGIN);
-    let model_rate = c.model_rate_after(lag);
+    // Against plain decoding the model is weighed as the model drafter alone weighs it: its
+    // acceptance estimates already learn from every model round, and the realised factor on top
+    // counts an unlucky start twice. Stop 31 found the hybrid on translation decoding plainly for
+    // 16 rounds after one rejected warm-up round (factor 0.88), again after the probe, where the
+    // model drafter alone drafted on and gained 1.26×.
+    let model_rate = if lookup.tokens.is_empty() {
+        c.predicted_model_rate_after(lag)
+    } else {
+        c.model_rate_after(lag)
+    };
     // A probe: the model has been out for a while and lookup has nothing, so the round would
     // otherwise decode plainly (see [`RoundCosts::probe_model`]).
     let probe = c.probe_model && lookup.tokens.is_empty();
@@ -387,6 +399,28 @@ mod tests {
             ..costs.clone()
         };
         let plan = plan_hybrid(&request(Some(&weak)), &Proposal::default(), 1.0, 1);
+        assert_eq!(plan, HybridPlan::Lookup);
+        // A model whose drafts realised less than predicted (an unlucky start) still beats plain
+        // decoding at its predicted rate, as a model drafter alone would find, but its realised
+        // rate weighs against a lookup draft.
+        let unlucky = RoundCosts {
+            model_rate: 1.2 * 0.8,
+            model_factor: 0.8,
+            ..costs.clone()
+        };
+        let plan = plan_hybrid(&request(Some(&unlucky)), &Proposal::default(), 1.0, 1);
+        assert_eq!(plan, HybridPlan::Model);
+        let mut single = Proposal::default();
+        single.push(7, Probs::OneHot(7));
+        single.confidence = vec![0.25];
+        let (len, single_rate) = unlucky.best_free_len(&single.confidence);
+        assert_eq!(len, 1);
+        assert!(single_rate * 1.05 > 0.96 && single_rate * 1.05 < 1.2);
+        let no_extension = RoundCosts {
+            extended_factor: 0.3,
+            ..unlucky.clone()
+        };
+        let plan = plan_hybrid(&request(Some(&no_extension)), &single, single_rate, 1);
         assert_eq!(plan, HybridPlan::Lookup);
         // A probe: the model drafts although it is priced below plain decoding, but only where
         // lookup has nothing, and only while the cost model still drafts (`model_len > 0`).

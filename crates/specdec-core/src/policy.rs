@@ -528,6 +528,7 @@ impl Controller {
                 let worth_probing = choice.draft_len > 0
                     || best_speculative >= PROBE_THRESHOLD * choice.tokens_per_step;
                 let mut k = choice.draft_len;
+                let mut probing = false;
                 if self.probe_gap == 0 {
                     self.probe_gap = probe_every;
                     // Not drafting from the start: probe soon, while catching up is cheap.
@@ -542,6 +543,7 @@ impl Controller {
                     // The second round of a probe from no speculation: draft again, now without
                     // catch-up, so the probe measures c.
                     self.probe_left -= 1;
+                    probing = k == 0;
                     k = k.max(1);
                 } else if self.rounds >= self.next_probe {
                     // Measure one length more (or fewer, at the top) than the best. While no
@@ -550,6 +552,7 @@ impl Controller {
                         if k == 0 {
                             self.probe_left = 1;
                         }
+                        probing = true;
                         k = if k < max { k + 1 } else { k - 1 };
                     }
                     self.probe_gap = if choice.draft_len == 0 {
@@ -582,17 +585,18 @@ impl Controller {
                 // A hybrid weighs its options at their realised rates: the predictions' blind spots
                 // differ between them. Fixed costs are taken as given: only tokens are corrected.
                 let timed = cost.is_none();
-                costs.model_rate = if k > 0 {
-                    rate(k) * self.realised_model.factor(timed)
+                costs.model_factor = if k > 0 {
+                    self.realised_model.factor(timed)
                 } else {
-                    rate(0)
+                    1.0
                 };
+                costs.model_rate = rate(k) * costs.model_factor;
                 costs.model_steps = profile.steps(k);
                 costs.lookup_factor = self.realised_lookup.factor(timed);
                 costs.extended_factor = self.realised_extended.factor(timed);
                 costs.model_acceptance.clear();
                 costs.model_acceptance.extend_from_slice(&acceptance);
-                costs.probe_model = self.rounds_without_model >= MODEL_PROBE_ROUNDS;
+                costs.probe_model = probing || self.rounds_without_model >= MODEL_PROBE_ROUNDS;
                 self.costs = Some(costs);
                 k
             }
@@ -945,6 +949,8 @@ pub struct RoundCosts {
     /// how the model's drafts have realised their predictions so far, for a model that has read every
     /// committed token but the last round's ([`RoundCosts::catch_up`] prices the rest).
     pub model_rate: f64,
+    /// The realised factor in `model_rate` (1 without rounds, and at length 0).
+    pub model_factor: f64,
     /// The predicted cost of that round in target steps (`fixed + k c + r(k + 1)`).
     pub model_steps: f64,
     /// How lookup drafts have realised their predicted tokens per step so far (1 without rounds): a
@@ -954,8 +960,11 @@ pub struct RoundCosts {
     pub extended_factor: f64,
     /// The cost model's estimate of a model draft's conditional acceptance at positions `1..`.
     pub model_acceptance: Vec<f64>,
-    /// Whether the model has not drafted a round alone for [`MODEL_PROBE_ROUNDS`] rounds: a hybrid
-    /// with no lookup draft then lets it draft one anyway. Its realised factor learns only from its
+    /// Whether this round's model draft is a probe of the cost model (a length it did not choose:
+    /// one more or fewer than the best, or a draft after none paid), or the model has not drafted
+    /// a round alone for [`MODEL_PROBE_ROUNDS`] rounds: a hybrid with no lookup draft then lets it
+    /// draft anyway, as a model drafter alone would. Stop 31 found the hybrid on translation
+    /// skipping the cost model's probes after an unlucky first round, and decoding plainly. Its realised factor learns only from its
     /// own rounds, so without such probes a few unlucky early rounds keep it out for good: stop
     /// 27's benchmark found the hybrid on translation decoding plainly for 100 of 107 rounds after
     /// two model rounds had put the factor at 0.8, where the model drafter alone gained 1.14×.
@@ -970,6 +979,7 @@ impl Default for RoundCosts {
             draft_per_token: 0.0,
             model_len: 0,
             model_rate: 0.0,
+            model_factor: 1.0,
             model_steps: 1.0,
             lookup_factor: 1.0,
             extended_factor: 1.0,
@@ -1033,6 +1043,13 @@ impl RoundCosts {
     /// its [`RoundCosts::catch_up_share`].
     pub fn model_rate_after(&self, lag: usize) -> f64 {
         self.model_rate * self.model_steps / (self.model_steps + self.catch_up_share(lag))
+    }
+
+    /// [`RoundCosts::model_rate_after`] without [`RoundCosts::model_factor`]: the model draft's rate
+    /// as the cost model predicts it, which is how a model drafter alone weighs it against plain
+    /// decoding.
+    pub fn predicted_model_rate_after(&self, lag: usize) -> f64 {
+        self.model_rate_after(lag) / self.model_factor.max(f64::MIN_POSITIVE)
     }
 
     /// The draft model's cost, in target steps, of extending a lookup draft of `lookup_len` tokens by
@@ -1478,6 +1495,56 @@ mod tests {
         c.observe(&round(2, false));
         c.next_draft_len();
         assert!(!c.costs().unwrap().probe_model);
+    }
+
+    /// The cost model's own probes (drafts at a length it did not choose) are flagged, so that a
+    /// hybrid with no lookup draft makes them as a model drafter alone would; its chosen rounds
+    /// without a draft are not.
+    #[test]
+    fn the_cost_models_probes_are_flagged_for_a_hybrid() {
+        // At the prior acceptance (0.7) one token costs 0.6 + 1.1 steps for 1.7 tokens: 1 token
+        // per step, within the margin of plain decoding's 1 but worth probing.
+        let p = DraftLenPolicy::CostModel {
+            max: 4,
+            cost: Some(FixedCost {
+                c: 0.6,
+                draft_fixed: 0.0,
+                r: vec![1.0, 1.1, 1.2, 1.3, 1.4],
+                context: None,
+            }),
+            probe_every: 1000,
+            prior: None,
+        };
+        let mut c = p.controller();
+        let (mut probes, mut chosen) = (0, 0);
+        for i in 0..12 {
+            let k = c.next_draft_len();
+            let choice = c.last_choice().unwrap().draft_len;
+            let probe = c.costs().unwrap().probe_model;
+            assert_eq!(probe, k > choice, "round {i}: k {k}, choice {choice}");
+            if k > choice {
+                probes += 1;
+            } else {
+                chosen += 1;
+            }
+            // Every draft is rejected.
+            c.observe(&Round {
+                drafted: k,
+                accepted: 0,
+                emitted: 1,
+                draft_secs: 0.0,
+                verify_secs: 1.0,
+                verified: k + 1,
+                lookup: false,
+                expected: 1.0,
+                extension: 0,
+                lag: 0,
+            });
+        }
+        assert!(
+            probes >= 2 && chosen >= 6,
+            "{probes} probes, {chosen} chosen"
+        );
     }
 
     /// With given costs only tokens are corrected: lookup drafts that emit half the tokens their

@@ -55,7 +55,8 @@ struct Saved {
 }
 
 /// Times the target on blocks of 1..=16 tokens after `context`, and the draft on single tokens:
-/// medians of [`SWEEPS`] repetitions. The repetitions are sweeps over all lengths, so that a
+/// medians of [`SWEEPS`] repetitions (three single target steps per repetition, which every ratio
+/// is divided by). The repetitions are sweeps over all lengths, so that a
 /// disturbance of the machine (another tenant, a frequency change) spoils one sample of several
 /// lengths instead of all samples of one. Where the context size allows, each sweep also times
 /// blocks of [`LONG_BLOCKS`] tokens in a second target session [`LONG_CONTEXT`] tokens long (at
@@ -91,8 +92,14 @@ pub fn measure(loaded: &Loaded, context: &[u32]) -> Result<Calibration> {
     let mut samples: Vec<Vec<f64>> = (0..16).map(|_| Vec::with_capacity(SWEEPS)).collect();
     let mut far_samples: Vec<Vec<f64>> = LONG_BLOCKS.iter().map(|_| Vec::new()).collect();
     for rep in 0..SWEEPS as u32 {
-        for (m, t) in samples.iter_mut().enumerate() {
-            t.push(time_block(&mut s, at, m + 1, rep)?);
+        for m in 1..=16 {
+            samples[m - 1].push(time_block(&mut s, at, m, rep)?);
+            // Single steps also mid-sweep and at its end: every ratio is divided by their median,
+            // so a slow moment during the few single steps spoils the whole curve (one
+            // calibration read t(1) 19% above the others and r(8) 1.62 where most read 1.9).
+            if m == 8 || m == 16 {
+                samples[0].push(time_block(&mut s, at, 1, rep)?);
+            }
         }
         if let Some(far) = far.as_mut() {
             for (&m, t) in LONG_BLOCKS.iter().zip(far_samples.iter_mut()) {
@@ -118,7 +125,7 @@ pub fn measure(loaded: &Loaded, context: &[u32]) -> Result<Calibration> {
             let mut ds = Session::new(d.clone(), loaded.ctx);
             ds.feed(context, 1)?;
             let mut t = Vec::new();
-            for rep in 0..SWEEPS as u32 {
+            for rep in 0..3 * SWEEPS as u32 {
                 t.push(time_block(&mut ds, at, 1, rep)?);
             }
             Some(median(&mut t))

@@ -1457,23 +1457,24 @@ mod tests {
         );
     }
 
-    /// A hybrid's model that has not drafted alone for [`MODEL_PROBE_ROUNDS`] rounds is asked for a
-    /// probe, whatever the rounds without it were (plain or lookup); a model round ends the ask.
-    #[test]
-    fn a_model_left_out_is_probed() {
-        let p = DraftLenPolicy::CostModel {
+    /// A cost model with given costs: `c` target steps per drafted token, `r(m) = 1 + 0.1 (m - 1)`.
+    fn given_costs(c: f64) -> DraftLenPolicy {
+        DraftLenPolicy::CostModel {
             max: 4,
             cost: Some(FixedCost {
-                c: 0.2,
+                c,
                 draft_fixed: 0.0,
                 r: vec![1.0, 1.1, 1.2, 1.3, 1.4],
                 context: None,
             }),
             probe_every: 1000,
             prior: None,
-        };
-        let mut c = p.controller();
-        let round = |drafted: usize, lookup: bool| Round {
+        }
+    }
+
+    /// A round whose `drafted` tokens were all rejected, verified in one second.
+    fn rejected(drafted: usize, lookup: bool) -> Round {
+        Round {
             drafted,
             accepted: 0,
             emitted: 1,
@@ -1484,15 +1485,23 @@ mod tests {
             expected: 1.0,
             extension: 0,
             lag: 0,
-        };
+        }
+    }
+
+    /// A hybrid's model that has not drafted alone for [`MODEL_PROBE_ROUNDS`] rounds is asked for a
+    /// probe, whatever the rounds without it were (plain or lookup); a model round ends the ask.
+    #[test]
+    fn a_model_left_out_is_probed() {
+        let p = given_costs(0.2);
+        let mut c = p.controller();
         for i in 0..MODEL_PROBE_ROUNDS {
             c.next_draft_len();
             assert!(!c.costs().unwrap().probe_model, "round {i}");
-            c.observe(&round(if i % 2 == 0 { 0 } else { 2 }, true));
+            c.observe(&rejected(if i % 2 == 0 { 0 } else { 2 }, true));
         }
         c.next_draft_len();
         assert!(c.costs().unwrap().probe_model);
-        c.observe(&round(2, false));
+        c.observe(&rejected(2, false));
         c.next_draft_len();
         assert!(!c.costs().unwrap().probe_model);
     }
@@ -1504,17 +1513,7 @@ mod tests {
     fn the_cost_models_probes_are_flagged_for_a_hybrid() {
         // At the prior acceptance (0.7) one token costs 0.6 + 1.1 steps for 1.7 tokens: 1 token
         // per step, within the margin of plain decoding's 1 but worth probing.
-        let p = DraftLenPolicy::CostModel {
-            max: 4,
-            cost: Some(FixedCost {
-                c: 0.6,
-                draft_fixed: 0.0,
-                r: vec![1.0, 1.1, 1.2, 1.3, 1.4],
-                context: None,
-            }),
-            probe_every: 1000,
-            prior: None,
-        };
+        let p = given_costs(0.6);
         let mut c = p.controller();
         let (mut probes, mut chosen) = (0, 0);
         for i in 0..12 {
@@ -1527,19 +1526,7 @@ mod tests {
             } else {
                 chosen += 1;
             }
-            // Every draft is rejected.
-            c.observe(&Round {
-                drafted: k,
-                accepted: 0,
-                emitted: 1,
-                draft_secs: 0.0,
-                verify_secs: 1.0,
-                verified: k + 1,
-                lookup: false,
-                expected: 1.0,
-                extension: 0,
-                lag: 0,
-            });
+            c.observe(&rejected(k, false));
         }
         assert!(
             probes >= 2 && chosen >= 6,
@@ -1551,17 +1538,7 @@ mod tests {
     /// confidence promised halve the lookup's rate.
     #[test]
     fn realised_tokens_correct_the_lookup_rate() {
-        let p = DraftLenPolicy::CostModel {
-            max: 4,
-            cost: Some(FixedCost {
-                c: 0.2,
-                draft_fixed: 0.0,
-                r: vec![1.0, 1.1, 1.2, 1.3, 1.4],
-                context: None,
-            }),
-            probe_every: 1000,
-            prior: None,
-        };
+        let p = given_costs(0.2);
         let mut c = p.controller();
         for _ in 0..60 {
             c.next_draft_len();

@@ -67,16 +67,15 @@ fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
 
+/// `generate` with the fixture's target and draft, then `extra`.
+fn generate_args<'a>(f: &'a Fixture, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec!["generate", "--target", s(&f.target), "--draft", s(&f.draft)];
+    args.extend_from_slice(extra);
+    args
+}
+
 fn generate_json(f: &Fixture, extra: &[&str]) -> Value {
-    let mut args = vec![
-        "generate",
-        "--quiet",
-        "--json",
-        "--target",
-        s(&f.target),
-        "--draft",
-        s(&f.draft),
-    ];
+    let mut args = generate_args(f, &["--quiet", "--json"]);
     if !extra.contains(&"--prompt") {
         args.extend_from_slice(&["--prompt", "Hello there, tiny model"]);
     }
@@ -250,19 +249,17 @@ fn auto_calibrates_once_with_costs_against_context() {
     let run = || {
         let out = specdec(
             &f,
-            &[
-                "generate",
-                "--target",
-                s(&f.target),
-                "--draft",
-                s(&f.draft),
-                "--draft-len",
-                "auto",
-                "--prompt",
-                "hello",
-                "--max-tokens",
-                "4",
-            ],
+            &generate_args(
+                &f,
+                &[
+                    "--draft-len",
+                    "auto",
+                    "--prompt",
+                    "hello",
+                    "--max-tokens",
+                    "4",
+                ],
+            ),
         );
         assert!(out.status.success(), "{out:?}");
         String::from_utf8_lossy(&out.stderr).into_owned()
@@ -387,22 +384,20 @@ fn streaming_prints_the_text_and_a_stats_line() {
     let f = fixture();
     let out = specdec(
         &f,
-        &[
-            "generate",
-            "--target",
-            s(&f.target),
-            "--draft",
-            s(&f.draft),
-            "--prompt",
-            "abc",
-            "--max-tokens",
-            "16",
-            "--chat",
-            // A fixed length, so that the run drafts (the default cost model may decline to on these
-            // tiny models) and the line reports acceptance.
-            "--draft-len",
-            "3",
-        ],
+        &generate_args(
+            &f,
+            &[
+                "--prompt",
+                "abc",
+                "--max-tokens",
+                "16",
+                "--chat",
+                // A fixed length, so that the run drafts (the default cost model may decline to on
+                // these tiny models) and the line reports acceptance.
+                "--draft-len",
+                "3",
+            ],
+        ),
     );
     assert!(
         out.status.success(),
@@ -654,16 +649,7 @@ fn stop_strings_end_generate_before_them() {
     assert_eq!(cut["text"], want);
     assert_eq!(cut["stop_reason"], "stop_string");
     // Streaming prints the same text.
-    let mut streamed = vec![
-        "generate",
-        "--quiet",
-        "--target",
-        s(&f.target),
-        "--draft",
-        s(&f.draft),
-        "--prompt",
-        "Hello there, tiny model",
-    ];
+    let mut streamed = generate_args(&f, &["--quiet", "--prompt", "Hello there, tiny model"]);
     streamed.extend_from_slice(&args);
     let out = specdec(&f, &streamed);
     assert!(out.status.success());

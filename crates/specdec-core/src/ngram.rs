@@ -196,8 +196,8 @@ pub fn plan_hybrid(
     // Against plain decoding the model is weighed as the model drafter alone weighs it: its
     // acceptance estimates already learn from every model round, and the realised factor on top
     // counts an unlucky start twice. Stop 31 found the hybrid on translation decoding plainly for
-    // 16 rounds after one rejected warm-up round (factor 0.88), again after the probe, where the
-    // model drafter alone drafted on and gained 1.26×.
+    // 16 rounds after its first model draft was rejected (factor 0.88), and again after the
+    // probe, where the model drafter alone drafted on and gained 1.26×.
     let model_rate = if lookup.tokens.is_empty() {
         c.predicted_model_rate_after(lag)
     } else {

@@ -5,6 +5,7 @@ use crate::formats::{
     dequantize_row, interleave_rows, quantize_row_q8_0, quantize_row_q8_k, ActQ8_0,
     ActivationFormat, BlockFormat, BlockQ4K, BlockQ4Kx8, BlockQ4_0, BlockQ4_0x8, BlockQ5_0,
     BlockQ5_0x8, BlockQ6K, BlockQ6Kx8, BlockQ8K, BlockQ8_0, Interleaved, WeightBlock, GROUP_ROWS,
+    QK8_0, QK_K,
 };
 use crate::pool::ThreadPool;
 use crate::simd::{self, pass, pass_groups, Out, Window, MAX_PASS_ROWS};
@@ -309,6 +310,32 @@ impl QuantizedActivations {
     /// # Errors
     /// As [`QuantizedActivations::quantize`].
     pub fn requantize(&mut self, rows: usize, cols: usize, x: &[f32]) -> Result<(), KernelError> {
+        self.requantize_with(rows, cols, x, None)
+    }
+
+    /// [`QuantizedActivations::requantize`], its blocks spread over `pool`'s threads where there are
+    /// enough of them to pay for the job. Each block is quantised alone, so the result is the same
+    /// on any number of threads.
+    ///
+    /// # Errors
+    /// As [`QuantizedActivations::quantize`].
+    pub fn requantize_threaded(
+        &mut self,
+        rows: usize,
+        cols: usize,
+        x: &[f32],
+        pool: &ThreadPool,
+    ) -> Result<(), KernelError> {
+        self.requantize_with(rows, cols, x, Some(pool))
+    }
+
+    fn requantize_with(
+        &mut self,
+        rows: usize,
+        cols: usize,
+        x: &[f32],
+        pool: Option<&ThreadPool>,
+    ) -> Result<(), KernelError> {
         let block_len = self.format().block_len();
         if !cols.is_multiple_of(block_len) {
             return Err(KernelError::RaggedActivations { cols, block_len });
@@ -330,7 +357,10 @@ impl QuantizedActivations {
                         qs: [0; 32],
                     },
                 );
-                quantize_row_q8_0(x, out);
+                // At least 2,048 values a chunk: a job costs a few microseconds.
+                spread(pool, out, 64, &|start, part| {
+                    quantize_row_q8_0(&x[start * QK8_0..(start + part.len()) * QK8_0], part);
+                });
             }
             ActBlocks::Q8K(out) => {
                 out.resize(
@@ -341,7 +371,9 @@ impl QuantizedActivations {
                         bsums: [0; 16],
                     },
                 );
-                quantize_row_q8_k(x, out);
+                spread(pool, out, 8, &|start, part| {
+                    quantize_row_q8_k(&x[start * QK_K..(start + part.len()) * QK_K], part);
+                });
             }
         }
         self.rows = rows;
@@ -624,6 +656,23 @@ impl Kernels {
                 }
             }
         }
+    }
+}
+
+/// `f(start, part)` over `blocks` in chunks of at least `min_chunk` blocks, on `pool`'s threads
+/// (about four chunks per thread) or, without a pool, on the caller alone.
+fn spread<T: Send>(
+    pool: Option<&ThreadPool>,
+    blocks: &mut [T],
+    min_chunk: usize,
+    f: &(dyn Fn(usize, &mut [T]) + Sync),
+) {
+    match pool {
+        Some(pool) => {
+            let chunk = blocks.len().div_ceil(4 * pool.threads()).max(min_chunk);
+            pool.for_chunks_mut(blocks, chunk, f);
+        }
+        None => f(0, blocks),
     }
 }
 

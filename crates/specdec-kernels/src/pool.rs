@@ -203,6 +203,33 @@ impl ThreadPool {
     }
 }
 
+impl ThreadPool {
+    /// Splits `data` into chunks of `chunk` elements (the last may be shorter) and calls `f(start,
+    /// chunk)` on each, `start` being the chunk's first index in `data`, spread over the pool's threads
+    /// as [`ThreadPool::for_chunks`] spreads ranges.
+    pub fn for_chunks_mut<T: Send>(
+        &self,
+        data: &mut [T],
+        chunk: usize,
+        f: &(dyn Fn(usize, &mut [T]) + Sync),
+    ) {
+        let (len, ptr) = (data.len(), SharedSlice(data.as_mut_ptr()));
+        self.for_chunks(len, chunk, &|r| {
+            let ptr = &ptr;
+            // SAFETY: `for_chunks` hands out each range of `0..len` once, and the ranges are disjoint,
+            // so no two calls see one element; `data` is borrowed mutably for the whole call.
+            let part = unsafe { std::slice::from_raw_parts_mut(ptr.0.add(r.start), r.len()) };
+            f(r.start, part);
+        });
+    }
+}
+
+/// The elements of a slice shared by the calls of [`ThreadPool::for_chunks_mut`], each of which
+/// takes a disjoint part.
+struct SharedSlice<T>(*mut T);
+// SAFETY: the calls touch disjoint elements, which may move between threads (`T: Send`).
+unsafe impl<T: Send> Sync for SharedSlice<T> {}
+
 impl Drop for ThreadPool {
     fn drop(&mut self) {
         stop(&self.shared, &mut self.workers);
@@ -296,6 +323,24 @@ mod tests {
                         }
                     });
                     assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn mutable_chunks_cover_the_slice_once_at_their_offsets() {
+        for threads in [1, 2, 3] {
+            let pool = ThreadPool::new(threads).expect("threads start");
+            for n in [0usize, 1, 7, 1000] {
+                for chunk in [1usize, 3, 64, 2000] {
+                    let mut data = vec![0usize; n];
+                    pool.for_chunks_mut(&mut data, chunk, &|start, part| {
+                        for (i, v) in part.iter_mut().enumerate() {
+                            *v += start + i + 1;
+                        }
+                    });
+                    assert!(data.iter().enumerate().all(|(i, &v)| v == i + 1));
                 }
             }
         }

@@ -10,9 +10,14 @@ use specdec_kernels::F16;
 
 use crate::error::{Error, Result};
 
-/// Keys and values per layer, `[heads, capacity, head_dim]` f16 bit patterns each (one KV head's
-/// positions contiguous, so attention over a head reads one stream), of which the first `len`
-/// positions are valid.
+/// Positions per tile of the key cache: a tile holds its keys transposed, `[head_dim, KEY_TILE]`, so
+/// that attention scores a tile's keys side by side in vector lanes with no horizontal sum.
+pub(crate) const KEY_TILE: usize = 16;
+
+/// Keys and values per layer as f16 bit patterns, of which the first `len` positions are valid. One KV
+/// head's positions are contiguous, so attention over a head reads one stream: values are
+/// `[heads, slots, head_dim]`, keys `[heads, slots / KEY_TILE, head_dim, KEY_TILE]` (tiles of
+/// [`KEY_TILE`] positions, each transposed), `slots` being the capacity rounded up to whole tiles.
 #[derive(Clone, Debug)]
 pub struct KvCache {
     k: Vec<Vec<u16>>,
@@ -20,6 +25,8 @@ pub struct KvCache {
     heads: usize,
     head_dim: usize,
     capacity: usize,
+    /// `capacity` rounded up to a multiple of [`KEY_TILE`].
+    slots: usize,
     len: usize,
     /// The forward pass's buffers, reused from one pass to the next.
     pub(crate) scratch: crate::model::Scratch,
@@ -29,13 +36,15 @@ impl KvCache {
     /// A cache for `n_layer` layers of `heads` KV heads of `head_dim` values per position, and
     /// `capacity` positions.
     pub fn new(n_layer: usize, heads: usize, head_dim: usize, capacity: usize) -> Self {
-        let size = heads * capacity * head_dim;
+        let slots = capacity.next_multiple_of(KEY_TILE);
+        let size = heads * slots * head_dim;
         Self {
             k: (0..n_layer).map(|_| vec![0; size]).collect(),
             v: (0..n_layer).map(|_| vec![0; size]).collect(),
             heads,
             head_dim,
             capacity,
+            slots,
             len: 0,
             scratch: crate::model::Scratch::default(),
         }
@@ -90,13 +99,21 @@ impl KvCache {
     pub(crate) fn write(&mut self, layer: usize, pos: usize, k: &[f32], v: &[f32]) {
         let hd = self.head_dim;
         let stride = self.head_stride();
-        for (src, dst) in [(k, &mut self.k[layer]), (v, &mut self.v[layer])] {
-            for (r, row) in src.chunks_exact(self.heads * hd).enumerate() {
-                for (h, head) in row.chunks_exact(hd).enumerate() {
-                    let at = h * stride + (pos + r) * hd;
-                    for (d, &x) in dst[at..at + hd].iter_mut().zip(head) {
-                        *d = F16::from_f32(x).0;
-                    }
+        let rows = k
+            .chunks_exact(self.heads * hd)
+            .zip(v.chunks_exact(self.heads * hd));
+        for (r, (k, v)) in rows.enumerate() {
+            let j = pos + r;
+            let (keys, values) = (&mut self.k[layer], &mut self.v[layer]);
+            for (h, (k, v)) in k.chunks_exact(hd).zip(v.chunks_exact(hd)).enumerate() {
+                let at = h * stride + j * hd;
+                for (d, &x) in values[at..at + hd].iter_mut().zip(v) {
+                    *d = F16::from_f32(x).0;
+                }
+                // Element `d` of key `j` is lane `j % KEY_TILE` of row `d` of the key's tile.
+                let tile = h * stride + (j - j % KEY_TILE) * hd + j % KEY_TILE;
+                for (d, &x) in k.iter().enumerate() {
+                    keys[tile + d * KEY_TILE] = F16::from_f32(x).0;
                 }
             }
         }
@@ -107,15 +124,17 @@ impl KvCache {
         2 * self.k.len() * self.heads * self.head_dim * std::mem::size_of::<u16>()
     }
 
-    /// Keys and values of layer `layer`, as f16 bit patterns: KV head `h`'s position `j` is at
-    /// `h * head_stride() + j * head_dim`.
+    /// Keys and values of layer `layer`, as f16 bit patterns: KV head `h`'s value at position `j` is
+    /// at `h * head_stride() + j * head_dim`, and element `d` of its key at `h * head_stride() + (j -
+    /// j % KEY_TILE) * head_dim + d * KEY_TILE + j % KEY_TILE`. Slots past the valid positions hold
+    /// zeros or keys of truncated positions.
     pub(crate) fn layer(&self, layer: usize) -> (&[u16], &[u16]) {
         (&self.k[layer], &self.v[layer])
     }
 
-    /// The distance between the first values of two consecutive KV heads.
+    /// The distance between the first keys (and values) of two consecutive KV heads.
     pub(crate) fn head_stride(&self) -> usize {
-        self.capacity * self.head_dim
+        self.slots * self.head_dim
     }
 
     /// Marks `len` positions valid after a forward pass wrote them.

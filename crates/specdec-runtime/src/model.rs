@@ -8,7 +8,6 @@
 //! drafted tokens equals k single-token steps bit for bit, which is what makes greedy speculative
 //! output identical to greedy plain output on real models.
 
-use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -20,7 +19,7 @@ use specdec_kernels::{Kernels, ThreadPool};
 use crate::config::{Arch, ModelConfig, RopeStyle};
 use crate::error::{Error, Result};
 use crate::gguf::Gguf;
-use crate::kv::KvCache;
+use crate::kv::{KvCache, KEY_TILE};
 use crate::weights::{ActivationBuffers, Activations, QWeight};
 
 /// How weights are prepared at load time.
@@ -341,6 +340,7 @@ impl Model {
             sin,
             acts,
             logits: all_logits,
+            scores,
         } = sc;
         for (buf, len) in [
             (&mut *x, m * d),
@@ -404,6 +404,7 @@ impl Model {
                     (keys, values, p.cache.head_stride()),
                     pos,
                     &mut attn[a * q_dim..b * q_dim],
+                    scores,
                     pool,
                 );
                 row = b;
@@ -414,9 +415,7 @@ impl Model {
             let mut hq = Activations::new(h, m, acts);
             l.w_gate.matmul(&mut hq, gate, pool)?;
             l.w_up.matmul(&mut hq, up, pool)?;
-            for (g, u) in gate.iter_mut().zip(up.iter()) {
-                *g = *g / (1.0 + exp(-*g)) * u;
-            }
+            swiglu(gate, up, pool);
             l.w_down
                 .matmul(&mut Activations::new(gate, m, acts), o, pool)?;
             add(x, o);
@@ -441,11 +440,10 @@ impl Model {
         let mut acts = Activations::new(normed, wanted, acts);
         if let [p] = parts {
             // One part: straight into its buffer.
-            p.logits.clear();
+            // Every element is written below: no need to zero the buffer first.
             p.logits.resize(wanted * c.vocab, 0.0);
             out.matmul_prefix(&mut acts, self.logits_vocab, p.logits, pool)?;
         } else {
-            all_logits.clear();
             all_logits.resize(wanted * c.vocab, 0.0);
             out.matmul_prefix(&mut acts, self.logits_vocab, all_logits, pool)?;
             let mut at = 0;
@@ -516,6 +514,8 @@ pub(crate) struct Scratch {
     acts: ActivationBuffers,
     /// The logits of every part of a multi-part pass, before they are split.
     logits: Vec<f32>,
+    /// Attention scores ([`attention`]).
+    scores: Vec<f32>,
 }
 
 /// One sequence's share of [`Model::forward_parts`].
@@ -601,138 +601,194 @@ fn check_tensors(g: &Gguf, c: &ModelConfig) -> Result<()> {
 /// Causal attention for rows at positions `pos..pos + m`: row `i` attends to keys `0..=pos + i`
 /// exactly, in order, with no mask, so its result is independent of the other rows.
 ///
-/// The work is split over `pool` by (row, KV head): each item computes the query heads that share one
-/// KV head, scoring a block of 8 keys for each of them in turn (the block stays in the L1 cache) and
-/// widening each value row once for all of them. Which thread computes an item does not change its
-/// arithmetic.
+/// Two jobs on `pool` per [`ATTN_ROWS`] rows. Scores: the query heads that share a KV head, of all
+/// the rows, in batches of at most [`BATCH_HEADS`], each batch reading the KV head's key tiles once
+/// ([`HalfOps::score_tile`]). Then per (row, KV head): the softmax of each query head's scores, and
+/// the weighted sums of the values, [`VALUE_LANES`] elements of every query head of the KV head at a
+/// time, each value read once for all of them ([`HalfOps::value_lanes`]). Every score and every output
+/// element is one sum in a fixed order, whichever batch, item or thread computes it.
+#[allow(clippy::too_many_arguments)]
 fn attention(
     c: &ModelConfig,
     q: &[f32],
     (keys, values, head_stride): (&[u16], &[u16], usize),
     pos: usize,
     out: &mut [f32],
+    scores: &mut Vec<f32>,
     pool: &ThreadPool,
 ) {
-    let hd = c.head_dim;
-    let group = c.n_head / c.n_head_kv;
     let q_dim = c.q_dim();
     let m = q.len() / q_dim;
-    let scale = 1.0 / (hd as f32).sqrt();
-    let heads = group * hd;
-    let out_ptr = SharedMut(out.as_mut_ptr());
     let avx2 = Kernels::get().level().has_avx2();
-    pool.for_chunks(m * c.n_head_kv, 1, &|items| {
-        let out_ptr = &out_ptr;
-        SCRATCH.with(|scratch| {
-            let (ref mut scores, ref mut tail) = *scratch.borrow_mut();
-            for item in items {
-                let (i, kvh) = (item / c.n_head_kv, item % c.n_head_kv);
-                let at = i * q_dim + kvh * heads;
-                // SAFETY: items are disjoint (row, KV head) pairs, so each writes its own `heads`
-                // values of `out`, which outlives the job.
-                let oh = unsafe { std::slice::from_raw_parts_mut(out_ptr.0.add(at), heads) };
-                let job = Attend {
-                    q: &q[at..at + heads],
-                    keys,
-                    values,
-                    n: pos + i + 1,
-                    off: kvh * head_stride,
-                    hd,
-                    group,
-                    scale,
-                };
-                #[cfg(target_arch = "x86_64")]
-                if avx2 {
-                    // SAFETY: levels with AVX2 are only chosen on CPUs with AVX2, F16C and FMA.
-                    unsafe { job.run_avx2(oh, scores, tail) };
-                    continue;
-                }
-                let _ = avx2;
-                job.run::<Portable>(oh, scores, tail);
-            }
-        });
-    });
+    for first in (0..m).step_by(ATTN_ROWS) {
+        let rows = ATTN_ROWS.min(m - first);
+        let at = first * q_dim..(first + rows) * q_dim;
+        let job = AttentionRows {
+            c,
+            q: &q[at.clone()],
+            keys,
+            values,
+            head_stride,
+            pos: pos + first,
+            span: pos + first + rows,
+        };
+        #[cfg(target_arch = "x86_64")]
+        if avx2 {
+            job.run::<Avx2>(&mut out[at], scores, pool);
+            continue;
+        }
+        let _ = avx2;
+        job.run::<Portable>(&mut out[at], scores, pool);
+    }
 }
 
-thread_local! {
-    /// Attention scores and widened values of the item a thread is working on, and a copy of its
-    /// last block of keys (grown, never shrunk).
-    static SCRATCH: RefCell<(Vec<f32>, Vec<u16>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+/// Rows of one [`attention`] call handled together (bounding the score buffer to `ATTN_ROWS ·
+/// n_head · context` values).
+const ATTN_ROWS: usize = 16;
+
+/// The most query heads whose sums attention keeps in registers at once (two 8-lane vectors each).
+const BATCH_HEADS: usize = 6;
+
+/// Output elements of a query head that [`HalfOps::value_lanes`] computes at once.
+const VALUE_LANES: usize = 16;
+
+/// `f(H)` dispatched on a batch's number of heads (1 ..= [`BATCH_HEADS`]).
+macro_rules! by_heads {
+    ($n:expr, $f:ident::<$l:ty>($($arg:expr),*)) => {
+        match $n {
+            1 => $f::<$l, 1>($($arg),*),
+            2 => $f::<$l, 2>($($arg),*),
+            3 => $f::<$l, 3>($($arg),*),
+            4 => $f::<$l, 4>($($arg),*),
+            5 => $f::<$l, 5>($($arg),*),
+            _ => $f::<$l, BATCH_HEADS>($($arg),*),
+        }
+    };
 }
 
-/// An output pointer shared by the threads of one attention call, each writing its own heads.
-struct SharedMut(*mut f32);
-// SAFETY: the threads write disjoint elements and the buffer outlives the job (see `attention`).
-unsafe impl Sync for SharedMut {}
+/// `0..n` in `n.div_ceil(BATCH_HEADS)` ranges of as even a size as possible.
+fn batches(n: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
+    let k = n.div_ceil(BATCH_HEADS);
+    (0..k).map(move |b| b * n / k..(b + 1) * n / k)
+}
 
-/// One (row, KV head) item of [`attention`].
-struct Attend<'a> {
-    /// The `group` query heads of this KV head, `[group, hd]`.
+/// At most [`ATTN_ROWS`] rows of [`attention`], the first at position `pos`.
+struct AttentionRows<'a> {
+    c: &'a ModelConfig,
+    /// `[rows, q_dim]`.
     q: &'a [f32],
-    /// f16 keys and values.
     keys: &'a [u16],
     values: &'a [u16],
-    /// Keys `0..n` are visible.
-    n: usize,
-    /// Where this KV head's position 0 is in `keys` and `values` (its positions follow, `hd`
-    /// apart).
-    off: usize,
-    hd: usize,
-    group: usize,
-    scale: f32,
+    head_stride: usize,
+    pos: usize,
+    /// Keys visible to the last row: the length of a row of scores.
+    span: usize,
 }
 
-impl Attend<'_> {
-    /// The loops compiled for AVX2, with F16C for widening the cache rows and FMA.
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,f16c,fma")]
-    unsafe fn run_avx2(&self, out: &mut [f32], scores: &mut Vec<f32>, tail: &mut Vec<u16>) {
-        self.run::<Avx2>(out, scores, tail)
-    }
-
-    #[inline(always)]
-    fn run<L: HalfOps>(&self, out: &mut [f32], scores: &mut Vec<f32>, tail: &mut Vec<u16>) {
-        let (n, hd, group) = (self.n, self.hd, self.group);
-        // [group, n] scores, turned into weights in place, a block of widened value rows, and a
-        // padded copy of a last block of fewer than 8 keys.
-        scores.clear();
-        scores.resize(group * n + VALUE_BLOCK * hd, 0.0);
-        let (scores, vals) = scores.split_at_mut(group * n);
-        // Keys 8 at a time: each query head is dotted with 8 key rows side by side (8 independent
-        // sums). A last block of fewer than 8 is copied, its last row repeated, so that every key's
-        // score comes from the same arithmetic.
-        for js in (0..n).step_by(8) {
-            let first = js * hd + self.off;
-            let keys = if js + 8 <= n {
-                if js + KEYS_AHEAD + 8 <= n {
-                    for jj in 0..8 {
-                        let ahead = first + (KEYS_AHEAD + jj) * hd;
-                        // SAFETY: `L` is only instantiated where the CPU supports it (see
-                        // `run_avx2`).
-                        unsafe { L::prefetch(&self.keys[ahead..][..hd]) };
+impl AttentionRows<'_> {
+    fn run<L: HalfOps>(&self, out: &mut [f32], scores: &mut Vec<f32>, pool: &ThreadPool) {
+        let c = self.c;
+        let (group, q_dim) = (c.n_head / c.n_head_kv, c.q_dim());
+        let m = self.q.len() / q_dim;
+        // Row `i`, query head `h`: scores at `(i · n_head + h) · span ..`, the first `pos + i + 1`.
+        // Every score read is written first: the buffer only grows, without zeroing it each time.
+        let need = m * c.n_head * self.span;
+        if scores.len() < need {
+            scores.resize(need, 0.0);
+        }
+        let shared = SharedMut(scores.as_mut_ptr());
+        let out_ptr = SharedMut(out.as_mut_ptr());
+        let heads = group * c.head_dim;
+        if m == 1 {
+            // One job: per KV head, its query heads' scores and then their values.
+            pool.for_chunks(c.n_head_kv, 1, &|items| {
+                let (shared, out_ptr) = (&shared, &out_ptr);
+                for kvh in items {
+                    // SAFETY: as for the two jobs below: each KV head's score rows and output
+                    // values are its own.
+                    unsafe {
+                        for batch in batches(group) {
+                            L::score_batch(self, kvh, batch, shared);
+                        }
+                        let o = std::slice::from_raw_parts_mut(out_ptr.0.add(kvh * heads), heads);
+                        L::weigh_values(self, 0, kvh, shared, o);
                     }
                 }
-                &self.keys[first..first + 8 * hd]
-            } else {
-                let last = &self.keys[first..first + (n - js) * hd];
-                tail.clear();
-                tail.resize(8 * hd, 0);
-                for (jj, dst) in tail.chunks_exact_mut(hd).enumerate() {
-                    let src = (jj * hd).min(last.len() - hd);
-                    dst.copy_from_slice(&last[src..src + hd]);
-                }
-                &tail[..]
-            };
-            for g in 0..group {
-                let q = &self.q[g * hd..(g + 1) * hd];
-                // SAFETY: as above.
-                let sums = unsafe { L::dot8(q, keys, hd) };
-                for (s, v) in scores[g * n + js..(g + 1) * n].iter_mut().zip(sums) {
-                    *s = v * self.scale;
+            });
+            return;
+        }
+        // The query heads of one KV head, rows first: (row i, head g) is number `i · group + g`.
+        let per_kv = m * group;
+        let nb = per_kv.div_ceil(BATCH_HEADS);
+        pool.for_chunks(c.n_head_kv * nb, 1, &|items| {
+            let shared = &shared;
+            for item in items {
+                let (kvh, b) = (item / nb, item % nb);
+                let heads = batches(per_kv).nth(b).unwrap_or_default();
+                // SAFETY: a batch writes only the score rows of its own query heads, disjoint from
+                // every other item's, within the buffer, which outlives the job; `L` is only
+                // instantiated where the CPU supports it (`attention`).
+                unsafe { L::score_batch(self, kvh, heads, shared) };
+            }
+        });
+        pool.for_chunks(m * c.n_head_kv, 1, &|items| {
+            let (shared, out_ptr) = (&shared, &out_ptr);
+            for item in items {
+                let (i, kvh) = (item / c.n_head_kv, item % c.n_head_kv);
+                // SAFETY: items are disjoint (row, KV head) pairs: each reads and writes the score
+                // rows and the output values of its own query heads, within buffers that outlive
+                // the job. `L` as above.
+                unsafe {
+                    let o = std::slice::from_raw_parts_mut(
+                        out_ptr.0.add(i * q_dim + kvh * heads),
+                        heads,
+                    );
+                    L::weigh_values(self, i, kvh, shared, o);
                 }
             }
-        }
-        for w in scores.chunks_exact_mut(n) {
+        });
+    }
+
+    /// The scores of the query heads `heads` (numbered as in [`AttentionRows::run`]) of KV head
+    /// `kvh`, at most [`BATCH_HEADS`].
+    ///
+    /// # Safety
+    /// The CPU must support `L`; `scores` points at the score buffer of [`AttentionRows::run`], of
+    /// which no other thread touches these heads' rows meanwhile.
+    #[inline(always)]
+    unsafe fn score_batch<L: HalfOps>(
+        &self,
+        kvh: usize,
+        heads: std::ops::Range<usize>,
+        scores: &SharedMut,
+    ) {
+        let first = heads.start;
+        // SAFETY: the caller's contract.
+        unsafe { by_heads!(heads.len(), score_heads::<L>(self, kvh, first, scores)) }
+    }
+
+    /// Row `i`'s softmax of the scores of KV head `kvh`'s query heads, then into `out` (`[group,
+    /// head_dim]`) the weighted sums of the values, in batches of at most [`BATCH_HEADS`] query
+    /// heads.
+    ///
+    /// # Safety
+    /// The CPU must support `L`; `scores` points at the score buffer of [`AttentionRows::run`], of
+    /// which no other thread touches these heads' rows of row `i` meanwhile.
+    #[inline(always)]
+    unsafe fn weigh_values<L: HalfOps>(
+        &self,
+        i: usize,
+        kvh: usize,
+        scores: &SharedMut,
+        out: &mut [f32],
+    ) {
+        let c = self.c;
+        let (hd, group) = (c.head_dim, c.n_head / c.n_head_kv);
+        let n = self.pos + i + 1;
+        for g in 0..group {
+            let row = (i * c.n_head + kvh * group + g) * self.span;
+            // SAFETY: the caller's contract; the first `n` scores of the row are in the buffer.
+            let w = unsafe { std::slice::from_raw_parts_mut(scores.0.add(row), n) };
             let max = w.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
             // The exponentials first (a loop the compiler vectorises), then their sum.
             for x in w.iter_mut() {
@@ -743,29 +799,124 @@ impl Attend<'_> {
                 *x /= total;
             }
         }
-        // Values: a block of rows is widened once, then each output element accumulates over the
-        // block in a register. Every element adds `w_j · v_j` (fused) for j = 0, 1, ... in order.
-        out.fill(0.0);
-        for js in (0..n).step_by(VALUE_BLOCK) {
-            let jn = VALUE_BLOCK.min(n - js);
-            for (jj, dst) in vals.chunks_exact_mut(hd).take(jn).enumerate() {
-                let src = &self.values[(js + jj) * hd + self.off..][..hd];
-                // SAFETY: as above.
-                unsafe { L::widen(src, dst) };
-                if js + jj + VALUE_BLOCK < n {
-                    let ahead = (js + jj + VALUE_BLOCK) * hd + self.off;
-                    // SAFETY: as above.
-                    unsafe { L::prefetch(&self.values[ahead..][..hd]) };
-                }
-            }
-            for (g, oh) in out.chunks_exact_mut(hd).enumerate() {
-                let w = &scores[g * n + js..g * n + js + jn];
-                // SAFETY: as above.
-                unsafe { L::weighted_sum(w, &vals[..jn * hd], oh) };
+        for heads in batches(group) {
+            let o = &mut out[heads.start * hd..heads.end * hd];
+            // SAFETY: the caller's contract.
+            unsafe {
+                by_heads!(
+                    heads.len(),
+                    weigh_heads::<L>(self, i, kvh, heads.start, scores, o)
+                )
             }
         }
     }
 }
+
+/// [`AttentionRows::score_batch`] for the `H` heads from `first`: the KV head's key tiles in order,
+/// each scored for all `H` query heads at once.
+///
+/// # Safety
+/// As [`AttentionRows::score_batch`].
+#[inline(always)]
+unsafe fn score_heads<L: HalfOps, const H: usize>(
+    rows: &AttentionRows<'_>,
+    kvh: usize,
+    first: usize,
+    scores: &SharedMut,
+) {
+    let c = rows.c;
+    let (hd, group, q_dim) = (c.head_dim, c.n_head / c.n_head_kv, c.q_dim());
+    let scale = 1.0 / (hd as f32).sqrt();
+    // Head number `first + h`: row `i`, query head `kvh · group + g`.
+    let at = |h: usize| ((first + h) / group, kvh * group + (first + h) % group);
+    let q: [&[f32]; H] = std::array::from_fn(|h| {
+        let (i, head) = at(h);
+        &rows.q[i * q_dim + head * hd..][..hd]
+    });
+    let n_max = rows.pos + at(H - 1).0 + 1;
+    let base = kvh * rows.head_stride;
+    let tile_len = KEY_TILE * hd;
+    let mut sums = [[0.0f32; KEY_TILE]; H];
+    for t in 0..n_max.div_ceil(KEY_TILE) {
+        let tile = &rows.keys[base + t * tile_len..][..tile_len];
+        if (t + 2) * KEY_TILE < n_max {
+            // SAFETY: the caller's contract.
+            unsafe { L::prefetch(&rows.keys[base + (t + 2) * tile_len..][..tile_len]) };
+        }
+        // SAFETY: as above.
+        unsafe { L::score_tile(q, tile, &mut sums) };
+        for (h, sums) in sums.iter().enumerate() {
+            let (i, head) = at(h);
+            let keys = t * KEY_TILE..((t + 1) * KEY_TILE).min(rows.pos + i + 1);
+            let row = (i * c.n_head + head) * rows.span;
+            // SAFETY: keys `..pos + i + 1` of this head's row, its own (the caller's contract).
+            let dst = unsafe {
+                std::slice::from_raw_parts_mut(scores.0.add(row + keys.start), keys.len())
+            };
+            for (s, &v) in dst.iter_mut().zip(sums) {
+                *s = v * scale;
+            }
+        }
+    }
+}
+
+/// The weighted sums of the values for the `H` query heads `first..` of KV head `kvh` (row `i`,
+/// weights in place of its scores), into `out` (`[H, head_dim]`): per block of [`VALUE_ROWS`] value
+/// rows (read from memory once, then from L1), [`VALUE_LANES`] elements at a time
+/// ([`HalfOps::value_lanes`]); then the last `head_dim % VALUE_LANES` elements one by one. Each element
+/// adds its rows in order.
+///
+/// # Safety
+/// As [`AttentionRows::weigh_values`].
+#[inline(always)]
+unsafe fn weigh_heads<L: HalfOps, const H: usize>(
+    rows: &AttentionRows<'_>,
+    i: usize,
+    kvh: usize,
+    first: usize,
+    scores: &SharedMut,
+    out: &mut [f32],
+) {
+    let c = rows.c;
+    let (hd, group) = (c.head_dim, c.n_head / c.n_head_kv);
+    let n = rows.pos + i + 1;
+    let w: [&[f32]; H] = std::array::from_fn(|h| {
+        let row = (i * c.n_head + kvh * group + first + h) * rows.span;
+        // SAFETY: the caller's contract; no thread writes these rows meanwhile.
+        unsafe { std::slice::from_raw_parts(scores.0.add(row), n) }
+    });
+    let values = &rows.values[kvh * rows.head_stride..][..n * hd];
+    let wide = hd - hd % VALUE_LANES;
+    out.fill(0.0);
+    for js in (0..n).step_by(VALUE_ROWS) {
+        let block = js..(js + VALUE_ROWS).min(n);
+        let wb: [&[f32]; H] = std::array::from_fn(|h| &w[h][block.clone()]);
+        let vb = &values[block.start * hd..block.end * hd];
+        if block.end + VALUE_ROWS <= n {
+            // SAFETY: the caller's contract.
+            unsafe { L::prefetch(&values[block.end * hd..(block.end + VALUE_ROWS) * hd]) };
+        }
+        for d in (0..wide).step_by(VALUE_LANES) {
+            // SAFETY: as above.
+            unsafe { L::value_lanes(wb, vb, hd, d, out) };
+        }
+    }
+    for d in wide..hd {
+        for (o, w) in out.chunks_exact_mut(hd).zip(&w) {
+            o[d] = w.iter().enumerate().fold(0.0, |a, (j, &wj)| {
+                wj.mul_add(f16_to_f32(values[j * hd + d]), a)
+            });
+        }
+    }
+}
+
+/// Value rows [`weigh_heads`] applies together (8 KiB of f16 at head size 128).
+const VALUE_ROWS: usize = 32;
+
+/// A buffer shared by the threads of one attention job, each touching its own elements.
+struct SharedMut(*mut f32);
+// SAFETY: the threads touch disjoint elements and the buffer outlives the job (see `attention`).
+unsafe impl Sync for SharedMut {}
 
 /// The sum of `w`: eight partial sums of every eighth element, in order, then added in order from the
 /// first, then the last `w.len() % 8` elements in order.
@@ -782,125 +933,95 @@ fn sum8(w: &[f32]) -> f32 {
     rest.iter().fold(acc.iter().sum::<f32>(), |a, &b| a + b)
 }
 
-/// The dot products of `q` with 8 rows of the f16 cache, row `k` at `keys[k * stride..][..q.len()]`,
-/// each with 8 lane sums of fused multiply-adds over the whole chunks in order, the lanes added in
-/// order, then the products of the tail. The reference for [`HalfOps::dot8`].
+/// The scores of `H` query heads against one tile of [`KEY_TILE`] keys (`tile[d · KEY_TILE + l]` is
+/// element `d` of key `l`): `sums[h][l] = Σ_d q[h][d] · key_l[d]`, a fused multiply-add per element
+/// in order from `d = 0`. The reference for [`HalfOps::score_tile`].
 #[inline(always)]
-fn dot8_portable(q: &[f32], keys: &[u16], stride: usize) -> [f32; 8] {
-    let hd = q.len();
-    let body = hd - hd % 8;
-    let mut acc = [[0.0f32; 8]; 8];
-    for c in (0..body).step_by(8) {
-        let qc = &q[c..c + 8];
-        for (k, a) in acc.iter_mut().enumerate() {
-            let kc = &keys[k * stride + c..][..8];
-            for l in 0..8 {
-                a[l] = qc[l].mul_add(f16_to_f32(kc[l]), a[l]);
+fn score_tile_portable<const H: usize>(
+    q: [&[f32]; H],
+    tile: &[u16],
+    sums: &mut [[f32; KEY_TILE]; H],
+) {
+    *sums = [[0.0; KEY_TILE]; H];
+    for (d, keys) in tile.chunks_exact(KEY_TILE).take(q[0].len()).enumerate() {
+        let keys: [f32; KEY_TILE] = std::array::from_fn(|l| f16_to_f32(keys[l]));
+        for (q, sums) in q.iter().zip(sums.iter_mut()) {
+            for (s, &k) in sums.iter_mut().zip(&keys) {
+                *s = q[d].mul_add(k, *s);
             }
         }
     }
-    let mut sums = acc.map(|a| a.iter().sum::<f32>());
-    add_tails(q, keys, stride, &mut sums);
-    sums
 }
 
-/// Adds to each of the 8 dot products of [`dot8_portable`] the products of the last `q.len() % 8`
-/// elements, summed in order.
+/// Adds to elements `d..d + VALUE_LANES` of the weighted sums of `H` query heads (`out` is `[H,
+/// hd]`) the value rows `values[j · hd ..][..hd]` weighted by `w[h][j]`: `out[h][d + l] ← fma(w[h][j],
+/// value_j[d + l], out[h][d + l])` for j = 0, 1, ... in order. The reference for
+/// [`HalfOps::value_lanes`].
 #[inline(always)]
-fn add_tails(q: &[f32], keys: &[u16], stride: usize, sums: &mut [f32; 8]) {
-    let hd = q.len();
-    let body = hd - hd % 8;
-    if body == hd {
-        return;
-    }
-    for (k, s) in sums.iter_mut().enumerate() {
-        let tail: f32 = q[body..]
-            .iter()
-            .zip(&keys[k * stride + body..k * stride + hd])
-            .map(|(x, &y)| x * f16_to_f32(y))
-            .sum();
-        *s += tail;
-    }
-}
-
-/// `out[i] = fma(w[j], vals[j][i], out[i])` for j = 0, 1, ... in order (`vals` is
-/// `[w.len(), out.len()]`): the reference for [`HalfOps::weighted_sum`]. 64 output elements at a time, eight independent 8-lane
-/// sums, so the adds of one do not wait on the others'.
-#[inline(always)]
-fn weighted_sum_portable(w: &[f32], vals: &[f32], out: &mut [f32]) {
-    let hd = out.len();
-    let mut wide = out.chunks_exact_mut(64);
-    for (c, o) in (&mut wide).enumerate() {
-        let mut acc = [[0.0f32; 8]; 8];
-        for (a, o) in acc.iter_mut().zip(o.chunks_exact(8)) {
-            a.copy_from_slice(o);
-        }
-        for (jj, &wj) in w.iter().enumerate() {
-            let v = &vals[jj * hd + 64 * c..][..64];
-            for (a, v) in acc.iter_mut().zip(v.chunks_exact(8)) {
-                for l in 0..8 {
-                    a[l] = wj.mul_add(v[l], a[l]);
-                }
+fn value_lanes_portable<const H: usize>(
+    w: [&[f32]; H],
+    values: &[u16],
+    hd: usize,
+    d: usize,
+    out: &mut [f32],
+) {
+    for j in 0..w[0].len() {
+        let v: [f32; VALUE_LANES] = std::array::from_fn(|l| f16_to_f32(values[j * hd + d + l]));
+        for (w, o) in w.iter().zip(out.chunks_exact_mut(hd)) {
+            for (o, &v) in o[d..d + VALUE_LANES].iter_mut().zip(&v) {
+                *o = w[j].mul_add(v, *o);
             }
         }
-        for (a, o) in acc.iter().zip(o.chunks_exact_mut(8)) {
-            o.copy_from_slice(a);
-        }
-    }
-    let done = hd - hd % 64;
-    weighted_sum_narrow(w, vals, hd, done, wide.into_remainder());
-}
-
-/// [`weighted_sum_portable`] for the output elements `done..` (fewer than 64), 8 at a time and then
-/// one at a time.
-#[inline(always)]
-fn weighted_sum_narrow(w: &[f32], vals: &[f32], hd: usize, done: usize, out: &mut [f32]) {
-    let mut chunks = out.chunks_exact_mut(8);
-    for (c, o) in (&mut chunks).enumerate() {
-        let mut acc = [0.0f32; 8];
-        acc.copy_from_slice(o);
-        for (jj, &wj) in w.iter().enumerate() {
-            let v = &vals[jj * hd + done + 8 * c..][..8];
-            for l in 0..8 {
-                acc[l] = wj.mul_add(v[l], acc[l]);
-            }
-        }
-        o.copy_from_slice(&acc);
-    }
-    let done = hd - hd % 8;
-    for (i, o) in chunks.into_remainder().iter_mut().enumerate() {
-        for (jj, &wj) in w.iter().enumerate() {
-            *o = wj.mul_add(vals[jj * hd + done + i], *o);
-        }
     }
 }
 
-/// How many key rows ahead attention asks for the cache lines it will read (a long context's cache
-/// is read from memory).
-const KEYS_AHEAD: usize = 16;
-
-/// Value rows widened and applied together by attention (a 16 KiB block at head size 128).
-const VALUE_BLOCK: usize = 32;
-
-/// Widening a row of the f16 cache to f32 (exact, so every implementation gives the same values).
+/// The attention loops per CPU level: every implementation gives the same values (widening f16 is
+/// exact; each sum is fused multiply-adds in one order).
 trait HalfOps {
-    /// `dst[i] = src[i]` as f32.
+    /// [`AttentionRows::score_batch`], compiled for the implementation's instructions.
     ///
     /// # Safety
-    /// The CPU must support the implementation's instructions.
-    unsafe fn widen(src: &[u16], dst: &mut [f32]);
+    /// The CPU must support the implementation's instructions; as [`AttentionRows::score_batch`].
+    unsafe fn score_batch(
+        rows: &AttentionRows<'_>,
+        kvh: usize,
+        heads: std::ops::Range<usize>,
+        scores: &SharedMut,
+    );
 
-    /// [`dot8_portable`]'s values.
+    /// [`AttentionRows::weigh_values`], compiled for the implementation's instructions.
     ///
     /// # Safety
-    /// The CPU must support the implementation's instructions.
-    unsafe fn dot8(q: &[f32], keys: &[u16], stride: usize) -> [f32; 8];
+    /// The CPU must support the implementation's instructions; as [`AttentionRows::weigh_values`].
+    unsafe fn weigh_values(
+        rows: &AttentionRows<'_>,
+        i: usize,
+        kvh: usize,
+        scores: &SharedMut,
+        out: &mut [f32],
+    );
 
-    /// [`weighted_sum_portable`]'s values.
+    /// [`score_tile_portable`]'s values.
     ///
     /// # Safety
     /// The CPU must support the implementation's instructions.
-    unsafe fn weighted_sum(w: &[f32], vals: &[f32], out: &mut [f32]);
+    unsafe fn score_tile<const H: usize>(
+        q: [&[f32]; H],
+        tile: &[u16],
+        sums: &mut [[f32; KEY_TILE]; H],
+    );
+
+    /// [`value_lanes_portable`]'s values.
+    ///
+    /// # Safety
+    /// The CPU must support the implementation's instructions.
+    unsafe fn value_lanes<const H: usize>(
+        w: [&[f32]; H],
+        values: &[u16],
+        hd: usize,
+        d: usize,
+        out: &mut [f32],
+    );
 
     /// Asks for the cache lines of `src` ahead of their use (a hint: no effect on any value).
     ///
@@ -912,21 +1033,45 @@ trait HalfOps {
 struct Portable;
 
 impl HalfOps for Portable {
-    #[inline(always)]
-    unsafe fn widen(src: &[u16], dst: &mut [f32]) {
-        for (d, &h) in dst.iter_mut().zip(src) {
-            *d = f16_to_f32(h);
-        }
+    unsafe fn score_batch(
+        rows: &AttentionRows<'_>,
+        kvh: usize,
+        heads: std::ops::Range<usize>,
+        scores: &SharedMut,
+    ) {
+        // SAFETY: the caller's contract.
+        unsafe { rows.score_batch::<Self>(kvh, heads, scores) }
+    }
+
+    unsafe fn weigh_values(
+        rows: &AttentionRows<'_>,
+        i: usize,
+        kvh: usize,
+        scores: &SharedMut,
+        out: &mut [f32],
+    ) {
+        // SAFETY: the caller's contract.
+        unsafe { rows.weigh_values::<Self>(i, kvh, scores, out) }
     }
 
     #[inline(always)]
-    unsafe fn dot8(q: &[f32], keys: &[u16], stride: usize) -> [f32; 8] {
-        dot8_portable(q, keys, stride)
+    unsafe fn score_tile<const H: usize>(
+        q: [&[f32]; H],
+        tile: &[u16],
+        sums: &mut [[f32; KEY_TILE]; H],
+    ) {
+        score_tile_portable(q, tile, sums)
     }
 
     #[inline(always)]
-    unsafe fn weighted_sum(w: &[f32], vals: &[f32], out: &mut [f32]) {
-        weighted_sum_portable(w, vals, out)
+    unsafe fn value_lanes<const H: usize>(
+        w: [&[f32]; H],
+        values: &[u16],
+        hd: usize,
+        d: usize,
+        out: &mut [f32],
+    ) {
+        value_lanes_portable(w, values, hd, d, out)
     }
 
     #[inline(always)]
@@ -938,22 +1083,105 @@ struct Avx2;
 
 #[cfg(target_arch = "x86_64")]
 impl HalfOps for Avx2 {
+    #[target_feature(enable = "avx2,f16c,fma")]
+    unsafe fn score_batch(
+        rows: &AttentionRows<'_>,
+        kvh: usize,
+        heads: std::ops::Range<usize>,
+        scores: &SharedMut,
+    ) {
+        // SAFETY: the caller's contract.
+        unsafe { rows.score_batch::<Self>(kvh, heads, scores) }
+    }
+
+    #[target_feature(enable = "avx2,f16c,fma")]
+    unsafe fn weigh_values(
+        rows: &AttentionRows<'_>,
+        i: usize,
+        kvh: usize,
+        scores: &SharedMut,
+        out: &mut [f32],
+    ) {
+        // SAFETY: the caller's contract.
+        unsafe { rows.weigh_values::<Self>(i, kvh, scores, out) }
+    }
+
+    /// Two 8-lane vectors of sums per query head, a lane per key: per element `d`, the tile's row
+    /// widened once and multiplied into every head's sums with the head's `q[d]` broadcast.
     #[inline]
     #[target_feature(enable = "avx2,f16c,fma")]
-    unsafe fn widen(src: &[u16], dst: &mut [f32]) {
+    unsafe fn score_tile<const H: usize>(
+        q: [&[f32]; H],
+        tile: &[u16],
+        sums: &mut [[f32; KEY_TILE]; H],
+    ) {
         use std::arch::x86_64::*;
-        let n = src.len().min(dst.len());
-        let mut i = 0;
-        while i + 8 <= n {
-            // SAFETY: `i + 8 <= n` keeps the load and the store in bounds.
-            unsafe {
-                let x = _mm256_cvtph_ps(_mm_loadu_si128(src.as_ptr().add(i).cast()));
-                _mm256_storeu_ps(dst.as_mut_ptr().add(i), x);
+        let hd = q[0].len();
+        assert!(tile.len() >= hd * KEY_TILE && q.iter().all(|q| q.len() >= hd));
+        let tp = tile.as_ptr();
+        let mut acc = [[_mm256_setzero_ps(); 2]; H];
+        // SAFETY: `d < hd`, so every load is within `tile` and each `q[h]` (asserted above).
+        unsafe {
+            for d in 0..hd {
+                let row = tp.add(d * KEY_TILE);
+                let k0 = _mm256_cvtph_ps(_mm_loadu_si128(row.cast()));
+                let k1 = _mm256_cvtph_ps(_mm_loadu_si128(row.add(8).cast()));
+                for (a, q) in acc.iter_mut().zip(&q) {
+                    let qd = _mm256_set1_ps(*q.get_unchecked(d));
+                    a[0] = _mm256_fmadd_ps(qd, k0, a[0]);
+                    a[1] = _mm256_fmadd_ps(qd, k1, a[1]);
+                }
             }
-            i += 8;
+            for (a, s) in acc.iter().zip(sums.iter_mut()) {
+                _mm256_storeu_ps(s.as_mut_ptr(), a[0]);
+                _mm256_storeu_ps(s.as_mut_ptr().add(8), a[1]);
+            }
         }
-        for (d, &h) in dst[i..n].iter_mut().zip(&src[i..n]) {
-            *d = f16_to_f32(h);
+    }
+
+    /// Two 8-lane vectors of sums per query head, a lane per output element, loaded from `out` and
+    /// stored back: per value row, its 16 elements widened once and multiplied into every head's
+    /// sums with the head's weight broadcast.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma")]
+    unsafe fn value_lanes<const H: usize>(
+        w: [&[f32]; H],
+        values: &[u16],
+        hd: usize,
+        d: usize,
+        out: &mut [f32],
+    ) {
+        use std::arch::x86_64::*;
+        let n = w[0].len();
+        assert!(
+            d + VALUE_LANES <= hd
+                && values.len() >= n * hd
+                && out.len() >= H * hd
+                && w.iter().all(|w| w.len() >= n)
+        );
+        let (vp, op) = (values.as_ptr(), out.as_mut_ptr());
+        // SAFETY: `j < n`, `h < H` and `d + 16 <= hd`, so every access is within `values`, `out`
+        // and each `w[h]` (asserted above).
+        unsafe {
+            let mut acc: [[__m256; 2]; H] = std::array::from_fn(|h| {
+                let o = op.add(h * hd + d);
+                [_mm256_loadu_ps(o), _mm256_loadu_ps(o.add(8))]
+            });
+            for j in 0..n {
+                let row = vp.add(j * hd + d);
+                let v0 = _mm256_cvtph_ps(_mm_loadu_si128(row.cast()));
+                let v1 = _mm256_cvtph_ps(_mm_loadu_si128(row.add(8).cast()));
+                for (a, w) in acc.iter_mut().zip(&w) {
+                    let wj = _mm256_set1_ps(*w.get_unchecked(j));
+                    a[0] = _mm256_fmadd_ps(wj, v0, a[0]);
+                    a[1] = _mm256_fmadd_ps(wj, v1, a[1]);
+                }
+            }
+            for (h, a) in acc.iter().enumerate() {
+                let o = op.add(h * hd + d);
+                _mm256_storeu_ps(o, a[0]);
+                _mm256_storeu_ps(o.add(8), a[1]);
+            }
         }
     }
 
@@ -966,107 +1194,6 @@ impl HalfOps for Avx2 {
             // SAFETY: `i` is within `src`; a prefetch does not fault in any case.
             unsafe { _mm_prefetch::<_MM_HINT_T0>(src.as_ptr().add(i).cast()) };
         }
-    }
-
-    /// Eight 8-lane sums, one per key row, then an 8 × 8 transpose (lane `l` of every sum into
-    /// vector `l`) and the 8 vectors added in order: each row's lanes in order from lane 0, as
-    /// [`dot8_portable`] adds them.
-    #[inline]
-    #[target_feature(enable = "avx2,f16c,fma")]
-    unsafe fn dot8(q: &[f32], keys: &[u16], stride: usize) -> [f32; 8] {
-        use std::arch::x86_64::*;
-        let hd = q.len();
-        let body = hd - hd % 8;
-        assert!(keys.len() >= 7 * stride + hd);
-        let (qp, kp) = (q.as_ptr(), keys.as_ptr());
-        let mut out = [0.0f32; 8];
-        // SAFETY: `c + 8 <= body <= hd` and `k < 8`, so every load is within `q` and `keys`
-        // (asserted above).
-        unsafe {
-            let mut acc = [_mm256_setzero_ps(); 8];
-            for c in (0..body).step_by(8) {
-                let qv = _mm256_loadu_ps(qp.add(c));
-                for (k, a) in acc.iter_mut().enumerate() {
-                    let kv = _mm256_cvtph_ps(_mm_loadu_si128(kp.add(k * stride + c).cast()));
-                    *a = _mm256_fmadd_ps(qv, kv, *a);
-                }
-            }
-            // Rows 2p and 2p + 1 interleaved: lanes 0, 1 | 4, 5 (lo) and 2, 3 | 6, 7 (hi).
-            let (lo01, hi01) = (
-                _mm256_unpacklo_ps(acc[0], acc[1]),
-                _mm256_unpackhi_ps(acc[0], acc[1]),
-            );
-            let (lo23, hi23) = (
-                _mm256_unpacklo_ps(acc[2], acc[3]),
-                _mm256_unpackhi_ps(acc[2], acc[3]),
-            );
-            let (lo45, hi45) = (
-                _mm256_unpacklo_ps(acc[4], acc[5]),
-                _mm256_unpackhi_ps(acc[4], acc[5]),
-            );
-            let (lo67, hi67) = (
-                _mm256_unpacklo_ps(acc[6], acc[7]),
-                _mm256_unpackhi_ps(acc[6], acc[7]),
-            );
-            // `aN` holds lane N | N + 4 of rows 0..4, `bN` the same of rows 4..8.
-            let a0 = _mm256_shuffle_ps::<0x44>(lo01, lo23);
-            let a1 = _mm256_shuffle_ps::<0xEE>(lo01, lo23);
-            let a2 = _mm256_shuffle_ps::<0x44>(hi01, hi23);
-            let a3 = _mm256_shuffle_ps::<0xEE>(hi01, hi23);
-            let b0 = _mm256_shuffle_ps::<0x44>(lo45, lo67);
-            let b1 = _mm256_shuffle_ps::<0xEE>(lo45, lo67);
-            let b2 = _mm256_shuffle_ps::<0x44>(hi45, hi67);
-            let b3 = _mm256_shuffle_ps::<0xEE>(hi45, hi67);
-            let lanes = [
-                _mm256_permute2f128_ps::<0x20>(a0, b0),
-                _mm256_permute2f128_ps::<0x20>(a1, b1),
-                _mm256_permute2f128_ps::<0x20>(a2, b2),
-                _mm256_permute2f128_ps::<0x20>(a3, b3),
-                _mm256_permute2f128_ps::<0x31>(a0, b0),
-                _mm256_permute2f128_ps::<0x31>(a1, b1),
-                _mm256_permute2f128_ps::<0x31>(a2, b2),
-                _mm256_permute2f128_ps::<0x31>(a3, b3),
-            ];
-            let mut s = lanes[0];
-            for &l in &lanes[1..] {
-                s = _mm256_add_ps(s, l);
-            }
-            _mm256_storeu_ps(out.as_mut_ptr(), s);
-        }
-        add_tails(q, keys, stride, &mut out);
-        out
-    }
-
-    /// The 64-wide part in registers (eight accumulators, one broadcast weight per value row), the
-    /// rest as [`weighted_sum_portable`]; the same operations in the same order.
-    #[inline]
-    #[target_feature(enable = "avx2,f16c,fma")]
-    unsafe fn weighted_sum(w: &[f32], vals: &[f32], out: &mut [f32]) {
-        use std::arch::x86_64::*;
-        let hd = out.len();
-        let wide = hd - hd % 64;
-        assert!(vals.len() >= w.len() * hd);
-        let (vp, op) = (vals.as_ptr(), out.as_mut_ptr());
-        for c in (0..wide).step_by(64) {
-            // SAFETY: `c + 64 <= hd` and `j < w.len()`, so every access is within `out` and `vals`.
-            unsafe {
-                let mut acc: [__m256; 8] = [_mm256_setzero_ps(); 8];
-                for (i, a) in acc.iter_mut().enumerate() {
-                    *a = _mm256_loadu_ps(op.add(c + 8 * i));
-                }
-                for (j, &wj) in w.iter().enumerate() {
-                    let wv = _mm256_set1_ps(wj);
-                    let row = vp.add(j * hd + c);
-                    for (i, a) in acc.iter_mut().enumerate() {
-                        *a = _mm256_fmadd_ps(wv, _mm256_loadu_ps(row.add(8 * i)), *a);
-                    }
-                }
-                for (i, a) in acc.iter().enumerate() {
-                    _mm256_storeu_ps(op.add(c + 8 * i), *a);
-                }
-            }
-        }
-        weighted_sum_narrow(w, vals, hd, wide, &mut out[wide..]);
     }
 }
 
@@ -1089,6 +1216,37 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
         }
     }
     acc.iter().sum::<f32>() + tail
+}
+
+/// `gate ← silu(gate) · up`, on `pool`'s threads once there are enough values to pay for a job, in
+/// 256-bit vectors where the CPU has AVX2 (the same operations, so the same bits: nothing is fused).
+fn swiglu(gate: &mut [f32], up: &[f32], pool: &ThreadPool) {
+    let chunk = gate.len().div_ceil(4 * pool.threads()).max(4096);
+    let avx2 = Kernels::get().level().has_avx2();
+    pool.for_chunks_mut(gate, chunk, &|start, part| {
+        let up = &up[start..];
+        #[cfg(target_arch = "x86_64")]
+        if avx2 {
+            // SAFETY: levels with AVX2 are only chosen on CPUs with AVX2.
+            unsafe { swiglu_avx2(part, up) };
+            return;
+        }
+        let _ = avx2;
+        swiglu_part(part, up);
+    });
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn swiglu_avx2(gate: &mut [f32], up: &[f32]) {
+    swiglu_part(gate, up);
+}
+
+#[inline(always)]
+fn swiglu_part(gate: &mut [f32], up: &[f32]) {
+    for (g, u) in gate.iter_mut().zip(up) {
+        *g = *g / (1.0 + exp(-*g)) * u;
+    }
 }
 
 /// `e^x` within 4 ulp (3 measured), for `x` clamped to `[-87, 88]` (where `e^x` is a normal `f32`), in plain
@@ -1176,8 +1334,8 @@ mod tests {
         let mut levels: Vec<(&'static str, AttnFns)> = vec![(
             "portable",
             (
-                |q, k, stride| unsafe { Portable::dot8(q, k, stride) },
-                |w, v, o| unsafe { Portable::weighted_sum(w, v, o) },
+                |q, t, s| unsafe { Portable::score_tile(q, t, s) },
+                |w, v, hd, d, s| unsafe { Portable::value_lanes(w, v, hd, d, s) },
             ),
         )];
         #[cfg(target_arch = "x86_64")]
@@ -1188,8 +1346,8 @@ mod tests {
             levels.push((
                 "avx2",
                 (
-                    |q, k, stride| unsafe { Avx2::dot8(q, k, stride) },
-                    |w, v, o| unsafe { Avx2::weighted_sum(w, v, o) },
+                    |q, t, s| unsafe { Avx2::score_tile(q, t, s) },
+                    |w, v, hd, d, s| unsafe { Avx2::value_lanes(w, v, hd, d, s) },
                 ),
             ));
         }
@@ -1197,46 +1355,43 @@ mod tests {
     }
 
     type AttnFns = (
-        fn(&[f32], &[u16], usize) -> [f32; 8],
-        fn(&[f32], &[f32], &mut [f32]),
+        fn([&[f32]; 3], &[u16], &mut [[f32; KEY_TILE]; 3]),
+        fn([&[f32]; 3], &[u16], usize, usize, &mut [f32]),
     );
 
     #[test]
-    fn dot8_gives_the_reference_bits_at_every_level() {
+    fn score_tile_gives_the_reference_bits_at_every_level() {
         for hd in [8, 13, 64, 80, 128] {
-            // Rows of `hd` halves `stride` apart, as one KV head's part of the cache rows.
-            let stride = 2 * hd + 3;
-            let q: Vec<f32> = (0..hd).map(spread).collect();
-            let keys: Vec<u16> = (0..8 * stride)
+            let qs: Vec<Vec<f32>> = (0..3)
+                .map(|h| (0..hd).map(|d| spread(d + 1000 * h)).collect())
+                .collect();
+            let tile: Vec<u16> = (0..hd * KEY_TILE)
                 .map(|i| f32_to_f16(spread(i + 7919)))
                 .collect();
-            let want: Vec<u32> = (0..8)
-                .map(|k| {
-                    let row: Vec<f32> = keys[k * stride..][..hd]
-                        .iter()
-                        .map(|&h| f16_to_f32(h))
-                        .collect();
-                    // Lane l sums elements l, l + 8, ... of the whole chunks with fused
-                    // multiply-adds; the lanes are added in order, then the tail's products.
-                    let body = hd - hd % 8;
-                    let mut lanes = [0.0f32; 8];
-                    for i in 0..body {
-                        lanes[i % 8] = q[i].mul_add(row[i], lanes[i % 8]);
-                    }
-                    let mut s = lanes[0];
-                    for &l in &lanes[1..] {
-                        s += l;
-                    }
-                    let mut tail = -0.0f32;
-                    for i in body..hd {
-                        tail += q[i] * row[i];
-                    }
-                    (s + tail).to_bits()
+            // Key `l`'s element `d` is `tile[d * KEY_TILE + l]`; a fused multiply-add per element,
+            // in order from the first.
+            let want: Vec<Vec<u32>> = qs
+                .iter()
+                .map(|q| {
+                    (0..KEY_TILE)
+                        .map(|l| {
+                            let mut s = 0.0f32;
+                            for (d, &x) in q.iter().enumerate() {
+                                s = x.mul_add(f16_to_f32(tile[d * KEY_TILE + l]), s);
+                            }
+                            s.to_bits()
+                        })
+                        .collect()
                 })
                 .collect();
-            for (name, (dot8, _)) in levels() {
-                let got = dot8(&q, &keys, stride).map(f32::to_bits);
-                assert_eq!(got.to_vec(), want, "{name}, head size {hd}");
+            for (name, (score_tile, _)) in levels() {
+                let mut sums = [[0.0f32; KEY_TILE]; 3];
+                score_tile([&qs[0], &qs[1], &qs[2]], &tile, &mut sums);
+                let got: Vec<Vec<u32>> = sums
+                    .iter()
+                    .map(|s| s.iter().map(|x| x.to_bits()).collect())
+                    .collect();
+                assert_eq!(got, want, "{name}, head size {hd}");
             }
         }
     }
@@ -1261,26 +1416,48 @@ mod tests {
     }
 
     #[test]
-    fn weighted_sum_adds_rows_in_order_at_every_level() {
-        for (hd, rows) in [(8, 3), (13, 5), (64, 32), (80, 7), (128, 32), (200, 1)] {
-            let w: Vec<f32> = (0..rows).map(|i| spread(i + 31).abs()).collect();
-            let vals: Vec<f32> = (0..rows * hd).map(|i| spread(i + 101)).collect();
-            let start: Vec<f32> = (0..hd).map(|i| spread(i + 5)).collect();
-            let want: Vec<u32> = (0..hd)
-                .map(|i| {
-                    let mut o = start[i];
-                    for (j, &wj) in w.iter().enumerate() {
-                        o = wj.mul_add(vals[j * hd + i], o);
-                    }
-                    o.to_bits()
-                })
+    fn value_lanes_add_rows_in_order_at_every_level() {
+        for (hd, rows) in [(16, 3), (29, 5), (64, 32), (80, 7), (128, 33), (208, 1)] {
+            let ws: Vec<Vec<f32>> = (0..3)
+                .map(|h| (0..rows).map(|j| spread(j + 31 + 100 * h).abs()).collect())
                 .collect();
-            for (name, (_, weighted_sum)) in levels() {
-                let mut out = start.clone();
-                weighted_sum(&w, &vals, &mut out);
-                let got: Vec<u32> = out.iter().map(|x| x.to_bits()).collect();
-                assert_eq!(got, want, "{name}, head size {hd}, {rows} rows");
+            let values: Vec<u16> = (0..rows * hd)
+                .map(|i| f32_to_f16(spread(i + 101)))
+                .collect();
+            let start: Vec<f32> = (0..3 * hd).map(|i| spread(i + 5)).collect();
+            for d in (0..hd - hd % VALUE_LANES).step_by(VALUE_LANES) {
+                let mut want = start.clone();
+                for (h, w) in ws.iter().enumerate() {
+                    for l in d..d + VALUE_LANES {
+                        for (j, &wj) in w.iter().enumerate() {
+                            let o = &mut want[h * hd + l];
+                            *o = wj.mul_add(f16_to_f32(values[j * hd + l]), *o);
+                        }
+                    }
+                }
+                let want: Vec<u32> = want.iter().map(|x| x.to_bits()).collect();
+                for (name, (_, value_lanes)) in levels() {
+                    let mut out = start.clone();
+                    value_lanes([&ws[0], &ws[1], &ws[2]], &values, hd, d, &mut out);
+                    let got: Vec<u32> = out.iter().map(|x| x.to_bits()).collect();
+                    assert_eq!(
+                        got, want,
+                        "{name}, head size {hd}, {rows} rows, lanes {d}.."
+                    );
+                }
             }
+        }
+    }
+
+    #[test]
+    fn head_batches_cover_the_heads_evenly() {
+        for n in 1..40 {
+            let b: Vec<_> = batches(n).collect();
+            assert_eq!(b.len(), n.div_ceil(BATCH_HEADS));
+            assert_eq!(b.first().map(|r| r.start), Some(0));
+            assert_eq!(b.last().map(|r| r.end), Some(n));
+            assert!(b.windows(2).all(|p| p[0].end == p[1].start));
+            assert!(b.iter().all(|r| !r.is_empty() && r.len() <= BATCH_HEADS));
         }
     }
 

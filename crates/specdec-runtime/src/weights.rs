@@ -103,7 +103,7 @@ impl<'a> Activations<'a> {
     }
 
     /// The activations quantised for `format`, made now if this is the first matrix that needs them.
-    fn quantized(&mut self, w: &QMatrix) -> Result<&QuantizedActivations> {
+    fn quantized(&mut self, w: &QMatrix, pool: &ThreadPool) -> Result<&QuantizedActivations> {
         let format = w.format().activation_format();
         let (slot, done) = match format {
             ActivationFormat::Q8_0 => (&mut self.buffers.q8_0, &mut self.q8_0),
@@ -111,8 +111,12 @@ impl<'a> Activations<'a> {
         };
         if !*done {
             match slot {
-                Some(q) => q.requantize(self.m, w.cols(), self.x)?,
-                None => *slot = Some(w.quantize_activations(self.m, self.x)?),
+                Some(q) => q.requantize_threaded(self.m, w.cols(), self.x, pool)?,
+                None => {
+                    let mut q = w.quantize_activations(0, &[])?;
+                    q.requantize_threaded(self.m, w.cols(), self.x, pool)?;
+                    *slot = Some(q);
+                }
             }
             *done = true;
         }
@@ -230,7 +234,7 @@ impl QWeight {
         match &self.data {
             Storage::Own(w) if limit < self.rows => {
                 self.check_shape(x, out)?;
-                let q = x.quantized(w)?;
+                let q = x.quantized(w, pool)?;
                 Kernels::get().matmul_threaded_columns(w, q, 0..limit, out, self.rows, pool)?;
             }
             _ => self.matmul(x, out, pool)?,
@@ -253,7 +257,7 @@ impl QWeight {
         let m = x.m;
         match &self.data {
             Storage::Own(w) => {
-                let q = x.quantized(w)?;
+                let q = x.quantized(w, pool)?;
                 Kernels::get().matmul_threaded(w, q, out, pool)?;
             }
             Storage::Candle(d) => d.matmul_t((m, self.cols, self.rows), x.x, out)?,

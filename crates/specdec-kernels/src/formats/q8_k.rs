@@ -64,14 +64,29 @@ fn nearest_int(x: f32) -> i32 {
 /// If `out.len() * 256 != x.len()`.
 pub fn quantize_row_q8_k(x: &[f32], out: &mut [BlockQ8K]) {
     assert_eq!(out.len() * QK_K, x.len(), "one block per 256 values");
+    #[cfg(target_arch = "x86_64")]
+    if crate::Kernels::get().level().has_avx2() {
+        // SAFETY: levels with AVX2 are only chosen on CPUs with AVX2.
+        unsafe { quantize_avx2(x, out) };
+        return;
+    }
+    quantize_blocks(x, out);
+}
+
+/// [`quantize_blocks`] in 256-bit vectors (the same operations, so the same quants).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn quantize_avx2(x: &[f32], out: &mut [BlockQ8K]) {
+    quantize_blocks(x, out);
+}
+
+/// [`quantize_row_q8_k`]'s arithmetic in loops the compiler vectorises: the largest magnitude first,
+/// then the first value that has it; the quants in value order, their sums, and then the transpose
+/// of 4-value groups into [`BlockQ8K`]'s order.
+#[inline(always)]
+fn quantize_blocks(x: &[f32], out: &mut [BlockQ8K]) {
     for (x, block) in x.chunks_exact(QK_K).zip(out) {
-        let (mut max, mut amax) = (0f32, 0f32);
-        for &v in x {
-            if v.abs() > amax {
-                amax = v.abs();
-                max = v;
-            }
-        }
+        let amax = x.iter().fold(0f32, |a, &v| a.max(v.abs()));
         if amax == 0.0 {
             *block = BlockQ8K {
                 d: 0.0,
@@ -80,24 +95,24 @@ pub fn quantize_row_q8_k(x: &[f32], out: &mut [BlockQ8K]) {
             };
             continue;
         }
+        // The first value of the largest magnitude (`amax` is the magnitude of one of them).
+        let max = x.iter().copied().find(|v| v.abs() == amax).unwrap_or(amax);
         let iscale = -127.0 / max;
-        for (g, group) in block.qs.chunks_exact_mut(4).enumerate() {
-            let v = q8k_value(4 * g);
-            for (q, &v) in group.iter_mut().zip(&x[v..v + 4]) {
-                // nearest_int(iscale · v) ≥ -127 since |iscale · v| ≤ 127 up to rounding; min caps
-                // the top.
-                *q = nearest_int(iscale * v).min(127) as i8;
-            }
+        let mut q = [0i8; QK_K];
+        for (q, &v) in q.iter_mut().zip(x) {
+            // nearest_int(iscale · v) ≥ -127 since |iscale · v| ≤ 127 up to rounding; min caps the
+            // top.
+            *q = nearest_int(iscale * v).min(127) as i8;
         }
-        for (i, sum) in block.bsums.iter_mut().enumerate() {
-            // Four groups of 4 values of magnitude ≤ 127: |sum| ≤ 2032.
-            *sum = (0..4)
-                .flat_map(|g| {
-                    let p = q8k_position(16 * i + 4 * g);
-                    &block.qs[p..p + 4]
-                })
-                .map(|&q| i16::from(q))
-                .sum();
+        for (sum, q) in block.bsums.iter_mut().zip(q.chunks_exact(16)) {
+            // 16 values of magnitude ≤ 127: |sum| ≤ 2032.
+            *sum = q.iter().map(|&q| i16::from(q)).sum();
+        }
+        // Position 32 t + 4 j + b holds value 32 j + 4 t + b.
+        for (t, vector) in block.qs.chunks_exact_mut(32).enumerate() {
+            for (j, group) in vector.chunks_exact_mut(4).enumerate() {
+                group.copy_from_slice(&q[32 * j + 4 * t..][..4]);
+            }
         }
         block.d = 1.0 / iscale;
     }
@@ -127,6 +142,69 @@ impl BlockQ8K {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// ggml's `quantize_row_q8_K_ref` as written there (one pass for the largest magnitude, then
+    /// value by value), with the quants stored in [`BlockQ8K`]'s order.
+    fn quantize_ref(x: &[f32], out: &mut [BlockQ8K]) {
+        for (x, block) in x.chunks_exact(QK_K).zip(out) {
+            let (mut max, mut amax) = (0f32, 0f32);
+            for &v in x {
+                if v.abs() > amax {
+                    amax = v.abs();
+                    max = v;
+                }
+            }
+            if amax == 0.0 {
+                *block = BlockQ8K {
+                    d: 0.0,
+                    qs: [0; QK_K],
+                    bsums: [0; QK_K / 16],
+                };
+                continue;
+            }
+            let iscale = -127.0 / max;
+            for (v, &x) in x.iter().enumerate() {
+                block.qs[q8k_position(v)] = nearest_int(iscale * x).min(127) as i8;
+            }
+            for i in 0..QK_K / 16 {
+                let sum = (16 * i..16 * i + 16)
+                    .map(|v| i16::from(block.quant(v)))
+                    .sum();
+                block.bsums[i] = sum;
+            }
+            block.d = 1.0 / iscale;
+        }
+    }
+
+    #[test]
+    fn q8_k_equals_the_reference_with_ties_zeros_and_nans() {
+        let zero = BlockQ8K {
+            d: 0.0,
+            qs: [0; QK_K],
+            bsums: [0; 16],
+        };
+        let mut x: Vec<f32> = (0..8 * QK_K)
+            .map(|i| ((i * 2_654_435_761) % 1_000_003) as f32 / 1_000_003.0 - 0.5)
+            .collect();
+        // Block 1: a tie of opposite signs for the largest magnitude (the first one wins).
+        x[QK_K + 17] = 3.0;
+        x[QK_K + 200] = -3.0;
+        // Block 2: the tie the other way round.
+        x[2 * QK_K + 5] = -3.0;
+        x[2 * QK_K + 6] = 3.0;
+        // Block 3: zeros; block 4: a NaN among values; block 5: tiny values.
+        x[3 * QK_K..4 * QK_K].fill(0.0);
+        x[4 * QK_K + 9] = f32::NAN;
+        for v in &mut x[5 * QK_K..6 * QK_K] {
+            *v *= 1e-30;
+        }
+        let (mut want, mut got) = (vec![zero; 8], vec![zero; 8]);
+        quantize_ref(&x, &mut want);
+        quantize_row_q8_k(&x, &mut got);
+        assert_eq!(got, want);
+        quantize_blocks(&x, &mut got);
+        assert_eq!(got, want);
+    }
 
     #[test]
     fn nearest_int_rounds_ties_to_even() {

@@ -3,8 +3,8 @@
 use crate::KernelError;
 use std::sync::OnceLock;
 
-/// The environment variable that overrides the detected level: `scalar`, `avx2`, `avx512vnni` or
-/// `auto`.
+/// The environment variable that overrides the detected level: `scalar`, `avx2`, `avx512vnni`,
+/// `avx512zmm` or `auto`.
 pub const LEVEL_ENV: &str = "SPECDEC_KERNELS";
 
 /// A kernel implementation level. Every level returns bit-identical results; they differ in speed.
@@ -19,17 +19,51 @@ pub enum CpuLevel {
     /// (`vpdpbusd`, `vpdpwssd`; needs AVX512F, AVX512VL and AVX512_VNNI): the same integer lanes in
     /// fewer instructions per activation row.
     Avx512Vnni,
+    /// [`CpuLevel::Avx512Vnni`] with the interleaved Q4_K passes on 512-bit vectors (needs AVX512BW
+    /// besides): two groups of 8 weight rows side by side, so one `vpdpbusd` does the work of two.
+    /// The same integer lanes and float operations per weight row as the other levels. Detected as
+    /// the best level only where 512-bit operations run at full width ([`full_width_512`]: Intel);
+    /// Zen 4 splits them in two, and there the 256-bit level stays the default.
+    Avx512Zmm,
+}
+
+/// Whether this CPU runs 512-bit vector operations at full width, so that [`CpuLevel::Avx512Zmm`]
+/// pays: Intel's AVX-512 cores do (measured on a Xeon with AVX-512 VNNI, stop 33: `vpdpbusd` on
+/// `zmm` at the same instruction rate as on `ymm`, twice the products); AMD's Zen 4 executes each
+/// as two 256-bit halves. Other vendors and AMD's later cores are not measured, so they keep the
+/// 256-bit level unless `SPECDEC_KERNELS=avx512zmm` asks for it.
+pub fn full_width_512() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // Leaf 0: the vendor string in EBX, EDX, ECX.
+        let id = std::arch::x86_64::__cpuid(0);
+        let vendor: Vec<u8> = [id.ebx, id.edx, id.ecx]
+            .iter()
+            .flat_map(|r| r.to_le_bytes())
+            .collect();
+        vendor == b"GenuineIntel"
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
 }
 
 impl CpuLevel {
     /// Every level, lowest first.
-    pub const ALL: [CpuLevel; 3] = [CpuLevel::Scalar, CpuLevel::Avx2, CpuLevel::Avx512Vnni];
+    pub const ALL: [CpuLevel; 4] = [
+        CpuLevel::Scalar,
+        CpuLevel::Avx2,
+        CpuLevel::Avx512Vnni,
+        CpuLevel::Avx512Zmm,
+    ];
 
-    /// The best level this CPU supports.
+    /// The best level this CPU supports ([`CpuLevel::Avx512Zmm`] only where [`full_width_512`]).
     pub fn detect() -> CpuLevel {
         CpuLevel::ALL
             .into_iter()
             .rev()
+            .filter(|&l| l != CpuLevel::Avx512Zmm || full_width_512())
             .find(|l| l.is_supported())
             .unwrap_or(CpuLevel::Scalar)
     }
@@ -37,7 +71,10 @@ impl CpuLevel {
     /// Whether the level includes AVX2, F16C and FMA, so that code outside the matmul (the runtime's
     /// attention) may take its AVX2 path.
     pub fn has_avx2(self) -> bool {
-        matches!(self, CpuLevel::Avx2 | CpuLevel::Avx512Vnni)
+        matches!(
+            self,
+            CpuLevel::Avx2 | CpuLevel::Avx512Vnni | CpuLevel::Avx512Zmm
+        )
     }
 
     /// Whether this CPU can run the level.
@@ -57,8 +94,13 @@ impl CpuLevel {
                     && std::arch::is_x86_feature_detected!("avx512vl")
                     && std::arch::is_x86_feature_detected!("avx512vnni")
             }
+            #[cfg(target_arch = "x86_64")]
+            CpuLevel::Avx512Zmm => {
+                CpuLevel::Avx512Vnni.is_supported()
+                    && std::arch::is_x86_feature_detected!("avx512bw")
+            }
             #[cfg(not(target_arch = "x86_64"))]
-            CpuLevel::Avx2 | CpuLevel::Avx512Vnni => false,
+            CpuLevel::Avx2 | CpuLevel::Avx512Vnni | CpuLevel::Avx512Zmm => false,
         }
     }
 
@@ -69,6 +111,9 @@ impl CpuLevel {
             CpuLevel::Avx2 => "x86-64 with AVX2, F16C and FMA",
             CpuLevel::Avx512Vnni => {
                 "x86-64 with AVX2, F16C, FMA, AVX512F, AVX512VL and AVX512_VNNI"
+            }
+            CpuLevel::Avx512Zmm => {
+                "x86-64 with AVX2, F16C, FMA, AVX512F, AVX512VL, AVX512BW and AVX512_VNNI"
             }
         }
     }
@@ -87,6 +132,7 @@ impl CpuLevel {
             CpuLevel::Scalar => "scalar",
             CpuLevel::Avx2 => "avx2",
             CpuLevel::Avx512Vnni => "avx512vnni",
+            CpuLevel::Avx512Zmm => "avx512zmm",
         }
     }
 
@@ -96,6 +142,7 @@ impl CpuLevel {
             "scalar" => Ok(CpuLevel::Scalar),
             "avx2" => Ok(CpuLevel::Avx2),
             "avx512vnni" => Ok(CpuLevel::Avx512Vnni),
+            "avx512zmm" => Ok(CpuLevel::Avx512Zmm),
             "auto" | "" => Ok(CpuLevel::detect()),
             _ => Err(KernelError::UnknownLevel {
                 name: name.to_owned(),

@@ -11,9 +11,10 @@
 //!   for the kernels (weights repacked when read from a file's bytes), their dequantisation,
 //!   activation quantisation ([`quantize_row_q8_k`], [`quantize_row_q8_0`], exactly ggml's `_ref`
 //!   functions) and the scalar reference dot products.
-//! - [`Kernels`]: the matmul at a [`CpuLevel`] (portable scalar, AVX2 with F16C and FMA, and AVX2 with
-//!   AVX-512 VNNI dot products), detected once per process and overridable with
-//!   `SPECDEC_KERNELS=scalar|avx2|avx512vnni|auto`; [`Kernels::matmul_threaded`]
+//! - [`Kernels`]: the matmul at a [`CpuLevel`] (portable scalar, AVX2 with F16C and FMA, AVX2 with
+//!   AVX-512 VNNI dot products, and the interleaved formats' passes of 8 or more rows on 512-bit
+//!   vectors), detected once per process and overridable with
+//!   `SPECDEC_KERNELS=scalar|avx2|avx512vnni|avx512zmm|auto`; [`Kernels::matmul_threaded`]
 //!   splits the output columns over a [`ThreadPool`].
 //! - [`pool`]: the fork-join [`ThreadPool`].
 //! - [`mod@f16`]: exact f16 conversions.
@@ -70,8 +71,9 @@ pub use simd::MAX_PASS_ROWS;
 /// 8 weight rows interleaved (stop 24); 25: Q4_K with 8 weight rows interleaved (stop 25); 27: the
 /// VNNI passes of interleaved Q4_K and of Q6_K chain `vpdpbusd`, and weights are prefetched into L2
 /// (stop 27); 28: interleaved Q4_K keeps at most 8 rows' sums in registers and adds both chains
-/// with one `vpdpwssd`, and Q6_K is stored with 8 rows interleaved (stop 28).
-pub const REVISION: u32 = 28;
+/// with one `vpdpwssd`, and Q6_K is stored with 8 rows interleaved (stop 28); 33: the
+/// [`CpuLevel::Avx512Zmm`] level, chosen on Intel's AVX-512 CPUs (stop 33).
+pub const REVISION: u32 = 33;
 
 /// Everything that can go wrong in this crate: shapes and levels, never arithmetic.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -167,7 +169,9 @@ pub enum KernelError {
         needs: &'static str,
     },
     /// An unknown level name (in `SPECDEC_KERNELS` or [`CpuLevel::parse`]).
-    #[error("unknown kernel level {name:?} (expected scalar, avx2, avx512vnni or auto)")]
+    #[error(
+        "unknown kernel level {name:?} (expected scalar, avx2, avx512vnni, avx512zmm or auto)"
+    )]
     UnknownLevel {
         /// The name given.
         name: String,

@@ -521,12 +521,12 @@ impl Kernels {
         // Enough chunks per thread that a thread slowed by a busy core hands its share to the others,
         // few enough that claiming one costs nothing next to computing it.
         let n = columns.len();
-        // A multiple of 8, so that chunks from an aligned start cover whole groups of an
-        // interleaved format.
+        // A multiple of 16, so that chunks from an aligned start cover whole pairs of groups of an
+        // interleaved format (the 512-bit passes take two groups at a time).
         let per = n
             .div_ceil(8 * pool.threads())
             .clamp(16, 512)
-            .next_multiple_of(GROUP_ROWS);
+            .next_multiple_of(2 * GROUP_ROWS);
         pool.for_chunks(n, per, &|cols| {
             let out = &out;
             let cols = base + cols.start..base + cols.end;

@@ -15,6 +15,13 @@ use crate::formats::{
 /// Most activation rows dotted against one unpacked weight block.
 pub const MAX_PASS_ROWS: usize = 16;
 
+/// From how many activation rows on [`CpuLevel::Avx512Zmm`] runs the 512-bit passes; smaller passes
+/// take the 256-bit VNNI ones. Both give the same bits, so the choice is only about speed:
+/// measured with `step_time` on the 1.5B target (Xeon, AVX-512 VNNI, stop 33), single-token steps
+/// ran 7–10% slower on the 512-bit passes (memory-bound: a pair of groups is read as two streams),
+/// 2 to 6 rows about as fast or slower, 8 and 16 rows and prefill faster.
+pub(crate) const ZMM_FROM_ROWS: usize = 8;
+
 /// A weight format's kernels: the scalar reference dot and, on x86-64, the AVX2 and AVX-512 VNNI
 /// passes.
 pub(crate) trait Format {
@@ -125,6 +132,16 @@ pub(crate) trait GroupFormat {
     /// [`pass_groups`].
     #[cfg(target_arch = "x86_64")]
     unsafe fn vnni_pass(w: &[Self::Group], nb: usize, x: &[Self::Act], out: Window);
+    /// [`pass_groups`] at [`CpuLevel::Avx512Zmm`]: the [`CpuLevel::Avx512Vnni`] pass unless the
+    /// format has one on 512-bit vectors.
+    ///
+    /// # Safety
+    /// The CPU must support the level ([`CpuLevel::features`]); `out` as [`pass_groups`].
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn zmm_pass(w: &[Self::Group], nb: usize, x: &[Self::Act], out: Window) {
+        // SAFETY: the caller's contract (the level includes the VNNI level's features).
+        unsafe { Self::vnni_pass(w, nb, x, out) }
+    }
 }
 
 macro_rules! group_format {
@@ -145,6 +162,11 @@ macro_rules! group_format {
             unsafe fn vnni_pass(w: &[$group], nb: usize, x: &[ActQ8_0], out: Window) {
                 // SAFETY: the caller's contract.
                 unsafe { avx2::pass8_vnni::<$avx2>(w, nb, x, out) }
+            }
+            #[cfg(target_arch = "x86_64")]
+            unsafe fn zmm_pass(w: &[$group], nb: usize, x: &[ActQ8_0], out: Window) {
+                // SAFETY: the caller's contract.
+                unsafe { avx512::pass16::<$avx2>(w, nb, x, out) }
             }
         }
     };
@@ -169,6 +191,11 @@ impl GroupFormat for Q4Kx8 {
         // SAFETY: the caller's contract.
         unsafe { crate::formats::q4_k_x8::avx2::pass8_vnni(w, nb, x, out) }
     }
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn zmm_pass(w: &[BlockQ4Kx8], nb: usize, x: &[BlockQ8K], out: Window) {
+        // SAFETY: the caller's contract.
+        unsafe { crate::formats::q4_k_x8::avx512::pass16(w, nb, x, out) }
+    }
 }
 
 /// Q6_K with 8 rows interleaved ([`crate::formats::q6_k_x8`]).
@@ -189,6 +216,11 @@ impl GroupFormat for Q6Kx8 {
     unsafe fn vnni_pass(w: &[BlockQ6Kx8], nb: usize, x: &[BlockQ8K], out: Window) {
         // SAFETY: the caller's contract.
         unsafe { crate::formats::q6_k_x8::avx2::pass8_vnni(w, nb, x, out) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn zmm_pass(w: &[BlockQ6Kx8], nb: usize, x: &[BlockQ8K], out: Window) {
+        // SAFETY: the caller's contract.
+        unsafe { crate::formats::q6_k_x8::avx512::pass16(w, nb, x, out) }
     }
 }
 
@@ -243,6 +275,30 @@ impl Window {
             unsafe { self.out.write(r, c - self.skip, v) }
         }
     }
+
+    /// The same window for a pass over the groups past the first `g` (whose column 0 is this
+    /// window's column `8g`).
+    pub(crate) fn past_groups(self, g: usize) -> Window {
+        let first = GROUP_ROWS * g;
+        if first <= self.skip {
+            Window {
+                skip: self.skip - first,
+                ..self
+            }
+        } else {
+            let shift = first - self.skip;
+            Window {
+                out: Out {
+                    // Not dereferenced unless a column is written, which `len` rules out past
+                    // the window's end.
+                    ptr: self.out.ptr.wrapping_add(shift),
+                    stride: self.out.stride,
+                },
+                skip: 0,
+                len: self.len.saturating_sub(shift),
+            }
+        }
+    }
 }
 
 /// [`pass`] for an interleaved format: `w` holds whole groups (`nb` per 8 weight rows), and only the
@@ -266,9 +322,19 @@ pub(crate) unsafe fn pass_groups<G: GroupFormat>(
         // SAFETY: as above.
         #[cfg(target_arch = "x86_64")]
         CpuLevel::Avx512Vnni => unsafe { G::vnni_pass(w, nb, x, out) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        CpuLevel::Avx512Zmm if x.len() < ZMM_FROM_ROWS * nb => unsafe {
+            G::vnni_pass(w, nb, x, out)
+        },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        CpuLevel::Avx512Zmm => unsafe { G::zmm_pass(w, nb, x, out) },
         // SAFETY: the caller's contract.
         #[cfg(not(target_arch = "x86_64"))]
-        CpuLevel::Avx2 | CpuLevel::Avx512Vnni => unsafe { scalar_groups::<G>(w, nb, x, out) },
+        CpuLevel::Avx2 | CpuLevel::Avx512Vnni | CpuLevel::Avx512Zmm => unsafe {
+            scalar_groups::<G>(w, nb, x, out)
+        },
     }
 }
 
@@ -315,11 +381,14 @@ pub(crate) unsafe fn pass<F: Format>(
         #[cfg(target_arch = "x86_64")]
         CpuLevel::Avx2 => unsafe { F::avx2_pass(w, nb, x, out) },
         // SAFETY: as above.
+        // The row formats have no 512-bit pass: the zmm level runs the VNNI one.
         #[cfg(target_arch = "x86_64")]
-        CpuLevel::Avx512Vnni => unsafe { F::vnni_pass(w, nb, x, out) },
+        CpuLevel::Avx512Vnni | CpuLevel::Avx512Zmm => unsafe { F::vnni_pass(w, nb, x, out) },
         // SAFETY: the caller's contract.
         #[cfg(not(target_arch = "x86_64"))]
-        CpuLevel::Avx2 | CpuLevel::Avx512Vnni => unsafe { scalar_rows(F::dot, w, nb, x, out) },
+        CpuLevel::Avx2 | CpuLevel::Avx512Vnni | CpuLevel::Avx512Zmm => unsafe {
+            scalar_rows(F::dot, w, nb, x, out)
+        },
     }
 }
 
@@ -647,6 +716,7 @@ pub(crate) mod avx2 {
             }
         };
     }
+    pub(crate) use by_rows;
 
     /// How far ahead of the block being unpacked [`rows`] prefetches weights, in bytes.
     const PREFETCH: usize = 4096;
@@ -992,5 +1062,187 @@ pub(crate) mod avx2 {
         pass8: pass8_vnni, rows8: rows8_vnni,
         unpack: unpack_vnni, accumulate: accumulate_rows_vnni, quads: quads_vnni,
         group_sums: group_sums_vnni,
+    }
+}
+
+/// The passes of the interleaved 32-value formats on 512-bit vectors ([`CpuLevel::Avx512Zmm`]), and
+/// helpers of the K-quants' ones.
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx512 {
+    use super::avx2::by_rows;
+    use crate::formats::interleaved::avx2::Groups8;
+    use crate::formats::ActQ8_0;
+    use std::arch::x86_64::*;
+
+    /// [`super::avx2::pass8_vnni`] with two groups side by side in 512-bit vectors (group `2p` in
+    /// the low half, `2p + 1` in the high one); a last odd group goes through the 256-bit pass.
+    ///
+    /// # Safety
+    /// The CPU must support [`super::CpuLevel::Avx512Zmm`]; `nb > 0`; `out` as
+    /// [`super::pass_groups`].
+    pub(crate) unsafe fn pass16<G: Groups8>(
+        w: &[G::Group],
+        nb: usize,
+        x: &[ActQ8_0],
+        out: super::Window,
+    ) {
+        // SAFETY: the caller's contract.
+        unsafe { by_rows!(x.len() / nb, rows16::<G>(w, nb, x, out)) }
+    }
+
+    /// `$f::<$t, R>(args)` for a chunk's row count `R` (0: nothing; 1 ..= 8).
+    macro_rules! by_chunk {
+        ($n:expr, $f:ident::<$t:ident>($($arg:expr),*)) => {
+            match $n {
+                1 => $f::<$t, 1>($($arg),*),
+                2 => $f::<$t, 2>($($arg),*),
+                3 => $f::<$t, 3>($($arg),*),
+                4 => $f::<$t, 4>($($arg),*),
+                5 => $f::<$t, 5>($($arg),*),
+                6 => $f::<$t, 6>($($arg),*),
+                7 => $f::<$t, 7>($($arg),*),
+                8 => $f::<$t, 8>($($arg),*),
+                _ => {}
+            }
+        };
+    }
+
+    /// [`pass16`] with the row count as the constant `N`: per pair of groups and block, both groups
+    /// unpacked once, then the rows in at most two chunks that keep their sums in registers
+    /// ([`crate::formats::q4_k_x8::avx2::chunks`]).
+    ///
+    /// # Safety
+    /// As [`pass16`].
+    #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni,avx512bw")]
+    unsafe fn rows16<G: Groups8, const N: usize>(
+        w: &[G::Group],
+        nb: usize,
+        x: &[ActQ8_0],
+        out: super::Window,
+    ) {
+        assert_eq!(x.len(), N * nb, "a pass holds N rows of nb blocks");
+        let (first, second) = crate::formats::q4_k_x8::avx2::chunks(N);
+        let groups = w.len() / nb;
+        for p in 0..groups / 2 {
+            let (w0, w1) = (&w[2 * p * nb..][..nb], &w[(2 * p + 1) * nb..][..nb]);
+            let mut acc = [_mm512_setzero_ps(); N];
+            let next = w.as_ptr().wrapping_add(2 * (p + 1) * nb);
+            for (b, (g0, g1)) in w0.iter().zip(w1).enumerate() {
+                prefetch_pair(next, b);
+                // SAFETY (both): the level's target features are enabled for this function.
+                let v = unsafe { G::unpack_pair(g0, g1) };
+                let d = unsafe { G::d_pair(g0, g1) };
+                let (a0, a1) = acc.split_at_mut(first);
+                // SAFETY: the chunks' rows are rows of the pass; the level's features are
+                // enabled here.
+                unsafe {
+                    by_chunk!(first, chunk::<G>(&v, d, &x[b..], nb, a0));
+                    by_chunk!(second, chunk::<G>(&v, d, &x[first * nb + b..], nb, a1));
+                }
+            }
+            for (r, &a) in acc.iter().enumerate() {
+                // SAFETY: the caller's contract.
+                unsafe { write_pair(out, r, 2 * p, a) };
+            }
+        }
+        if groups % 2 == 1 {
+            let g = groups - 1;
+            // SAFETY: the caller's contract; the level includes the VNNI level's features.
+            unsafe { super::avx2::pass8_vnni::<G>(&w[g * nb..], nb, x, out.past_groups(g)) };
+        }
+    }
+
+    /// `R` activation rows (row `i`'s block at `x[i * nb]`) against a pair of groups' unpacked
+    /// block `v` (scales `d`): per row the 16 block sums in 16 lanes (the two `vpdpbusd` chains of
+    /// `group_sums_vnni`, the rows side by side so that neighbouring instructions do not wait on
+    /// each other), less the offset, and the float arithmetic of the 256-bit pass for the 16
+    /// weight rows at once, into `acc[i]`.
+    ///
+    /// # Safety
+    /// `x` must hold `(R - 1) * nb + 1` blocks and `acc` `R` accumulators.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni,avx512bw")]
+    unsafe fn chunk<G: Groups8, const R: usize>(
+        v: &[__m512i; 8],
+        d: __m512,
+        x: &[ActQ8_0],
+        nb: usize,
+        acc: &mut [__m512],
+    ) {
+        let mut a = [_mm512_setzero_si512(); R];
+        let mut c = [_mm512_setzero_si512(); R];
+        for t in 0..4 {
+            for (i, (a, c)) in a.iter_mut().zip(c.iter_mut()).enumerate() {
+                let y = x[i * nb].qs.as_ptr();
+                // SAFETY: `qs` is 32 bytes; bytes 4t .. 4t + 4 and 16 + 4t .. 20 + 4t are in
+                // bounds for t < 4.
+                let (ya, yc) = unsafe {
+                    (
+                        y.add(4 * t).cast::<i32>().read_unaligned(),
+                        y.add(16 + 4 * t).cast::<i32>().read_unaligned(),
+                    )
+                };
+                *a = _mm512_dpbusd_epi32(*a, v[t], _mm512_set1_epi32(ya));
+                *c = _mm512_dpbusd_epi32(*c, v[t + 4], _mm512_set1_epi32(yc));
+            }
+        }
+        for (i, acc) in acc.iter_mut().enumerate() {
+            let xb = &x[i * nb];
+            let sums = _mm512_sub_epi32(
+                _mm512_add_epi32(a[i], c[i]),
+                _mm512_set1_epi32(G::OFFSET * xb.sum),
+            );
+            let dd = _mm512_mul_ps(d, _mm512_set1_ps(xb.d));
+            *acc = _mm512_add_ps(*acc, _mm512_mul_ps(dd, _mm512_cvtepi32_ps(sums)));
+        }
+    }
+
+    /// Writes the 16 lanes of `a`, one per row of groups `g` and `g + 1`, as columns `8g ..` of
+    /// row `r`.
+    ///
+    /// # Safety
+    /// As [`super::Window::write`].
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni,avx512bw")]
+    pub(crate) unsafe fn write_pair(out: super::Window, r: usize, g: usize, a: __m512) {
+        let mut lanes = [0f32; 16];
+        // SAFETY: `lanes` is 16 floats.
+        unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), a) };
+        for (k, &v) in lanes.iter().enumerate() {
+            // SAFETY: the caller's contract (the window's columns only).
+            unsafe { out.write(r, 8 * g + k, v) };
+        }
+    }
+
+    /// Prefetches into L2 block `b`'s share of the next pair of groups: the two groups of a pair
+    /// are `2 · nb` blocks in a row, read as two streams `nb` blocks apart, which the hardware
+    /// prefetchers and [`super::avx2::prefetch_ahead`]'s fixed distance serve poorly; so each of
+    /// the pair's `nb` block steps prefetches 2 blocks of the next pair, in order. `next` is the
+    /// next pair's first block (a prefetch reads nothing the program sees and cannot fault, so it
+    /// may lie past the matrix).
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni,avx512bw")]
+    pub(crate) fn prefetch_pair<T>(next: *const T, b: usize) {
+        let size = std::mem::size_of::<T>();
+        let start = next.cast::<i8>().wrapping_add(2 * b * size);
+        for line in (0..2 * size).step_by(64) {
+            _mm_prefetch::<_MM_HINT_T1>(start.wrapping_add(line));
+        }
+    }
+
+    /// A 512-bit vector of the 32 bytes at `lo` (low half) and the 32 at `hi` (high half).
+    ///
+    /// # Safety
+    /// `lo` and `hi` must each point to 32 readable bytes.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni,avx512bw")]
+    pub(crate) unsafe fn join(lo: *const u8, hi: *const u8) -> __m512i {
+        // SAFETY: the caller's contract; unaligned loads.
+        unsafe {
+            _mm512_inserti64x4::<1>(
+                _mm512_castsi256_si512(_mm256_loadu_si256(lo.cast())),
+                _mm256_loadu_si256(hi.cast()),
+            )
+        }
     }
 }

@@ -17,7 +17,7 @@ pub(crate) const KEY_TILE: usize = 16;
 /// Keys and values per layer as f16 bit patterns, of which the first `len` positions are valid. One KV
 /// head's positions are contiguous, so attention over a head reads one stream: values are
 /// `[heads, slots, head_dim]`, keys `[heads, slots / KEY_TILE, head_dim, KEY_TILE]` (tiles of
-/// [`KEY_TILE`] positions, each transposed), `slots` being the capacity rounded up to whole tiles.
+/// 16 positions, each transposed), `slots` being the capacity rounded up to whole tiles.
 #[derive(Clone, Debug)]
 pub struct KvCache {
     k: Vec<Vec<u16>>,

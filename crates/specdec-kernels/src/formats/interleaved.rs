@@ -149,6 +149,7 @@ pub fn interleave_rows<G: Interleaved>(blocks: &[G::Block], nb: usize) -> Vec<G>
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
     use super::{BlockQ4_0x8, BlockQ5_0x8};
+    use crate::simd::avx512::join;
     use std::arch::x86_64::*;
 
     /// The AVX2 half of an interleaved format: a group's quants in registers as the 8 vectors `V_t`
@@ -172,6 +173,47 @@ pub(crate) mod avx2 {
         /// # Safety
         /// The CPU must support AVX2 and F16C.
         unsafe fn d(group: &Self::Group) -> __m256;
+
+        /// [`Groups8::unpack`] of two groups side by side in 512-bit vectors (`g0` in the low
+        /// halves, `g1` in the high ones), for [`crate::simd::avx512::pass16`].
+        ///
+        /// # Safety
+        /// The CPU must support [`crate::CpuLevel::Avx512Zmm`].
+        unsafe fn unpack_pair(g0: &Self::Group, g1: &Self::Group) -> [__m512i; 8];
+
+        /// [`Groups8::d`] of two groups side by side.
+        ///
+        /// # Safety
+        /// As [`Groups8::unpack_pair`].
+        unsafe fn d_pair(g0: &Self::Group, g1: &Self::Group) -> __m512;
+    }
+
+    /// Two groups' 8 `f16` scales as 16 `f32`, `a`'s first.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni,avx512bw")]
+    fn scales_pair(a: &[crate::F16; 8], b: &[crate::F16; 8]) -> __m512 {
+        // SAFETY: `a` and `b` are 8 `u16` each, one unaligned 128-bit load each.
+        unsafe {
+            _mm512_cvtph_ps(_mm256_set_m128i(
+                _mm_loadu_si128(b.as_ptr().cast()),
+                _mm_loadu_si128(a.as_ptr().cast()),
+            ))
+        }
+    }
+
+    /// [`nibbles`] of two groups side by side.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni,avx512bw")]
+    fn nibbles_pair(a: &[u8; 128], b: &[u8; 128]) -> [__m512i; 8] {
+        let low = _mm512_set1_epi8(0x0f);
+        let mut v = [_mm512_setzero_si512(); 8];
+        for c in 0..4 {
+            // SAFETY: `qs` is 128 bytes; bytes 32c .. 32c + 32 are in bounds for c < 4.
+            let q = unsafe { join(a.as_ptr().add(32 * c), b.as_ptr().add(32 * c)) };
+            v[c] = _mm512_and_si512(q, low);
+            v[c + 4] = _mm512_and_si512(_mm512_srli_epi16::<4>(q), low);
+        }
+        v
     }
 
     /// 8 `f16` scales as `f32`.
@@ -216,6 +258,18 @@ pub(crate) mod avx2 {
         unsafe fn d(group: &BlockQ4_0x8) -> __m256 {
             scales(&group.d)
         }
+
+        #[inline]
+        #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni,avx512bw")]
+        unsafe fn unpack_pair(g0: &BlockQ4_0x8, g1: &BlockQ4_0x8) -> [__m512i; 8] {
+            nibbles_pair(&g0.qs, &g1.qs)
+        }
+
+        #[inline]
+        #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni,avx512bw")]
+        unsafe fn d_pair(g0: &BlockQ4_0x8, g1: &BlockQ4_0x8) -> __m512 {
+            scales_pair(&g0.d, &g1.d)
+        }
     }
 
     pub(crate) struct Q5_0x8;
@@ -257,6 +311,36 @@ pub(crate) mod avx2 {
         #[target_feature(enable = "avx2,f16c,fma")]
         unsafe fn d(group: &BlockQ5_0x8) -> __m256 {
             scales(&group.d)
+        }
+
+        /// [`Groups8::unpack`]'s fifth bits, on both groups at once.
+        #[inline]
+        #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni,avx512bw")]
+        unsafe fn unpack_pair(g0: &BlockQ5_0x8, g1: &BlockQ5_0x8) -> [__m512i; 8] {
+            let mut v = nibbles_pair(&g0.qs, &g1.qs);
+            // SAFETY: `qh` is 32 bytes in each group.
+            let h = unsafe { join(g0.qh.as_ptr(), g1.qh.as_ptr()) };
+            let bit = _mm512_set1_epi8(0x10);
+            let fifth = [
+                _mm512_slli_epi16::<4>(h),
+                _mm512_slli_epi16::<3>(h),
+                _mm512_slli_epi16::<2>(h),
+                _mm512_slli_epi16::<1>(h),
+                h,
+                _mm512_srli_epi16::<1>(h),
+                _mm512_srli_epi16::<2>(h),
+                _mm512_srli_epi16::<3>(h),
+            ];
+            for (v, f) in v.iter_mut().zip(fifth) {
+                *v = _mm512_or_si512(*v, _mm512_and_si512(f, bit));
+            }
+            v
+        }
+
+        #[inline]
+        #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni,avx512bw")]
+        unsafe fn d_pair(g0: &BlockQ5_0x8, g1: &BlockQ5_0x8) -> __m512 {
+            scales_pair(&g0.d, &g1.d)
         }
     }
 }

@@ -471,6 +471,253 @@ pub(crate) mod avx2 {
     }
 }
 
+/// The pass at [`crate::CpuLevel::Avx512Zmm`]: the arithmetic and integer lanes of
+/// [`avx2::pass8_vnni`] on 512-bit vectors holding two groups side by side (group `2p` in the low
+/// half, `2p + 1` in the high one), so each `vpdpbusd` serves 16 weight rows and the broadcast
+/// activation quads are loaded once for both. Every lane computes what the 256-bit pass computes
+/// for its row, in the same order, so the results are the same bits.
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx512 {
+    use super::avx2::{by_chunk, by_const, by_rows, chunks};
+    use super::{BlockQ4Kx8, BlockQ8K};
+    use crate::simd::avx512::{join, prefetch_pair, write_pair};
+    use crate::simd::Window;
+    use std::arch::x86_64::*;
+
+    /// Two groups' scales in registers: the lanes of [`super::avx2`]'s `Scales`, group `2p` in the
+    /// low half and `2p + 1` in the high one.
+    struct Scales {
+        /// Sub-block `s`'s scales: `i32` lane `k` holds row `k`'s in both `i16` halves.
+        sc: [__m512i; 8],
+        /// Mins `2p` and `2p + 1` of row `k` in the low and high `i16` of lane `k`.
+        mins: [__m512i; 4],
+        d: __m512,
+        dmin: __m512,
+    }
+
+    /// A `pshufb` pattern that puts byte `lo` of each 32-bit lane in its low `i16` and byte `hi` in
+    /// its high one (zero-extended).
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni,avx512bw")]
+    fn spread(lo: i8, hi: i8) -> __m512i {
+        let z = -128i8; // 0x80: a zero byte
+        let lane = |l: i8| [4 * l + lo, z, 4 * l + hi, z];
+        let [a, b, c, d] = [lane(0), lane(1), lane(2), lane(3)];
+        let half = [
+            a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3], c[0], c[1], c[2], c[3], d[0], d[1],
+            d[2], d[3],
+        ];
+        // SAFETY: `half` is 16 bytes.
+        let h = unsafe { _mm_loadu_si128(half.as_ptr().cast()) };
+        _mm512_broadcast_i32x4(h)
+    }
+
+    /// The [`spread`] patterns [`scales`] uses (as in [`super::avx2`]).
+    struct Patterns([__m512i; 6]);
+
+    impl Patterns {
+        #[inline]
+        #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni,avx512bw")]
+        fn new() -> Self {
+            Patterns([
+                spread(0, 0),
+                spread(1, 1),
+                spread(2, 2),
+                spread(3, 3),
+                spread(0, 1),
+                spread(2, 3),
+            ])
+        }
+    }
+
+    /// ggml's `get_scale_min_k4` for the 16 rows of two groups at once (see [`super::avx2`]).
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni,avx512bw")]
+    fn scales(g0: &BlockQ4Kx8, g1: &BlockQ4Kx8, pat: &Patterns) -> Scales {
+        let (p0, p1) = (g0.scales.as_ptr(), g1.scales.as_ptr());
+        // SAFETY: `scales` is 96 bytes: three 32-byte loads from each group.
+        let (u0, u1, u2) = unsafe {
+            (
+                join(p0, p1),
+                join(p0.add(32), p1.add(32)),
+                join(p0.add(64), p1.add(64)),
+            )
+        };
+        let (k1, k2, k3) = (
+            _mm512_set1_epi32(0x3f3f_3f3f),
+            _mm512_set1_epi32(0x0f0f_0f0f),
+            _mm512_set1_epi32(0x0303_0303),
+        );
+        // Bytes of each lane: scales 0..4, scales 4..8, mins 0..4, mins 4..8.
+        let sc_lo = _mm512_and_si512(u0, k1);
+        let sc_hi = _mm512_or_si512(
+            _mm512_and_si512(u2, k2),
+            _mm512_slli_epi32::<4>(_mm512_and_si512(_mm512_srli_epi32::<6>(u0), k3)),
+        );
+        let m_lo = _mm512_and_si512(u1, k1);
+        let m_hi = _mm512_or_si512(
+            _mm512_and_si512(_mm512_srli_epi32::<4>(u2), k2),
+            _mm512_slli_epi32::<4>(_mm512_and_si512(_mm512_srli_epi32::<6>(u1), k3)),
+        );
+        let p = &pat.0;
+        let sc = std::array::from_fn(|s| {
+            let src = if s < 4 { sc_lo } else { sc_hi };
+            _mm512_shuffle_epi8(src, p[s % 4])
+        });
+        let mins = [
+            _mm512_shuffle_epi8(m_lo, p[4]),
+            _mm512_shuffle_epi8(m_lo, p[5]),
+            _mm512_shuffle_epi8(m_hi, p[4]),
+            _mm512_shuffle_epi8(m_hi, p[5]),
+        ];
+        // SAFETY: `d` and `dmin` are 8 `u16` each, one unaligned 128-bit load per group.
+        let half = |a: &[crate::f16::F16; 8], b: &[crate::f16::F16; 8]| unsafe {
+            _mm512_cvtph_ps(_mm256_set_m128i(
+                _mm_loadu_si128(b.as_ptr().cast()),
+                _mm_loadu_si128(a.as_ptr().cast()),
+            ))
+        };
+        Scales {
+            sc,
+            mins,
+            d: half(&g0.d, &g1.d),
+            dmin: half(&g0.dmin, &g1.dmin),
+        }
+    }
+
+    /// Lane `k` of each half: `Σ_j m[j] (bsums[2j] + bsums[2j + 1])` of that group's row `k`,
+    /// exactly.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni,avx512bw")]
+    fn mins(mins: &[__m512i; 4], x: &BlockQ8K) -> __m512i {
+        // SAFETY: `bsums` is 16 `i16`, 32 bytes.
+        let b = unsafe { _mm256_loadu_si256(x.bsums.as_ptr().cast()) };
+        // 32-bit elements 0, 1 and 4, 5 hold the pair sums (0, 1), (2, 3), (4, 5) and (6, 7).
+        let pairs = _mm512_zextsi256_si512(_mm256_hadd_epi16(b, b));
+        let at = |i: i32| _mm512_permutexvar_epi32(_mm512_set1_epi32(i), pairs);
+        _mm512_add_epi32(
+            _mm512_add_epi32(
+                _mm512_madd_epi16(mins[0], at(0)),
+                _mm512_madd_epi16(mins[1], at(1)),
+            ),
+            _mm512_add_epi32(
+                _mm512_madd_epi16(mins[2], at(4)),
+                _mm512_madd_epi16(mins[3], at(5)),
+            ),
+        )
+    }
+
+    /// `N` activation rows against the groups of 8 weight rows in `w` (`nb` groups each), two groups
+    /// at a time; a last odd group goes through [`super::avx2::pass8_vnni`].
+    ///
+    /// # Safety
+    /// The CPU must support [`crate::CpuLevel::Avx512Zmm`]; `nb > 0`; `out` as
+    /// [`crate::simd::pass_groups`].
+    pub(crate) unsafe fn pass16(w: &[BlockQ4Kx8], nb: usize, x: &[BlockQ8K], out: Window) {
+        // SAFETY: the caller's contract.
+        unsafe { by_rows!(x.len() / nb, rows16(w, nb, x, out)) }
+    }
+
+    /// [`pass16`] with the row count as the constant `N`.
+    ///
+    /// # Safety
+    /// As [`pass16`].
+    #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni,avx512bw")]
+    unsafe fn rows16<const N: usize>(w: &[BlockQ4Kx8], nb: usize, x: &[BlockQ8K], out: Window) {
+        assert_eq!(x.len(), N * nb, "a pass holds N rows of nb blocks");
+        let pat = Patterns::new();
+        let (first, second) = chunks(N);
+        let groups = w.len() / nb;
+        for p in 0..groups / 2 {
+            let (w0, w1) = (&w[2 * p * nb..][..nb], &w[(2 * p + 1) * nb..][..nb]);
+            let mut acc = [_mm512_setzero_ps(); N];
+            let next = w.as_ptr().wrapping_add(2 * (p + 1) * nb);
+            for (b, (g0, g1)) in w0.iter().zip(w1).enumerate() {
+                prefetch_pair(next, b);
+                let u = scales(g0, g1, &pat);
+                let (a0, a1) = acc.split_at_mut(first);
+                // SAFETY: the chunks' rows are rows of the pass; the level's features are
+                // enabled here.
+                unsafe {
+                    by_chunk!(first, chunk(g0, g1, &u, &x[b..], nb, a0));
+                    by_chunk!(second, chunk(g0, g1, &u, &x[first * nb + b..], nb, a1));
+                }
+            }
+            for (r, &a) in acc.iter().enumerate() {
+                // SAFETY: the caller's contract.
+                unsafe { write_pair(out, r, 2 * p, a) };
+            }
+        }
+        if groups % 2 == 1 {
+            let g = groups - 1;
+            // SAFETY: the caller's contract; the level includes the VNNI level's features.
+            unsafe { super::avx2::pass8_vnni(&w[g * nb..], nb, x, out.past_groups(g)) };
+        }
+    }
+
+    /// `R` activation rows (row `i`'s block at `x[i * nb]`) against block `b` of two groups: per
+    /// sub-block the 8 vectors of both groups unpacked, and per row the sub-block's integer lanes
+    /// ([`sub_block_lanes`]); then per row the float arithmetic of [`super::dot_q4_kx8_q8_k`] for
+    /// the 16 weight rows at once, into `acc[i]`.
+    ///
+    /// # Safety
+    /// `x` must hold `(R - 1) * nb + 1` blocks and `acc` `R` accumulators.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni,avx512bw")]
+    unsafe fn chunk<const R: usize>(
+        g0: &BlockQ4Kx8,
+        g1: &BlockQ4Kx8,
+        u: &Scales,
+        x: &[BlockQ8K],
+        nb: usize,
+        acc: &mut [__m512],
+    ) {
+        let low = _mm512_set1_epi8(0x0f);
+        let mut sumi = [_mm512_setzero_si512(); R];
+        for (s, &sc) in u.sc.iter().enumerate() {
+            // Per row, `avx2::sub_block_lanes_vnni`'s two `vpdpbusd` chains (vectors 0..4 and
+            // 4..8, each activation quad broadcast to all 16 lanes), the rows side by side so that
+            // neighbouring instructions do not wait on each other.
+            let mut a = [_mm512_setzero_si512(); R];
+            let mut b = [_mm512_setzero_si512(); R];
+            for c in 0..4 {
+                let at = 128 * s + 32 * c;
+                // SAFETY: `qs` is 1024 bytes; bytes 128s + 32c .. + 32 are in bounds for s < 8,
+                // c < 4.
+                let q = unsafe { join(g0.qs.as_ptr().add(at), g1.qs.as_ptr().add(at)) };
+                let lo = _mm512_and_si512(q, low);
+                let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(q), low);
+                for i in 0..R {
+                    // Activation values 32s + 4t .. + 4 lie at positions 32t + 4s .. + 4: here
+                    // t = c and c + 4.
+                    let y = x[i * nb].qs.as_ptr().wrapping_add(4 * s + 32 * c);
+                    // SAFETY: in bounds of the 256 quants for s < 8, c < 4.
+                    let (wa, wb) = unsafe {
+                        (
+                            y.cast::<i32>().read_unaligned(),
+                            y.add(128).cast::<i32>().read_unaligned(),
+                        )
+                    };
+                    a[i] = _mm512_dpbusd_epi32(a[i], lo, _mm512_set1_epi32(wa));
+                    b[i] = _mm512_dpbusd_epi32(b[i], hi, _mm512_set1_epi32(wb));
+                }
+            }
+            for i in 0..R {
+                // The odd `i16` (each lane's high half) from `b << 16`, the even ones from `a`,
+                // times the sub-block's scales.
+                let ab = _mm512_mask_blend_epi16(0xaaaa_aaaa, a[i], _mm512_slli_epi32::<16>(b[i]));
+                sumi[i] = _mm512_dpwssd_epi32(sumi[i], ab, sc);
+            }
+        }
+        for (i, (sumi, acc)) in sumi.iter().zip(acc.iter_mut()).enumerate() {
+            let xb = &x[i * nb];
+            let m = _mm512_cvtepi32_ps(mins(&u.mins, xb));
+            let block = _mm512_fmsub_ps(_mm512_cvtepi32_ps(*sumi), u.d, _mm512_mul_ps(m, u.dmin));
+            *acc = _mm512_fmadd_ps(block, _mm512_set1_ps(xb.d), *acc);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The kernel tests on an emulated CPU with AVX-512 VNNI (Bochs's Tiger Lake model, through
-# scripts/emulated-cpu/run.sh), so that the avx512vnni kernel level is tested on machines without
-# AVX-512. On a CPU that has it, the ordinary `cargo test` already runs that level natively, and this
+# scripts/emulated-cpu/run.sh), so that the avx512vnni and avx512zmm kernel levels are tested on
+# machines without AVX-512. On a CPU that has it, the ordinary `cargo test` already runs that level natively, and this
 # script says so and exits.
 #
 #   scripts/test-emulated-avx512.sh          # kernel level tests and matmul tests (a few minutes)
@@ -12,7 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 if grep -qw avx512_vnni /proc/cpuinfo && grep -qw avx512vl /proc/cpuinfo; then
-    echo "this CPU has AVX-512 VNNI: cargo test runs the avx512vnni level natively; nothing to emulate"
+    echo "this CPU has AVX-512 VNNI: cargo test runs the avx512 levels natively; nothing to emulate"
     exit 0
 fi
 
@@ -38,13 +38,16 @@ mapfile -t bins < <(sed -n 's/.*Executable tests\/[a-z_]*\.rs (\(.*\))$/\1/p' "$
 status=0
 for bin in "${bins[@]}"; do
     args=(--color never)
-    expect=""
+    expect=()
     case "$(basename "$bin")" in
-    levels-*) expect='avx512vnni::matches_the_scalar_reference_for_every_m *\.\.\. ok' ;;
+    levels-*)
+        expect=('avx512vnni::matches_the_scalar_reference_for_every_m *\.\.\. ok'
+            'avx512zmm::matches_the_scalar_reference_for_every_m *\.\.\. ok')
+        ;;
     tiny_models-*)
         # The test that compares the logits of every level; the others run natively anyway.
         args+=(every_kernel_level_gives_the_same_logits --exact --nocapture)
-        expect='compared kernel levels: .*"avx512vnni"'
+        expect=('compared kernel levels: .*"avx512vnni", "avx512zmm"')
         ;;
     esac
     echo "=== $(basename "$bin") ${args[*]} on the emulated CPU"
@@ -52,11 +55,13 @@ for bin in "${bins[@]}"; do
     if ! scripts/emulated-cpu/run.sh "$bin" "${args[@]}" 2>&1 | tee "$out"; then
         status=1
     fi
-    # The level must have run, not been reported as ignored.
-    if [ -n "$expect" ] && ! grep -q "$expect" "$out"; then
-        echo "the avx512vnni level did not run on the emulated CPU" >&2
-        status=1
-    fi
+    # The levels must have run, not been reported as ignored.
+    for e in "${expect[@]}"; do
+        if ! grep -q "$e" "$out"; then
+            echo "an avx512 level did not run on the emulated CPU (no line matching '$e')" >&2
+            status=1
+        fi
+    done
     rm -f "$out"
 done
 exit "$status"

@@ -38,6 +38,7 @@
 //! ```
 
 pub mod arch;
+mod attention;
 pub mod config;
 pub mod error;
 pub mod fetch;

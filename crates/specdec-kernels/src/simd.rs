@@ -166,7 +166,7 @@ macro_rules! group_format {
             #[cfg(target_arch = "x86_64")]
             unsafe fn zmm_pass(w: &[$group], nb: usize, x: &[ActQ8_0], out: Window) {
                 // SAFETY: the caller's contract.
-                unsafe { avx512::pass16::<$avx2>(w, nb, x, out) }
+                unsafe { avx512::pass16::<avx512::Groups<$avx2>>(w, nb, x, out) }
             }
         }
     };
@@ -194,7 +194,7 @@ impl GroupFormat for Q4Kx8 {
     #[cfg(target_arch = "x86_64")]
     unsafe fn zmm_pass(w: &[BlockQ4Kx8], nb: usize, x: &[BlockQ8K], out: Window) {
         // SAFETY: the caller's contract.
-        unsafe { crate::formats::q4_k_x8::avx512::pass16(w, nb, x, out) }
+        unsafe { avx512::pass16::<crate::formats::q4_k_x8::avx512::Q4Kx8>(w, nb, x, out) }
     }
 }
 
@@ -220,7 +220,7 @@ impl GroupFormat for Q6Kx8 {
     #[cfg(target_arch = "x86_64")]
     unsafe fn zmm_pass(w: &[BlockQ6Kx8], nb: usize, x: &[BlockQ8K], out: Window) {
         // SAFETY: the caller's contract.
-        unsafe { crate::formats::q6_k_x8::avx512::pass16(w, nb, x, out) }
+        unsafe { avx512::pass16::<crate::formats::q6_k_x8::avx512::Q6Kx8>(w, nb, x, out) }
     }
 }
 
@@ -1070,74 +1070,120 @@ pub(crate) mod avx2 {
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512 {
     use super::avx2::by_rows;
+    use super::Window;
     use crate::formats::interleaved::avx2::Groups8;
+    use crate::formats::q4_k_x8::avx2::chunks;
     use crate::formats::ActQ8_0;
     use std::arch::x86_64::*;
 
-    /// [`super::avx2::pass8_vnni`] with two groups side by side in 512-bit vectors (group `2p` in
-    /// the low half, `2p + 1` in the high one); a last odd group goes through the 256-bit pass.
+    /// An interleaved format's pass on 512-bit vectors, two groups side by side (group `2p` in the
+    /// low half of every vector, `2p + 1` in the high one): what a block of a pair of groups needs in
+    /// registers for all the rows of a pass ([`Pairs::unpack`]), and the rows' arithmetic
+    /// ([`Pairs::chunk`]). [`pass16`] does the rest, the same for every format.
+    pub(crate) trait Pairs {
+        /// The interleaved group.
+        type Group;
+        /// The activation blocks.
+        type Act;
+        /// What [`Pairs::unpack`] makes of a pair's block.
+        type Unpacked;
+        /// Constants [`Pairs::unpack`] needs, made once per pass ([`Pairs::constants`]).
+        type Constants;
+
+        /// The format's 256-bit VNNI pass, for a last odd group.
+        ///
+        /// # Safety
+        /// As [`pass16`].
+        unsafe fn single(w: &[Self::Group], nb: usize, x: &[Self::Act], out: Window);
+
+        /// The constants of [`Pairs::unpack`].
+        ///
+        /// # Safety
+        /// The CPU must support [`super::CpuLevel::Avx512Zmm`].
+        unsafe fn constants() -> Self::Constants;
+
+        /// Block `b` of two groups, made ready for every row of a pass.
+        ///
+        /// # Safety
+        /// As [`Pairs::constants`].
+        unsafe fn unpack(k: &Self::Constants, g0: &Self::Group, g1: &Self::Group)
+            -> Self::Unpacked;
+
+        /// `R` activation rows (row `i`'s block at `x[i * nb]`) against block `b` of two groups
+        /// (`g0`, `g1`, unpacked as `u`), added to `acc[i]` (16 weight rows' sums each).
+        ///
+        /// # Safety
+        /// As [`Pairs::unpack`]; `x` must hold `(R - 1) * nb + 1` blocks and `acc` `R`
+        /// accumulators.
+        unsafe fn chunk<const R: usize>(
+            g0: &Self::Group,
+            g1: &Self::Group,
+            u: &Self::Unpacked,
+            x: &[Self::Act],
+            nb: usize,
+            acc: &mut [__m512],
+        );
+    }
+
+    /// `N` activation rows against the groups of 8 weight rows in `w` (`nb` groups each), two groups
+    /// at a time; a last odd group goes through [`Pairs::single`].
     ///
     /// # Safety
     /// The CPU must support [`super::CpuLevel::Avx512Zmm`]; `nb > 0`; `out` as
     /// [`super::pass_groups`].
-    pub(crate) unsafe fn pass16<G: Groups8>(
-        w: &[G::Group],
-        nb: usize,
-        x: &[ActQ8_0],
-        out: super::Window,
-    ) {
+    pub(crate) unsafe fn pass16<P: Pairs>(w: &[P::Group], nb: usize, x: &[P::Act], out: Window) {
         // SAFETY: the caller's contract.
-        unsafe { by_rows!(x.len() / nb, rows16::<G>(w, nb, x, out)) }
+        unsafe { by_rows!(x.len() / nb, rows16::<P>(w, nb, x, out)) }
     }
 
-    /// `$f::<$t, R>(args)` for a chunk's row count `R` (0: nothing; 1 ..= 8).
+    /// `P::chunk::<R>(args)` for a chunk's row count `R` (0: nothing; 1 ..= 8).
     macro_rules! by_chunk {
-        ($n:expr, $f:ident::<$t:ident>($($arg:expr),*)) => {
+        ($n:expr, $p:ident::chunk($($arg:expr),*)) => {
             match $n {
-                1 => $f::<$t, 1>($($arg),*),
-                2 => $f::<$t, 2>($($arg),*),
-                3 => $f::<$t, 3>($($arg),*),
-                4 => $f::<$t, 4>($($arg),*),
-                5 => $f::<$t, 5>($($arg),*),
-                6 => $f::<$t, 6>($($arg),*),
-                7 => $f::<$t, 7>($($arg),*),
-                8 => $f::<$t, 8>($($arg),*),
+                1 => $p::chunk::<1>($($arg),*),
+                2 => $p::chunk::<2>($($arg),*),
+                3 => $p::chunk::<3>($($arg),*),
+                4 => $p::chunk::<4>($($arg),*),
+                5 => $p::chunk::<5>($($arg),*),
+                6 => $p::chunk::<6>($($arg),*),
+                7 => $p::chunk::<7>($($arg),*),
+                8 => $p::chunk::<8>($($arg),*),
                 _ => {}
             }
         };
     }
 
-    /// [`pass16`] with the row count as the constant `N`: per pair of groups and block, both groups
+    /// [`pass16`] with the row count as the constant `N`: per pair of groups and block, the pair
     /// unpacked once, then the rows in at most two chunks that keep their sums in registers
-    /// ([`crate::formats::q4_k_x8::avx2::chunks`]).
+    /// ([`chunks`]).
     ///
     /// # Safety
     /// As [`pass16`].
     #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni,avx512bw")]
-    unsafe fn rows16<G: Groups8, const N: usize>(
-        w: &[G::Group],
+    unsafe fn rows16<P: Pairs, const N: usize>(
+        w: &[P::Group],
         nb: usize,
-        x: &[ActQ8_0],
-        out: super::Window,
+        x: &[P::Act],
+        out: Window,
     ) {
         assert_eq!(x.len(), N * nb, "a pass holds N rows of nb blocks");
-        let (first, second) = crate::formats::q4_k_x8::avx2::chunks(N);
+        let (first, second) = chunks(N);
         let groups = w.len() / nb;
+        // SAFETY: the level's features are enabled here.
+        let k = unsafe { P::constants() };
         for p in 0..groups / 2 {
             let (w0, w1) = (&w[2 * p * nb..][..nb], &w[(2 * p + 1) * nb..][..nb]);
-            let mut acc = [_mm512_setzero_ps(); N];
             let next = w.as_ptr().wrapping_add(2 * (p + 1) * nb);
+            let mut acc = [_mm512_setzero_ps(); N];
             for (b, (g0, g1)) in w0.iter().zip(w1).enumerate() {
                 prefetch_pair(next, b);
-                // SAFETY (both): the level's target features are enabled for this function.
-                let v = unsafe { G::unpack_pair(g0, g1) };
-                let d = unsafe { G::d_pair(g0, g1) };
-                let (a0, a1) = acc.split_at_mut(first);
-                // SAFETY: the chunks' rows are rows of the pass; the level's features are
-                // enabled here.
+                // SAFETY: the level's features are enabled here; the chunks' rows are rows of the
+                // pass.
                 unsafe {
-                    by_chunk!(first, chunk::<G>(&v, d, &x[b..], nb, a0));
-                    by_chunk!(second, chunk::<G>(&v, d, &x[first * nb + b..], nb, a1));
+                    let u = P::unpack(&k, g0, g1);
+                    let (a0, a1) = acc.split_at_mut(first);
+                    by_chunk!(first, P::chunk(g0, g1, &u, &x[b..], nb, a0));
+                    by_chunk!(second, P::chunk(g0, g1, &u, &x[first * nb + b..], nb, a1));
                 }
             }
             for (r, &a) in acc.iter().enumerate() {
@@ -1147,53 +1193,76 @@ pub(crate) mod avx512 {
         }
         if groups % 2 == 1 {
             let g = groups - 1;
-            // SAFETY: the caller's contract; the level includes the VNNI level's features.
-            unsafe { super::avx2::pass8_vnni::<G>(&w[g * nb..], nb, x, out.past_groups(g)) };
+            // SAFETY: the caller's contract.
+            unsafe { P::single(&w[g * nb..], nb, x, out.past_groups(g)) };
         }
     }
 
-    /// `R` activation rows (row `i`'s block at `x[i * nb]`) against a pair of groups' unpacked
-    /// block `v` (scales `d`): per row the 16 block sums in 16 lanes (the two `vpdpbusd` chains of
+    /// The 32-value interleaved formats (Q4_0, Q5_0) as [`Pairs`]: both groups' 8 vectors unpacked
+    /// and their scales, then per row the 16 block sums in 16 lanes (the two `vpdpbusd` chains of
     /// `group_sums_vnni`, the rows side by side so that neighbouring instructions do not wait on
     /// each other), less the offset, and the float arithmetic of the 256-bit pass for the 16
-    /// weight rows at once, into `acc[i]`.
-    ///
-    /// # Safety
-    /// `x` must hold `(R - 1) * nb + 1` blocks and `acc` `R` accumulators.
-    #[inline]
-    #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni,avx512bw")]
-    unsafe fn chunk<G: Groups8, const R: usize>(
-        v: &[__m512i; 8],
-        d: __m512,
-        x: &[ActQ8_0],
-        nb: usize,
-        acc: &mut [__m512],
-    ) {
-        let mut a = [_mm512_setzero_si512(); R];
-        let mut c = [_mm512_setzero_si512(); R];
-        for t in 0..4 {
-            for (i, (a, c)) in a.iter_mut().zip(c.iter_mut()).enumerate() {
-                let y = x[i * nb].qs.as_ptr();
-                // SAFETY: `qs` is 32 bytes; bytes 4t .. 4t + 4 and 16 + 4t .. 20 + 4t are in
-                // bounds for t < 4.
-                let (ya, yc) = unsafe {
-                    (
-                        y.add(4 * t).cast::<i32>().read_unaligned(),
-                        y.add(16 + 4 * t).cast::<i32>().read_unaligned(),
-                    )
-                };
-                *a = _mm512_dpbusd_epi32(*a, v[t], _mm512_set1_epi32(ya));
-                *c = _mm512_dpbusd_epi32(*c, v[t + 4], _mm512_set1_epi32(yc));
-            }
+    /// weight rows at once.
+    pub(crate) struct Groups<G>(std::marker::PhantomData<G>);
+
+    impl<G: Groups8> Pairs for Groups<G> {
+        type Group = G::Group;
+        type Act = ActQ8_0;
+        type Unpacked = ([__m512i; 8], __m512);
+        type Constants = ();
+
+        unsafe fn single(w: &[G::Group], nb: usize, x: &[ActQ8_0], out: Window) {
+            // SAFETY: the caller's contract; the level includes the VNNI level's features.
+            unsafe { super::avx2::pass8_vnni::<G>(w, nb, x, out) }
         }
-        for (i, acc) in acc.iter_mut().enumerate() {
-            let xb = &x[i * nb];
-            let sums = _mm512_sub_epi32(
-                _mm512_add_epi32(a[i], c[i]),
-                _mm512_set1_epi32(G::OFFSET * xb.sum),
-            );
-            let dd = _mm512_mul_ps(d, _mm512_set1_ps(xb.d));
-            *acc = _mm512_add_ps(*acc, _mm512_mul_ps(dd, _mm512_cvtepi32_ps(sums)));
+
+        #[inline]
+        #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni,avx512bw")]
+        unsafe fn constants() {}
+
+        #[inline]
+        #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni,avx512bw")]
+        unsafe fn unpack(_: &(), g0: &G::Group, g1: &G::Group) -> Self::Unpacked {
+            // SAFETY: the level's features are enabled here.
+            unsafe { (G::unpack_pair(g0, g1), G::d_pair(g0, g1)) }
+        }
+
+        #[inline]
+        #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni,avx512bw")]
+        unsafe fn chunk<const R: usize>(
+            _: &G::Group,
+            _: &G::Group,
+            (v, d): &Self::Unpacked,
+            x: &[ActQ8_0],
+            nb: usize,
+            acc: &mut [__m512],
+        ) {
+            let mut a = [_mm512_setzero_si512(); R];
+            let mut c = [_mm512_setzero_si512(); R];
+            for t in 0..4 {
+                for (i, (a, c)) in a.iter_mut().zip(c.iter_mut()).enumerate() {
+                    let y = x[i * nb].qs.as_ptr();
+                    // SAFETY: `qs` is 32 bytes; bytes 4t .. 4t + 4 and 16 + 4t .. 20 + 4t are in
+                    // bounds for t < 4.
+                    let (ya, yc) = unsafe {
+                        (
+                            y.add(4 * t).cast::<i32>().read_unaligned(),
+                            y.add(16 + 4 * t).cast::<i32>().read_unaligned(),
+                        )
+                    };
+                    *a = _mm512_dpbusd_epi32(*a, v[t], _mm512_set1_epi32(ya));
+                    *c = _mm512_dpbusd_epi32(*c, v[t + 4], _mm512_set1_epi32(yc));
+                }
+            }
+            for (i, acc) in acc.iter_mut().enumerate() {
+                let xb = &x[i * nb];
+                let sums = _mm512_sub_epi32(
+                    _mm512_add_epi32(a[i], c[i]),
+                    _mm512_set1_epi32(G::OFFSET * xb.sum),
+                );
+                let dd = _mm512_mul_ps(*d, _mm512_set1_ps(xb.d));
+                *acc = _mm512_add_ps(*acc, _mm512_mul_ps(dd, _mm512_cvtepi32_ps(sums)));
+            }
         }
     }
 
@@ -1227,6 +1296,39 @@ pub(crate) mod avx512 {
         let start = next.cast::<i8>().wrapping_add(2 * b * size);
         for line in (0..2 * size).step_by(64) {
             _mm_prefetch::<_MM_HINT_T1>(start.wrapping_add(line));
+        }
+    }
+
+    /// For each of `R` Q8_K activation rows (row `i`'s block at `x[i * nb]`): `a[i] += vpdpbusd(lo,
+    /// quad)` and `b[i] += vpdpbusd(hi, quad')`, `quad` the row's 4 quants at position `at` and
+    /// `quad'` those at `at + 128` (the K-quants' vectors `V_t` and `V_{t + 4}` of one load),
+    /// broadcast to all 16 lanes. The rows go side by side so that neighbouring instructions do not
+    /// wait on each other.
+    ///
+    /// # Safety
+    /// `x` must hold `(R - 1) * nb + 1` blocks; `at < 128` and a multiple of 4.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni,avx512bw")]
+    pub(crate) unsafe fn quads<const R: usize>(
+        a: &mut [__m512i; R],
+        b: &mut [__m512i; R],
+        (lo, hi): (__m512i, __m512i),
+        x: &[crate::formats::BlockQ8K],
+        nb: usize,
+        at: usize,
+    ) {
+        for i in 0..R {
+            let y = x[i * nb].qs.as_ptr().wrapping_add(at);
+            // SAFETY: `qs` is 256 bytes; bytes at .. at + 4 and at + 128 .. at + 132 are in bounds
+            // for at < 128 (the caller's contract).
+            let (wa, wb) = unsafe {
+                (
+                    y.cast::<i32>().read_unaligned(),
+                    y.add(128).cast::<i32>().read_unaligned(),
+                )
+            };
+            a[i] = _mm512_dpbusd_epi32(a[i], lo, _mm512_set1_epi32(wa));
+            b[i] = _mm512_dpbusd_epi32(b[i], hi, _mm512_set1_epi32(wb));
         }
     }
 

@@ -611,7 +611,6 @@ impl HalfOps for Avx2 {
     }
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -755,5 +754,4 @@ mod tests {
             assert!(b.iter().all(|r| !r.is_empty() && r.len() <= BATCH_HEADS));
         }
     }
-
 }

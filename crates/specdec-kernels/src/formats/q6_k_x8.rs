@@ -424,13 +424,12 @@ pub(crate) mod avx2 {
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512 {
     use super::{BlockQ6Kx8, BlockQ8K};
-    use crate::formats::q4_k_x8::avx2::{by_chunk, by_const, by_rows, chunks};
-    use crate::simd::avx512::{join, prefetch_pair, write_pair};
+    use crate::simd::avx512::{join, quads, Pairs};
     use crate::simd::Window;
     use std::arch::x86_64::*;
 
     /// Two groups' scales in registers (group `2p` in the low half, `2p + 1` in the high one).
-    struct Scales {
+    pub(crate) struct Scales {
         /// Sub-block `j`'s scales as `i32` lanes.
         sc: [__m512i; 16],
         /// `-32 ·` the scales of sub-blocks `2 j` and `2 j + 1` in the low and high `i16` of each
@@ -500,125 +499,92 @@ pub(crate) mod avx512 {
         acc
     }
 
-    /// `N` activation rows against the groups of 8 weight rows in `w` (`nb` groups each), two groups
-    /// at a time; a last odd group goes through [`super::avx2::pass8_vnni`].
-    ///
-    /// # Safety
-    /// The CPU must support [`crate::CpuLevel::Avx512Zmm`]; `nb > 0`; `out` as
-    /// [`crate::simd::pass_groups`].
-    pub(crate) unsafe fn pass16(w: &[BlockQ6Kx8], nb: usize, x: &[BlockQ8K], out: Window) {
-        // SAFETY: the caller's contract.
-        unsafe { by_rows!(x.len() / nb, rows16(w, nb, x, out)) }
-    }
+    /// Interleaved Q6_K as [`Pairs`].
+    pub(crate) struct Q6Kx8;
 
-    /// [`pass16`] with the row count as the constant `N`.
-    ///
-    /// # Safety
-    /// As [`pass16`].
-    #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni,avx512bw")]
-    unsafe fn rows16<const N: usize>(w: &[BlockQ6Kx8], nb: usize, x: &[BlockQ8K], out: Window) {
-        assert_eq!(x.len(), N * nb, "a pass holds N rows of nb blocks");
-        let (first, second) = chunks(N);
-        let groups = w.len() / nb;
-        for p in 0..groups / 2 {
-            let (w0, w1) = (&w[2 * p * nb..][..nb], &w[(2 * p + 1) * nb..][..nb]);
-            let mut acc = [_mm512_setzero_ps(); N];
-            let next = w.as_ptr().wrapping_add(2 * (p + 1) * nb);
-            for (b, (g0, g1)) in w0.iter().zip(w1).enumerate() {
-                prefetch_pair(next, b);
-                let u = scales(g0, g1);
-                let (a0, a1) = acc.split_at_mut(first);
-                // SAFETY: the chunks' rows are rows of the pass; the level's features are
-                // enabled here.
-                unsafe {
-                    by_chunk!(first, chunk(g0, g1, &u, &x[b..], nb, a0));
-                    by_chunk!(second, chunk(g0, g1, &u, &x[first * nb + b..], nb, a1));
-                }
-            }
-            for (r, &a) in acc.iter().enumerate() {
-                // SAFETY: the caller's contract.
-                unsafe { write_pair(out, r, 2 * p, a) };
-            }
-        }
-        if groups % 2 == 1 {
-            let g = groups - 1;
+    impl Pairs for Q6Kx8 {
+        type Group = BlockQ6Kx8;
+        type Act = BlockQ8K;
+        type Unpacked = Scales;
+        type Constants = ();
+
+        unsafe fn single(w: &[BlockQ6Kx8], nb: usize, x: &[BlockQ8K], out: Window) {
             // SAFETY: the caller's contract; the level includes the VNNI level's features.
-            unsafe { super::avx2::pass8_vnni(&w[g * nb..], nb, x, out.past_groups(g)) };
+            unsafe { super::avx2::pass8_vnni(w, nb, x, out) }
         }
-    }
 
-    /// `R` activation rows (row `i`'s block at `x[i * nb]`) against block `b` of two groups: per
-    /// sub-block pair `s` the vectors of both groups unpacked, and per row the two sub-blocks'
-    /// `vpdpbusd` chains of `avx2::sub_blocks_vnni`, the rows side by side so that neighbouring
-    /// instructions do not wait on each other, each chain multiplied by its scales (`vpmulld`);
-    /// then per row the offset and the float arithmetic of [`super::dot_q6_kx8_q8_k`] for the 16
-    /// weight rows at once, into `acc[i]`.
-    ///
-    /// # Safety
-    /// `x` must hold `(R - 1) * nb + 1` blocks and `acc` `R` accumulators.
-    #[inline]
-    #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni,avx512bw")]
-    unsafe fn chunk<const R: usize>(
-        g0: &BlockQ6Kx8,
-        g1: &BlockQ6Kx8,
-        u: &Scales,
-        x: &[BlockQ8K],
-        nb: usize,
-        acc: &mut [__m512],
-    ) {
-        let (low, high) = (_mm512_set1_epi8(0x0f), _mm512_set1_epi8(0x30));
-        let mut sumi = [_mm512_setzero_si512(); R];
-        for s in 0..8 {
-            let at = 64 * s;
-            // SAFETY: `qh` is 512 bytes; bytes 64s .. 64s + 64 are in bounds for s < 8.
-            let (h0, h1) = unsafe {
-                (
-                    join(g0.qh.as_ptr().add(at), g1.qh.as_ptr().add(at)),
-                    join(g0.qh.as_ptr().add(at + 32), g1.qh.as_ptr().add(at + 32)),
-                )
-            };
-            let mut a = [_mm512_setzero_si512(); R];
-            let mut b = [_mm512_setzero_si512(); R];
-            for c in 0..4 {
-                let at = 128 * s + 32 * c;
-                // SAFETY: `ql` is 1024 bytes; bytes 128s + 32c .. + 32 are in bounds for s < 8,
-                // c < 4.
-                let l = unsafe { join(g0.ql.as_ptr().add(at), g1.ql.as_ptr().add(at)) };
-                let lo = _mm512_or_si512(_mm512_and_si512(l, low), high_bits(h0, c, high));
-                let hi = _mm512_or_si512(
-                    _mm512_and_si512(_mm512_srli_epi16::<4>(l), low),
-                    high_bits(h1, c, high),
-                );
-                for i in 0..R {
+        #[inline]
+        #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni,avx512bw")]
+        unsafe fn constants() {}
+
+        #[inline]
+        #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni,avx512bw")]
+        unsafe fn unpack(_: &(), g0: &BlockQ6Kx8, g1: &BlockQ6Kx8) -> Scales {
+            scales(g0, g1)
+        }
+
+        /// Per sub-block pair `s` the vectors of both groups unpacked, and per row the two sub-blocks'
+        /// `vpdpbusd` chains of `avx2::sub_blocks_vnni`, the rows side by side so that neighbouring
+        /// instructions do not wait on each other, each chain multiplied by its scales (`vpmulld`);
+        /// then per row the offset and the float arithmetic of [`super::dot_q6_kx8_q8_k`] for the 16
+        /// weight rows at once, into `acc[i]`.
+        ///
+        /// # Safety
+        /// As [`Pairs::chunk`].
+        #[inline]
+        #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni,avx512bw")]
+        unsafe fn chunk<const R: usize>(
+            g0: &BlockQ6Kx8,
+            g1: &BlockQ6Kx8,
+            u: &Scales,
+            x: &[BlockQ8K],
+            nb: usize,
+            acc: &mut [__m512],
+        ) {
+            let (low, high) = (_mm512_set1_epi8(0x0f), _mm512_set1_epi8(0x30));
+            let mut sumi = [_mm512_setzero_si512(); R];
+            for s in 0..8 {
+                let at = 64 * s;
+                // SAFETY: `qh` is 512 bytes; bytes 64s .. 64s + 64 are in bounds for s < 8.
+                let (h0, h1) = unsafe {
+                    (
+                        join(g0.qh.as_ptr().add(at), g1.qh.as_ptr().add(at)),
+                        join(g0.qh.as_ptr().add(at + 32), g1.qh.as_ptr().add(at + 32)),
+                    )
+                };
+                let mut a = [_mm512_setzero_si512(); R];
+                let mut b = [_mm512_setzero_si512(); R];
+                for c in 0..4 {
+                    let at = 128 * s + 32 * c;
+                    // SAFETY: `ql` is 1024 bytes; bytes 128s + 32c .. + 32 are in bounds for s < 8,
+                    // c < 4.
+                    let l = unsafe { join(g0.ql.as_ptr().add(at), g1.ql.as_ptr().add(at)) };
+                    let lo = _mm512_or_si512(_mm512_and_si512(l, low), high_bits(h0, c, high));
+                    let hi = _mm512_or_si512(
+                        _mm512_and_si512(_mm512_srli_epi16::<4>(l), low),
+                        high_bits(h1, c, high),
+                    );
                     // Activation values 32s + 4t .. + 4 lie at positions 32t + 4s .. + 4: here
                     // t = c and c + 4.
-                    let y = x[i * nb].qs.as_ptr().wrapping_add(4 * s + 32 * c);
-                    // SAFETY: in bounds of the 256 quants for s < 8, c < 4.
-                    let (wa, wb) = unsafe {
-                        (
-                            y.cast::<i32>().read_unaligned(),
-                            y.add(128).cast::<i32>().read_unaligned(),
-                        )
-                    };
-                    a[i] = _mm512_dpbusd_epi32(a[i], lo, _mm512_set1_epi32(wa));
-                    b[i] = _mm512_dpbusd_epi32(b[i], hi, _mm512_set1_epi32(wb));
+                    // SAFETY: the caller's contract; 4s + 32c < 128 for s < 8, c < 4.
+                    unsafe { quads(&mut a, &mut b, (lo, hi), x, nb, 4 * s + 32 * c) };
+                }
+                for i in 0..R {
+                    sumi[i] = _mm512_add_epi32(
+                        sumi[i],
+                        _mm512_add_epi32(
+                            _mm512_mullo_epi32(a[i], u.sc[2 * s]),
+                            _mm512_mullo_epi32(b[i], u.sc[2 * s + 1]),
+                        ),
+                    );
                 }
             }
-            for i in 0..R {
-                sumi[i] = _mm512_add_epi32(
-                    sumi[i],
-                    _mm512_add_epi32(
-                        _mm512_mullo_epi32(a[i], u.sc[2 * s]),
-                        _mm512_mullo_epi32(b[i], u.sc[2 * s + 1]),
-                    ),
-                );
+            for (i, (sumi, acc)) in sumi.iter().zip(acc.iter_mut()).enumerate() {
+                let xb = &x[i * nb];
+                let total = offset(*sumi, &u.offset, xb);
+                let block = _mm512_mul_ps(_mm512_cvtepi32_ps(total), u.d);
+                *acc = _mm512_fmadd_ps(block, _mm512_set1_ps(xb.d), *acc);
             }
-        }
-        for (i, (sumi, acc)) in sumi.iter().zip(acc.iter_mut()).enumerate() {
-            let xb = &x[i * nb];
-            let total = offset(*sumi, &u.offset, xb);
-            let block = _mm512_mul_ps(_mm512_cvtepi32_ps(total), u.d);
-            *acc = _mm512_fmadd_ps(block, _mm512_set1_ps(xb.d), *acc);
         }
     }
 }

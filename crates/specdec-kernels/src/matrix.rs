@@ -107,6 +107,29 @@ fn read_blocks<B: WeightBlock>(bytes: &[u8]) -> Vec<B> {
     bytes.chunks_exact(B::BYTES).filter_map(B::read).collect()
 }
 
+/// [`interleave_rows`] of the blocks in `bytes` (whole groups of 8 rows of `nb` blocks), read where
+/// they lie.
+fn interleave_bytes<G: Interleaved>(bytes: &[u8], nb: usize) -> Vec<G>
+where
+    G::Block: WeightBlock,
+{
+    let size = G::Block::BYTES;
+    let block = |i: usize| bytes.get(i * size..(i + 1) * size).and_then(G::Block::read);
+    let mut out = Vec::with_capacity(bytes.len() / size / GROUP_ROWS);
+    for first in (0..bytes.len() / size).step_by(GROUP_ROWS * nb) {
+        for b in 0..nb {
+            let rows: [Option<G::Block>; GROUP_ROWS] =
+                std::array::from_fn(|k| block(first + k * nb + b));
+            if let [Some(r0), Some(r1), Some(r2), Some(r3), Some(r4), Some(r5), Some(r6), Some(r7)] =
+                rows
+            {
+                out.push(G::pack([&r0, &r1, &r2, &r3, &r4, &r5, &r6, &r7]));
+            }
+        }
+    }
+    out
+}
+
 impl QMatrix {
     /// A matrix from its blocks. Q4_0, Q5_0, Q4_K and Q6_K blocks are interleaved in groups of 8
     /// rows ([`BlockQ4_0x8`], [`BlockQ5_0x8`], [`BlockQ4Kx8`], [`BlockQ6Kx8`]) when `rows` is a
@@ -163,11 +186,19 @@ impl QMatrix {
                 actual: bytes.len(),
             });
         }
+        // Interleaved straight from the bytes where the rows make whole groups (what `from_blocks`
+        // would make of the blocks), so that loading holds the file's bytes and one copy, not two.
+        let nb = blocks_per_row(format, cols)?;
+        let grouped = rows.is_multiple_of(GROUP_ROWS) && nb > 0;
         let weights = match format {
             BlockFormat::Q8_0 => Weights::Q8_0(read_blocks(bytes)),
+            BlockFormat::Q4_0 if grouped => Weights::Q4_0x8(interleave_bytes(bytes, nb)),
             BlockFormat::Q4_0 => Weights::Q4_0(read_blocks(bytes)),
+            BlockFormat::Q5_0 if grouped => Weights::Q5_0x8(interleave_bytes(bytes, nb)),
             BlockFormat::Q5_0 => Weights::Q5_0(read_blocks(bytes)),
+            BlockFormat::Q4K if grouped => Weights::Q4Kx8(interleave_bytes(bytes, nb)),
             BlockFormat::Q4K => Weights::Q4K(read_blocks(bytes)),
+            BlockFormat::Q6K if grouped => Weights::Q6Kx8(interleave_bytes(bytes, nb)),
             BlockFormat::Q6K => Weights::Q6K(read_blocks(bytes)),
         };
         QMatrix::from_blocks(rows, cols, weights)
@@ -687,4 +718,49 @@ unsafe impl Sync for SharedOut {}
 /// As [`Kernels::matmul_columns`].
 pub fn matmul(w: &QMatrix, x: &QuantizedActivations, out: &mut [f32]) -> Result<(), KernelError> {
     Kernels::get().matmul(w, x, out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Bytes interleaved where they lie make the same matrix as blocks read first and interleaved
+    /// after (NaN scales included, hence the comparison of the debug text).
+    #[test]
+    fn interleaving_bytes_equals_interleaving_blocks() {
+        let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut byte = || {
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            (state >> 56) as u8
+        };
+        for format in [
+            BlockFormat::Q4_0,
+            BlockFormat::Q5_0,
+            BlockFormat::Q4K,
+            BlockFormat::Q6K,
+        ] {
+            for (rows, nb) in [(8, 1), (16, 3), (24, 2)] {
+                let cols = nb * format.block_len();
+                let bytes: Vec<u8> = (0..rows * nb * format.block_bytes())
+                    .map(|_| byte())
+                    .collect();
+                let weights = match format {
+                    BlockFormat::Q4_0 => Weights::Q4_0(read_blocks(&bytes)),
+                    BlockFormat::Q5_0 => Weights::Q5_0(read_blocks(&bytes)),
+                    BlockFormat::Q4K => Weights::Q4K(read_blocks(&bytes)),
+                    BlockFormat::Q6K => Weights::Q6K(read_blocks(&bytes)),
+                    BlockFormat::Q8_0 => Weights::Q8_0(read_blocks(&bytes)),
+                };
+                let direct = QMatrix::from_bytes(format, rows, cols, &bytes).unwrap();
+                let via_blocks = QMatrix::from_blocks(rows, cols, weights).unwrap();
+                assert_eq!(
+                    format!("{direct:?}"),
+                    format!("{via_blocks:?}"),
+                    "{format:?} {rows}×{cols}"
+                );
+            }
+        }
+    }
 }

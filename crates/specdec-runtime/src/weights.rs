@@ -169,7 +169,7 @@ impl QWeight {
         let mut data = dtype.cpu_zeros(rows * cols);
         data.from_float(values);
         if own_format(dtype).is_some() {
-            return Self::from_bytes(dtype, &candle_bytes(data.as_ref()), rows, cols);
+            return Self::from_bytes(dtype, candle_bytes(data.as_ref()), rows, cols);
         }
         Ok(Self {
             data: Storage::Candle(data),
@@ -310,17 +310,73 @@ impl QWeight {
         }
     }
 
-    /// The same matrix in another type (e.g. Q5_1 to Q8_0, which our kernels cover).
+    /// The same matrix in another type (e.g. Q5_1 to Q8_0, which our kernels cover), quantised with
+    /// candle's quantisers 4 Mi values (16 MB of f32) at a time: no f32 copy of the whole matrix
+    /// (the draft's 151,936 × 896 embedding table would take 545 MB). Blocks are quantised one by
+    /// one, so the result is the same as [`QWeight::quantize`] of [`QWeight::to_f32`].
     pub fn requantize(&self, dtype: GgmlDType) -> Result<Self> {
-        Self::quantize(&self.to_f32()?, self.rows, self.cols, dtype)
+        self.requantize_in_chunks(dtype, REQUANTIZE_CHUNK)
+    }
+
+    /// [`QWeight::requantize`] in chunks of whole rows of about `chunk` values (at least one row).
+    fn requantize_in_chunks(&self, dtype: GgmlDType, chunk: usize) -> Result<Self> {
+        let (rows, cols) = (self.rows, self.cols);
+        let chunk_rows = (chunk / cols.max(1)).clamp(1, rows.max(1));
+        let mut values = vec![0.0f32; chunk_rows * cols];
+        let mut bytes = Vec::with_capacity(rows * cols / dtype.block_size() * dtype.type_size());
+        for start in (0..rows).step_by(chunk_rows) {
+            let part = &mut values[..chunk_rows.min(rows - start) * cols];
+            for (i, row) in part.chunks_exact_mut(cols.max(1)).enumerate() {
+                self.row_into(start + i, row)?;
+            }
+            let mut data = dtype.cpu_zeros(part.len());
+            data.from_float(part);
+            bytes.extend_from_slice(candle_bytes(data.as_ref()));
+        }
+        Self::from_bytes(dtype, &bytes, rows, cols)
     }
 }
 
+/// Values [`QWeight::requantize`] holds as f32 at a time (16 MB).
+const REQUANTIZE_CHUNK: usize = 1 << 22;
+
 /// The raw GGUF bytes of a candle block buffer.
-fn candle_bytes(d: &dyn QuantizedType) -> Vec<u8> {
+fn candle_bytes(d: &dyn QuantizedType) -> &[u8] {
     let n = d.storage_size_in_bytes();
     // SAFETY: `as_ptr` points at the `storage_size_in_bytes` bytes of candle's block array, which lives
     // as long as `d` is borrowed.
-    let bytes = unsafe { std::slice::from_raw_parts(d.as_ptr(), n) };
-    bytes.to_vec()
+    unsafe { std::slice::from_raw_parts(d.as_ptr(), n) }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
+    use super::*;
+
+    /// Requantising a few rows at a time gives the matrix that quantising the whole f32 copy gives,
+    /// for a type of our kernels and one of candle's, from either kind of storage.
+    #[test]
+    fn requantizing_in_chunks_equals_requantizing_the_whole_matrix() {
+        let (rows, cols) = (13, 64);
+        let values: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 2_654_435_761) % 1_000_003) as f32 / 1_000_003.0 - 0.5)
+            .collect();
+        for from in [GgmlDType::Q5_0, GgmlDType::Q4_1] {
+            let w = QWeight::quantize(&values, rows, cols, from).unwrap();
+            for to in [GgmlDType::Q4_0, GgmlDType::Q8_0, GgmlDType::Q5_1] {
+                let whole = QWeight::quantize(&w.to_f32().unwrap(), rows, cols, to).unwrap();
+                // 3 rows a chunk (13 = 4 · 3 + 1), a row a chunk, and all at once.
+                for chunk in [3 * cols, 1, rows * cols] {
+                    let got = w.requantize_in_chunks(to, chunk).unwrap();
+                    assert_eq!(got.dtype(), to);
+                    let (a, b) = (got.to_f32().unwrap(), whole.to_f32().unwrap());
+                    assert!(
+                        a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                        "{from:?} -> {to:?}, chunks of {chunk} values"
+                    );
+                }
+            }
+        }
+    }
 }

@@ -276,6 +276,19 @@ impl Window {
         }
     }
 
+    /// Writes `lanes` (one per weight row, as the passes keep them) as columns `first ..` of row
+    /// `r`, those in the window.
+    ///
+    /// # Safety
+    /// As [`Window::write`].
+    #[inline]
+    pub(crate) unsafe fn write_lanes(self, r: usize, first: usize, lanes: &[f32]) {
+        for (k, &v) in lanes.iter().enumerate() {
+            // SAFETY: the caller's contract.
+            unsafe { self.write(r, first + k, v) };
+        }
+    }
+
     /// The same window for a pass over the groups past the first `g` (whose column 0 is this
     /// window's column `8g`).
     pub(crate) fn past_groups(self, g: usize) -> Window {
@@ -752,10 +765,8 @@ pub(crate) mod avx2 {
         let mut lanes = [0f32; 8];
         // SAFETY: `lanes` is 8 floats.
         unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), a) };
-        for (k, &v) in lanes.iter().enumerate() {
-            // SAFETY: the caller's contract (the window's columns only).
-            unsafe { out.write(r, 8 * g + k, v) };
-        }
+        // SAFETY: the caller's contract.
+        unsafe { out.write_lanes(r, 8 * g, &lanes) };
     }
 
     /// Lane `k` = the sum of the 8 `i32` lanes of `p[k]`.
@@ -1277,10 +1288,8 @@ pub(crate) mod avx512 {
         let mut lanes = [0f32; 16];
         // SAFETY: `lanes` is 16 floats.
         unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), a) };
-        for (k, &v) in lanes.iter().enumerate() {
-            // SAFETY: the caller's contract (the window's columns only).
-            unsafe { out.write(r, 8 * g + k, v) };
-        }
+        // SAFETY: the caller's contract.
+        unsafe { out.write_lanes(r, 8 * g, &lanes) };
     }
 
     /// Prefetches into L2 block `b`'s share of the next pair of groups: the two groups of a pair

@@ -142,10 +142,10 @@ pub(crate) mod avx2 {
     }
 
     /// A `pshufb` pattern that puts byte `lo` of each 32-bit lane in its low `i16` and byte `hi` in
-    /// its high one (zero-extended).
+    /// its high one (zero-extended), for one 128-bit lane.
     #[inline]
     #[target_feature(enable = "avx2,f16c,fma")]
-    fn spread(lo: i8, hi: i8) -> __m256i {
+    pub(super) fn spread128(lo: i8, hi: i8) -> __m128i {
         let z = -128i8; // 0x80: a zero byte
         let lane = |l: i8| [4 * l + lo, z, 4 * l + hi, z];
         let [a, b, c, d] = [lane(0), lane(1), lane(2), lane(3)];
@@ -154,7 +154,14 @@ pub(crate) mod avx2 {
             d[2], d[3],
         ];
         // SAFETY: `half` is 16 bytes.
-        let h = unsafe { _mm_loadu_si128(half.as_ptr().cast()) };
+        unsafe { _mm_loadu_si128(half.as_ptr().cast()) }
+    }
+
+    /// [`spread128`] in both 128-bit lanes.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma")]
+    fn spread(lo: i8, hi: i8) -> __m256i {
+        let h = spread128(lo, hi);
         _mm256_set_m128i(h, h)
     }
 
@@ -494,21 +501,11 @@ pub(crate) mod avx512 {
         dmin: __m512,
     }
 
-    /// A `pshufb` pattern that puts byte `lo` of each 32-bit lane in its low `i16` and byte `hi` in
-    /// its high one (zero-extended).
+    /// `avx2::spread128` in all four 128-bit lanes.
     #[inline]
     #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni,avx512bw")]
     fn spread(lo: i8, hi: i8) -> __m512i {
-        let z = -128i8; // 0x80: a zero byte
-        let lane = |l: i8| [4 * l + lo, z, 4 * l + hi, z];
-        let [a, b, c, d] = [lane(0), lane(1), lane(2), lane(3)];
-        let half = [
-            a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3], c[0], c[1], c[2], c[3], d[0], d[1],
-            d[2], d[3],
-        ];
-        // SAFETY: `half` is 16 bytes.
-        let h = unsafe { _mm_loadu_si128(half.as_ptr().cast()) };
-        _mm512_broadcast_i32x4(h)
+        _mm512_broadcast_i32x4(super::avx2::spread128(lo, hi))
     }
 
     /// The [`spread`] patterns [`scales`] uses (as in [`super::avx2`]).

@@ -603,7 +603,7 @@ impl Sequence {
         emitted.push(next);
         let drafted = draft.tokens.len();
         let lookup = !draft.confidence.is_empty();
-        let (extension, lag) = (draft.extension, draft.lag);
+        let (extension, prefix, lag) = (draft.extension, draft.prefix, draft.lag);
         // What the round was expected to yield, before its verdict.
         let expected = if lookup {
             let mut reach = 1.0;
@@ -630,6 +630,7 @@ impl Sequence {
             lookup,
             expected,
             extension,
+            prefix,
             lag,
         };
         self.output.metrics.record(&round);
@@ -759,6 +760,14 @@ fn check_proposal(p: &Proposal, k: usize, vocab: usize) -> Result<()> {
             what: "model-extended tokens (at most the drafted tokens, after a lookup draft)",
             expected: p.tokens.len(),
             got: p.extension,
+        });
+    }
+    if p.prefix > p.tokens.len() || (p.prefix > 0 && (p.confidence.is_empty() || p.extension > 0)) {
+        return Err(Error::ShapeMismatch {
+            side: Side::Draft,
+            what: "model-drafted tokens before a lookup continuation (at most the drafted tokens)",
+            expected: p.tokens.len(),
+            got: p.prefix,
         });
     }
     for (&token, q) in p.tokens.iter().zip(&p.probs) {

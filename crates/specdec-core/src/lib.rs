@@ -79,7 +79,10 @@ pub use error::{Error, Result, Side};
 pub use lookup::{LookupConfig, LookupDrafter};
 pub use metrics::{CostProfile, Metrics, Round};
 pub use model::{Draft, DraftRequest, Logits, NoDraft, Proposal, Score, SeqId, Target};
-pub use ngram::{draft_planned, plan_hybrid, HybridDrafter, HybridPlan, ModelLag, NGramDrafter};
+pub use ngram::{
+    continue_by_lookup, draft_planned, plan_hybrid, HybridDrafter, HybridPlan, ModelLag,
+    NGramDrafter,
+};
 pub use policy::{
     best_draft_len, best_draft_len_with, isotonic_curve, ContextCost, Controller, DraftLenPolicy,
     FixedCost, RoundCosts,

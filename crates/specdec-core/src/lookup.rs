@@ -57,6 +57,9 @@ const SEP: TokenId = TokenId::MAX;
 const LEN_BUCKETS: usize = 8;
 /// Agreement buckets: one occurrence; several, unanimous; a majority; a plurality below half.
 const AGREE_BUCKETS: usize = 4;
+/// Source buckets, where the occurrences that vote for the token lie (the first that holds one):
+/// the prompt; the tokens generated since; the history of earlier outputs.
+const SOURCE_BUCKETS: usize = 3;
 /// Pseudo-observations behind each bucket's prior.
 const PRIOR_WEIGHT: f64 = 2.0;
 /// A bucket's counts are scaled down past this many observations, so that it follows drift.
@@ -88,9 +91,14 @@ fn agree_bucket(count: usize, total: usize) -> usize {
 /// and more agreement are likelier to be right, and a match of one or two tokens is mostly
 /// coincidence (on HumanEval completions a quarter of such single-token drafts were accepted), so
 /// the prior keeps short matches from drafting until the estimates have learned otherwise.
-fn prior(len_bucket: usize, agree: usize) -> f64 {
+fn prior(len_bucket: usize, agree: usize, source: usize) -> f64 {
     let base = [0.15, 0.3, 0.2, 0.1][agree];
-    (base + 0.1 * len_bucket as f64).min(0.9)
+    (base + 0.1 * len_bucket as f64).min(0.9) * [1.0, 0.9, 0.5][source]
+}
+
+/// A bucket's index in [`LookupDrafter::buckets`].
+fn bucket_index(len: usize, agree: usize, source: usize) -> usize {
+    (source * LEN_BUCKETS + len_bucket(len)) * AGREE_BUCKETS + agree
 }
 
 /// A Beta estimate of one bucket's acceptance.
@@ -123,6 +131,18 @@ enum Cand {
     Context(usize),
     /// Position in the history.
     History(usize),
+}
+
+impl Cand {
+    /// Its source bucket: 0 in the prompt, 1 in the tokens generated since (or drafted this
+    /// round), 2 in the history.
+    fn source(self, prompt_len: usize) -> usize {
+        match self {
+            Cand::Context(i) if i < prompt_len => 0,
+            Cand::Context(_) => 1,
+            Cand::History(_) => 2,
+        }
+    }
 }
 
 /// A proposal kept until the target's verdict is known, to learn from it.
@@ -165,11 +185,15 @@ impl Default for LookupDrafter {
 impl LookupDrafter {
     /// A drafter with an empty history and the prior estimates.
     pub fn new(config: LookupConfig) -> Self {
-        let buckets = (0..LEN_BUCKETS * AGREE_BUCKETS)
+        let buckets = (0..SOURCE_BUCKETS * LEN_BUCKETS * AGREE_BUCKETS)
             .map(|i| Bucket {
                 accepted: 0.0,
                 reached: 0.0,
-                prior: prior(i / AGREE_BUCKETS, i % AGREE_BUCKETS),
+                prior: prior(
+                    (i / AGREE_BUCKETS) % LEN_BUCKETS,
+                    i % AGREE_BUCKETS,
+                    i / (AGREE_BUCKETS * LEN_BUCKETS),
+                ),
             })
             .collect();
         Self {
@@ -204,11 +228,11 @@ impl LookupDrafter {
     pub fn propose_one(&mut self, req: &DraftRequest<'_>, out: &mut Proposal) -> f64 {
         out.clear();
         let state = self.seqs.entry(req.seq).or_default();
-        state.prompt_len.get_or_insert(req.context.len());
+        let prompt_len = *state.prompt_len.get_or_insert(req.context.len());
         state.pending = None;
         let mut buckets = Vec::new();
         if req.max_len > 0 {
-            self.walk(req.context, req.max_len, out, &mut buckets);
+            self.walk(req.context, prompt_len, req.max_len, out, &mut buckets);
         }
         // The whole walk is kept for learning; only the best prefix is drafted.
         self.remember(req, out, buckets);
@@ -219,6 +243,20 @@ impl LookupDrafter {
                 rate
             }
             None => f64::NAN,
+        }
+    }
+
+    /// The walk's draft after `req.context` (the committed tokens followed by tokens drafted this
+    /// round, of the sequence `req.seq` this drafter knows) into `out` (cleared first), uncut by
+    /// costs and not remembered for learning: a continuation is conditional on the tokens drafted
+    /// before it, so the target's verdict on it says nothing where those were rejected.
+    pub fn continuation(&mut self, req: &DraftRequest<'_>, out: &mut Proposal) {
+        out.clear();
+        let Some(prompt_len) = self.seqs.get(&req.seq).and_then(|s| s.prompt_len) else {
+            return;
+        };
+        if req.max_len > 0 {
+            self.walk(req.context, prompt_len, req.max_len, out, &mut Vec::new());
         }
     }
 
@@ -237,7 +275,14 @@ impl LookupDrafter {
 
     /// Finds the longest earlier match of the context's suffix and walks the continuation its
     /// occurrences agree on.
-    fn walk(&mut self, ctx: &[TokenId], max_len: usize, out: &mut Proposal, buckets: &mut Vec<u8>) {
+    fn walk(
+        &mut self,
+        ctx: &[TokenId],
+        prompt_len: usize,
+        max_len: usize,
+        out: &mut Proposal,
+        buckets: &mut Vec<u8>,
+    ) {
         let len = ctx.len();
         let Some(&last) = ctx.last() else {
             return;
@@ -308,7 +353,14 @@ impl LookupDrafter {
             else {
                 break;
             };
-            let bucket = len_bucket(n_eff) * AGREE_BUCKETS + agree_bucket(count, total);
+            let source = self
+                .cands
+                .iter()
+                .filter(|c| next_token(**c, ctx, &out.tokens, &self.history) == Some(token))
+                .map(|c| c.source(prompt_len))
+                .min()
+                .unwrap_or(SOURCE_BUCKETS - 1);
+            let bucket = bucket_index(n_eff, agree_bucket(count, total), source);
             let a = self.buckets[bucket].estimate();
             reach *= a;
             if reach < f64::from(self.config.min_reach) {

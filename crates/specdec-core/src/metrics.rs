@@ -28,6 +28,9 @@ pub struct Round {
     /// Of the drafted tokens, how many a model drafted to extend a lookup draft (then `lookup` holds
     /// too); 0 otherwise.
     pub extension: usize,
+    /// Of the drafted tokens, how many a model drafted before the lookup continued them (then
+    /// `lookup` holds too); 0 otherwise.
+    pub prefix: usize,
     /// The model's catch-up before drafting ([`crate::Proposal::lag`]).
     pub lag: usize,
 }
@@ -85,6 +88,9 @@ pub struct Metrics {
     /// Rounds whose lookup draft a model extended.
     #[serde(default)]
     pub extended_rounds: u64,
+    /// Rounds whose model draft the lookup continued ([`crate::continue_by_lookup`]).
+    #[serde(default)]
+    pub continued_rounds: u64,
 }
 
 impl Metrics {
@@ -98,6 +104,7 @@ impl Metrics {
         self.verify_secs += r.verify_secs;
         self.expected += r.expected;
         self.extended_rounds += u64::from(r.extension > 0);
+        self.continued_rounds += u64::from(r.prefix > 0);
         grow(&mut self.rounds_by_draft_len, r.drafted + 1);
         self.rounds_by_draft_len[r.drafted] += 1;
         grow(&mut self.per_position, r.drafted);
@@ -341,6 +348,7 @@ mod tests {
             lookup: false,
             expected: 0.0,
             extension: 0,
+            prefix: 0,
             lag: 0,
         };
         let mut m = Metrics::default();
@@ -459,6 +467,7 @@ mod tests {
             lookup: false,
             expected: 0.0,
             extension: 0,
+            prefix: 0,
             lag: 0,
         });
         let s = serde_json::to_string(&m).unwrap();

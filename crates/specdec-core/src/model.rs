@@ -185,6 +185,10 @@ pub struct Proposal {
     /// How many of the last tokens a model drafted to extend a lookup draft (0 for a lookup draft or
     /// a model draft alone). Their `confidence` entries are the cost model's acceptance estimates.
     pub extension: usize,
+    /// How many of the first tokens a model drafted before the lookup continued its draft (0
+    /// otherwise; see [`crate::continue_by_lookup`]). Their `confidence` entries are the cost
+    /// model's acceptance estimates.
+    pub prefix: usize,
     /// For a draft a model made (alone or extending a lookup draft): the committed tokens it had not
     /// read before this round and read first (its catch-up); 0 otherwise.
     pub lag: usize,
@@ -197,6 +201,7 @@ impl Proposal {
         self.probs.clear();
         self.confidence.clear();
         self.extension = 0;
+        self.prefix = 0;
         self.lag = 0;
     }
 
@@ -204,6 +209,7 @@ impl Proposal {
     pub fn truncate(&mut self, len: usize) {
         let cut = self.tokens.len().saturating_sub(len);
         self.extension = self.extension.saturating_sub(cut);
+        self.prefix = self.prefix.min(len);
         self.tokens.truncate(len);
         self.probs.truncate(len);
         self.confidence.truncate(len);

@@ -218,6 +218,82 @@ pub fn plan_hybrid(
     plan
 }
 
+/// Continues a model draft with the lookup: for each prefix of the model's `draft` (made for `req`,
+/// whose costs price it), the lookup's walk after the context and that prefix
+/// ([`LookupDrafter::continuation`]), cut where it pays best; the draft becomes the prefix and its
+/// continuation where that is expected to yield more tokens per target step of verification than
+/// the model's draft whole (the model's drafting is paid either way). A model draft often starts a
+/// span the lookup could not find from the context alone (the first words of a quote, a renamed
+/// identifier) and the lookup copies the rest in the same round. The model tokens' `confidence`
+/// entries are the cost model's acceptance estimates, and [`Proposal::prefix`] counts them. Returns
+/// whether it continued the draft; never without a cost model, or for a draft that is not a model
+/// draft alone.
+///
+/// The continuation is a function of the context and the drafted tokens before it, so its tokens
+/// are one-hot draws, and verification stays exact.
+pub fn continue_by_lookup(
+    lookup: &mut LookupDrafter,
+    req: &DraftRequest<'_>,
+    draft: &mut Proposal,
+) -> bool {
+    let Some(c) = req.costs else {
+        return false;
+    };
+    let k = draft.tokens.len();
+    if k == 0 || !draft.confidence.is_empty() || draft.extension > 0 || k >= req.max_len {
+        return false;
+    }
+    let acceptance = |i: usize| c.model_acceptance.get(i).copied().unwrap_or(0.0);
+    // reach[i]: the estimated probability that the first i model tokens are accepted.
+    let mut reach = vec![1.0; k + 1];
+    for i in 0..k {
+        reach[i + 1] = reach[i] * acceptance(i);
+    }
+    let whole = reach.iter().sum::<f64>() / c.r(k + 1);
+    let mut best: Option<(usize, Proposal, f64)> = None;
+    let mut best_rate = whole;
+    let mut context = req.context.to_vec();
+    let mut walk = Proposal::default();
+    for j in 1..=k {
+        context.truncate(req.context.len());
+        context.extend_from_slice(&draft.tokens[..j]);
+        lookup.continuation(
+            &DraftRequest {
+                context: &context,
+                max_len: req.max_len - j,
+                ..*req
+            },
+            &mut walk,
+        );
+        let (mut tokens, mut r) = (reach[..=j].iter().sum::<f64>(), reach[j]);
+        for (l, &a) in walk.confidence.iter().enumerate() {
+            r *= f64::from(a);
+            tokens += r;
+            let rate = tokens / c.r(j + l + 2);
+            if rate > best_rate {
+                best_rate = rate;
+                let mut kept = walk.clone();
+                kept.truncate(l + 1);
+                best = Some((j, kept, rate));
+            }
+        }
+    }
+    let Some((j, cont, _)) = best else {
+        return false;
+    };
+    draft.truncate(j);
+    draft.confidence.clear();
+    draft
+        .confidence
+        .extend((0..j).map(|i| acceptance(i) as f32));
+    for (&token, &a) in cont.tokens.iter().zip(&cont.confidence) {
+        draft.push(token, Probs::OneHot(token));
+        draft.confidence.push(a);
+    }
+    draft.prefix = j;
+    true
+}
+
 /// Runs `model` for the rounds whose plan needs it: a [`HybridPlan::Model`] draft replaces `out[b]`;
 /// a [`HybridPlan::Extend`] draft continues the lookup draft in `out[b]`, drafted from the context
 /// followed by that draft, each model token's confidence being the cost model's acceptance estimate
@@ -316,7 +392,13 @@ impl<D: Draft> Draft for HybridDrafter<D> {
                 plan_hybrid(req, out, rate, self.lag.lag(req.seq, req.context))
             })
             .collect();
-        draft_planned(&mut self.model, &mut self.lag, batch, out, &plans)
+        let r = draft_planned(&mut self.model, &mut self.lag, batch, out, &plans);
+        for ((req, out), plan) in batch.iter().zip(out.iter_mut()).zip(&plans) {
+            if *plan == HybridPlan::Model {
+                continue_by_lookup(&mut self.lookup, req, out);
+            }
+        }
+        r
     }
 
     fn commit(&mut self, seq: SeqId, committed: &[TokenId]) -> Result<(), Self::Error> {
@@ -344,6 +426,73 @@ impl<D: Draft> Draft for HybridDrafter<D> {
 mod tests {
     use super::*;
     use crate::{CounterRng, RoundCosts, SamplingParams};
+
+    #[test]
+    fn a_model_draft_that_starts_a_known_span_is_continued_by_the_lookup() {
+        let sampling = SamplingParams::greedy();
+        let costs = RoundCosts {
+            r: (1..=17).map(|m| 1.0 + 0.05 * (m - 1) as f64).collect(),
+            model_acceptance: vec![0.9; 4],
+            ..RoundCosts::default()
+        };
+        // The prompt quotes a span (1 ..= 8) after 10, 11; it ends with 10, 11 again, and the
+        // model drafts the span's first token.
+        let prompt: Vec<TokenId> = vec![10, 11, 1, 2, 3, 4, 5, 6, 7, 8, 20, 21, 10, 11];
+        let seq = SeqId(0);
+        let mut lookup = LookupDrafter::default();
+        let Ok(()) = lookup.prefill(seq, &prompt);
+        let req = |costs, max_len| DraftRequest {
+            seq,
+            context: &prompt,
+            max_len,
+            sampling: &sampling,
+            rng: CounterRng::new(0),
+            min_confidence: 0.0,
+            costs,
+        };
+        let model_draft = || {
+            let mut p = Proposal::default();
+            p.push(1, Probs::Dense(vec![0.5; 2]));
+            p
+        };
+        let mut draft = model_draft();
+        assert!(continue_by_lookup(
+            &mut lookup,
+            &req(Some(&costs), 8),
+            &mut draft
+        ));
+        assert_eq!(draft.prefix, 1);
+        assert!(draft.tokens.len() > 2, "{:?}", draft.tokens);
+        assert!(draft.tokens.iter().zip(1..).all(|(&t, want)| t == want));
+        assert_eq!(draft.confidence.len(), draft.tokens.len());
+        assert_eq!(draft.confidence[0], 0.9);
+        assert!(matches!(draft.probs[0], Probs::Dense(_)));
+        assert!(draft.probs[1..]
+            .iter()
+            .all(|q| matches!(q, Probs::OneHot(_))));
+        // No cost model, or no room past the model's draft: the model's draft as it was.
+        for (costs, max_len) in [(None, 8), (Some(&costs), 1)] {
+            let mut draft = model_draft();
+            assert!(!continue_by_lookup(
+                &mut lookup,
+                &req(costs, max_len),
+                &mut draft
+            ));
+            assert_eq!((draft.tokens, draft.prefix), (vec![1], 0));
+        }
+        // Verification so dear that the model's draft alone pays best.
+        let dear = RoundCosts {
+            r: (1..=17).map(|m| m as f64).collect(),
+            ..costs.clone()
+        };
+        let mut draft = model_draft();
+        assert!(!continue_by_lookup(
+            &mut lookup,
+            &req(Some(&dear), 8),
+            &mut draft
+        ));
+        assert!(draft.confidence.is_empty());
+    }
 
     #[test]
     fn the_hybrid_plans_by_realised_rates() {

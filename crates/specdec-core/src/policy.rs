@@ -682,23 +682,29 @@ impl Controller {
 
     fn observe_inner(&mut self, round: &Round, timed: bool) {
         self.rounds += 1;
-        self.rounds_without_model = if !round.lookup && round.drafted > 0 {
+        self.rounds_without_model = if (!round.lookup || round.prefix > 0) && round.drafted > 0 {
             0
         } else {
             self.rounds_without_model.saturating_add(1)
         };
         self.observe_realised(round, timed);
         // Per-position acceptance of model drafts, whatever the policy (it also gives each round's
-        // expected tokens for the predicted speedup); a lookup draft's acceptance is its own.
-        if !round.lookup {
+        // expected tokens for the predicted speedup); a lookup draft's acceptance is its own, also
+        // where it continues a model draft.
+        let model_drafted = if round.lookup {
+            round.prefix
+        } else {
+            round.drafted
+        };
+        if !round.lookup || round.prefix > 0 {
             for v in self.reached.iter_mut().chain(self.accepted.iter_mut()) {
                 *v *= DECAY;
             }
-            if self.reached.len() < round.drafted {
-                self.reached.resize(round.drafted, 0.0);
-                self.accepted.resize(round.drafted, 0.0);
+            if self.reached.len() < model_drafted {
+                self.reached.resize(model_drafted, 0.0);
+                self.accepted.resize(model_drafted, 0.0);
             }
-            for i in 0..round.drafted.min(round.accepted + 1) {
+            for i in 0..model_drafted.min(round.accepted + 1) {
                 self.reached[i] += 1.0;
                 self.accepted[i] += f64::from(u8::from(i < round.accepted));
             }
@@ -773,11 +779,18 @@ impl Controller {
             let lookup_len = round.drafted - round.extension.min(round.drafted);
             let draft = costs.extension_draft_cost(round.lag, lookup_len, round.extension);
             (&mut self.realised_extended, r + draft)
-        } else if round.lookup {
+        } else if round.lookup && round.prefix == 0 {
             (&mut self.realised_lookup, r)
         } else {
+            // A model draft the lookup continued was planned, and paid for, as the model draft of
+            // `model_len` tokens: its continuation counts to the model's realised rate.
+            let drafted = if round.prefix > 0 {
+                costs.model_len.max(round.prefix)
+            } else {
+                round.drafted
+            };
             let draft = costs.draft_fixed
-                + round.drafted as f64 * costs.draft_per_token
+                + drafted as f64 * costs.draft_per_token
                 + costs.catch_up(round.lag);
             (&mut self.realised_model, r + draft)
         };
@@ -1387,6 +1400,7 @@ mod tests {
                 lookup: false,
                 expected: 0.0,
                 extension: 0,
+                prefix: 0,
                 lag: 0,
             });
             if i >= 300 && k > 0 {
@@ -1431,6 +1445,7 @@ mod tests {
             lookup,
             expected: (drafted + 1) as f64,
             extension: 0,
+            prefix: 0,
             lag: 0,
         };
         for _ in 0..40 {
@@ -1484,6 +1499,7 @@ mod tests {
             lookup,
             expected: 1.0,
             extension: 0,
+            prefix: 0,
             lag: 0,
         }
     }
@@ -1553,6 +1569,7 @@ mod tests {
                 lookup: true,
                 expected: 4.0,
                 extension: 0,
+                prefix: 0,
                 lag: 0,
             });
         }

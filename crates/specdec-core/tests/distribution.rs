@@ -128,18 +128,19 @@ fn sample_joint_counted<D: Draft>(
     base: &GenerateConfig,
     n: u64,
 ) -> (Vec<u64>, u64, u64) {
-    let (counts, drafted, rounds, _) = sample_joint_extended(target_logits, drafter, base, n);
+    let (counts, drafted, rounds, _, _) = sample_joint_extended(target_logits, drafter, base, n);
     (counts, drafted, rounds)
 }
 
-/// [`sample_joint_counted`], plus the rounds whose lookup draft a model extended.
+/// [`sample_joint_counted`], plus the rounds whose lookup draft a model extended and the rounds
+/// whose model draft the lookup continued.
 fn sample_joint_extended<D: Draft>(
     target_logits: &MockLogits,
     drafter: &mut D,
     base: &GenerateConfig,
     n: u64,
-) -> (Vec<u64>, u64, u64, u64) {
-    let (mut drafted, mut rounds, mut extended) = (0, 0, 0);
+) -> (Vec<u64>, u64, u64, u64, u64) {
+    let (mut drafted, mut rounds, mut extended, mut continued) = (0, 0, 0, 0);
     let mut counts = vec![0u64; VOCAB.pow(3)];
     let mut target = MockModel::new(target_logits.clone());
     for seed in 0..n {
@@ -162,12 +163,13 @@ fn sample_joint_extended<D: Draft>(
         drafted += out.metrics.drafted;
         rounds += out.metrics.rounds;
         extended += out.metrics.extended_rounds;
+        continued += out.metrics.continued_rounds;
         let [a, b, c] = got[..] else {
             panic!("expected 3 tokens, got {got:?}")
         };
         counts[(a as usize * VOCAB + b as usize) * VOCAB + c as usize] += 1;
     }
-    (counts, drafted, rounds, extended)
+    (counts, drafted, rounds, extended, continued)
 }
 
 #[test]
@@ -297,11 +299,11 @@ fn rejection_mode_is_exact_for_every_drafter_option() {
                 ),
             ),
             (
-                // The per-round choice between the lookup and the model draft.
+                // The per-round choice between the lookup and the model draft, and the lookup's
+                // continuation of model drafts (one-hot tokens after the model's, which carry q).
                 "hybrid, cost model",
-                drafting(
-                    "hybrid",
-                    sample_joint_counted(
+                {
+                    let (counts, drafted, rounds, _, continued) = sample_joint_extended(
                         &target_logits(),
                         &mut HybridDrafter::new(
                             LookupDrafter::default(),
@@ -309,15 +311,24 @@ fn rejection_mode_is_exact_for_every_drafter_option() {
                         ),
                         &priced(0.0),
                         n,
-                    ),
-                ),
+                    );
+                    eprintln!(
+                        "hybrid, {name}: {drafted} drafted in {rounds} rounds, {continued} \
+                         continued by the lookup"
+                    );
+                    assert!(
+                        drafted > rounds / 10 && continued > rounds / 10,
+                        "{name}: {drafted} drafted, {continued} continued in {rounds} rounds"
+                    );
+                    counts
+                },
             ),
             (
                 // Every lookup draft extended by the model (a model draft where the lookup finds
                 // nothing): the lookup's tokens are one-hot, the model's carry its q.
                 "hybrid, lookup extended by the model",
                 {
-                    let (counts, drafted, rounds, extended) = sample_joint_extended(
+                    let (counts, drafted, rounds, extended, _) = sample_joint_extended(
                         &target_logits(),
                         &mut common::ExtendingHybrid::new(ModelDrafter::new(MockModel::new(
                             draft_logits(),

@@ -8,10 +8,13 @@
 //! verification would. A drafting change can be measured here in seconds before the benchmark
 //! measures it in minutes; the figures leave out timing noise and the context's cost.
 //!
-//! Usage: `cargo run --release -p specdec-core --example lookup_replay -- BENCH.json`
+//! Usage: `cargo run --release -p specdec-core --example lookup_replay -- BENCH.json`; with
+//! `REPLAY_VERBOSE=1` a line per prompt, with `REPLAY_ORACLE=1` each round's whole walk cut where
+//! the target stops accepting (what a perfect stopping rule over these drafts would reach).
 
 use std::collections::BTreeMap;
 
+use specdec_core::batch::MAX_LOOKUP_LEN;
 use specdec_core::{
     CounterRng, Draft, DraftRequest, LookupDrafter, Proposal, RoundCosts, SamplingParams, SeqId,
 };
@@ -70,25 +73,6 @@ fn replay(
             p.truncate(keep);
         }
         let want = &rest[pos..];
-        if p.tokens.is_empty() && want.len() > 2 && std::env::var_os("REPLAY_PREFIX").is_some() {
-            // Would a lookup draft follow a correct first token?
-            let mut ctx2 = ctx.clone();
-            ctx2.push(want[0]);
-            let mut d2 = drafter.clone();
-            let req2 = DraftRequest {
-                context: &ctx2,
-                ..req
-            };
-            let mut p2 = Proposal::default();
-            d2.propose_one(&req2, &mut p2);
-            let acc2 = p2
-                .tokens
-                .iter()
-                .zip(&want[1..])
-                .take_while(|(a, b)| a == b)
-                .count();
-            eprintln!("PFX drafted {} accepted {}", p2.tokens.len(), acc2);
-        }
         let accepted = p
             .tokens
             .iter()
@@ -167,12 +151,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let (prompt, output) = (ids(&rec["prompt_tokens"]), ids(&rec["output_tokens"]));
         let cat = rec["category"].as_str().unwrap_or("?").to_owned();
         let id = rec["id"].as_str().unwrap_or("?");
-        eprintln!("PROMPT {cat}");
-        let max_len = std::env::var("MAXLEN")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(16);
-        let got = replay(&mut drafter, &prompt, &output, &costs, max_len);
+        let got = replay(&mut drafter, &prompt, &output, &costs, MAX_LOOKUP_LEN);
         if std::env::var_os("REPLAY_VERBOSE").is_some() {
             println!(
                 "{id:24} rounds {:4} drafted {:4} accepted {:4} expected {:7.1} tokens {:5} speed {:.2}",

@@ -250,7 +250,7 @@ pub fn continue_by_lookup(
         reach[i + 1] = reach[i] * acceptance(i);
     }
     let whole = reach.iter().sum::<f64>() / c.r(k + 1);
-    let mut best: Option<(usize, Proposal, f64)> = None;
+    let mut best: Option<(usize, Proposal)> = None;
     let mut best_rate = whole;
     let mut context = req.context.to_vec();
     let mut walk = Proposal::default();
@@ -265,20 +265,21 @@ pub fn continue_by_lookup(
             },
             &mut walk,
         );
-        let (mut tokens, mut r) = (reach[..=j].iter().sum::<f64>(), reach[j]);
+        // The expected tokens with the first l + 1 tokens of the walk after the prefix.
+        let (mut tokens, mut reached) = (reach[..=j].iter().sum::<f64>(), reach[j]);
         for (l, &a) in walk.confidence.iter().enumerate() {
-            r *= f64::from(a);
-            tokens += r;
+            reached *= f64::from(a);
+            tokens += reached;
             let rate = tokens / c.r(j + l + 2);
             if rate > best_rate {
                 best_rate = rate;
                 let mut kept = walk.clone();
                 kept.truncate(l + 1);
-                best = Some((j, kept, rate));
+                best = Some((j, kept));
             }
         }
     }
-    let Some((j, cont, _)) = best else {
+    let Some((j, cont)) = best else {
         return false;
     };
     draft.truncate(j);
@@ -392,13 +393,13 @@ impl<D: Draft> Draft for HybridDrafter<D> {
                 plan_hybrid(req, out, rate, self.lag.lag(req.seq, req.context))
             })
             .collect();
-        let r = draft_planned(&mut self.model, &mut self.lag, batch, out, &plans);
+        draft_planned(&mut self.model, &mut self.lag, batch, out, &plans)?;
         for ((req, out), plan) in batch.iter().zip(out.iter_mut()).zip(&plans) {
             if *plan == HybridPlan::Model {
                 continue_by_lookup(&mut self.lookup, req, out);
             }
         }
-        r
+        Ok(())
     }
 
     fn commit(&mut self, seq: SeqId, committed: &[TokenId]) -> Result<(), Self::Error> {

@@ -187,16 +187,15 @@ impl<M: Target> Draft for MultiDrafter<M> {
                 _ => HybridPlan::Lookup,
             });
         }
-        let r = match self.model.as_mut() {
-            Some(model) => specdec_core::draft_planned(model, &mut self.lag, batch, out, &plans),
-            None => Ok(()),
-        };
+        if let Some(model) = self.model.as_mut() {
+            specdec_core::draft_planned(model, &mut self.lag, batch, out, &plans)?;
+        }
         for ((req, out), plan) in batch.iter().zip(out.iter_mut()).zip(&plans) {
             if *plan == HybridPlan::Model && self.kind(req.seq) == DrafterKind::Hybrid {
                 specdec_core::continue_by_lookup(&mut self.lookup, req, out);
             }
         }
-        r
+        Ok(())
     }
 
     fn commit(&mut self, seq: SeqId, committed: &[TokenId]) -> Result<(), Self::Error> {

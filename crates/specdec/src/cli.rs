@@ -48,8 +48,8 @@ pub enum DrafterKind {
     #[value(alias = "lookup")]
     Ngram,
     /// Lookup, the draft model, or the lookup draft extended by the model, whichever the cost model
-    /// expects to pay most each round (with a fixed --draft-len: lookup when it finds a match, else
-    /// the model).
+    /// expects to pay most each round, a model draft continued by lookup where that pays (with a
+    /// fixed --draft-len: lookup when it finds a match, else the model).
     Hybrid,
     /// No drafting: plain autoregressive decoding with the target (the baseline).
     None,

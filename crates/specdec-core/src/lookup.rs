@@ -217,7 +217,8 @@ impl LookupDrafter {
         self.history.len()
     }
 
-    /// The estimated acceptance of each (match length, agreement) bucket, row by match length.
+    /// The estimated acceptance of each (source, match length, agreement) bucket: by source (prompt,
+    /// generated, history), then match length, then agreement.
     pub fn estimates(&self) -> Vec<f64> {
         self.buckets.iter().map(Bucket::estimate).collect()
     }

@@ -173,7 +173,8 @@ pub struct LookupDrafter {
     seqs: HashMap<SeqId, SeqState>,
     buckets: Vec<Bucket>,
     cands: Vec<Cand>,
-    tally: Vec<(TokenId, usize)>,
+    /// Per next token: its votes and the first source bucket that holds one.
+    tally: Vec<(TokenId, usize, usize)>,
 }
 
 impl Default for LookupDrafter {
@@ -342,25 +343,19 @@ impl LookupDrafter {
                     continue;
                 };
                 total += 1;
-                match self.tally.iter_mut().find(|(tt, _)| *tt == t) {
-                    Some(e) => e.1 += 1,
-                    None => self.tally.push((t, 1)),
+                let source = c.source(prompt_len);
+                match self.tally.iter_mut().find(|(tt, _, _)| *tt == t) {
+                    Some(e) => (e.1, e.2) = (e.1 + 1, e.2.min(source)),
+                    None => self.tally.push((t, 1, source)),
                 }
             }
-            let Some(&(token, count)) = self
-                .tally
-                .iter()
-                .reduce(|a, b| if b.1 > a.1 { b } else { a })
+            let Some(&(token, count, source)) =
+                self.tally
+                    .iter()
+                    .reduce(|a, b| if b.1 > a.1 { b } else { a })
             else {
                 break;
             };
-            let source = self
-                .cands
-                .iter()
-                .filter(|c| next_token(**c, ctx, &out.tokens, &self.history) == Some(token))
-                .map(|c| c.source(prompt_len))
-                .min()
-                .unwrap_or(SOURCE_BUCKETS - 1);
             let bucket = bucket_index(n_eff, agree_bucket(count, total), source);
             let a = self.buckets[bucket].estimate();
             reach *= a;

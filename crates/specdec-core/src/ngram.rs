@@ -244,12 +244,14 @@ pub fn continue_by_lookup(
         return false;
     }
     let acceptance = |i: usize| c.model_acceptance.get(i).copied().unwrap_or(0.0);
-    // reach[i]: the estimated probability that the first i model tokens are accepted.
-    let mut reach = vec![1.0; k + 1];
+    // expected[j]: the expected tokens of the model's first j tokens and the bonus; reach[j]: the
+    // estimated probability that they are all accepted.
+    let (mut reach, mut expected) = (vec![1.0; k + 1], vec![1.0; k + 1]);
     for i in 0..k {
         reach[i + 1] = reach[i] * acceptance(i);
+        expected[i + 1] = expected[i] + reach[i + 1];
     }
-    let whole = reach.iter().sum::<f64>() / c.r(k + 1);
+    let whole = expected[k] / c.r(k + 1);
     let mut best: Option<(usize, Proposal)> = None;
     let mut best_rate = whole;
     let mut context = req.context.to_vec();
@@ -266,7 +268,7 @@ pub fn continue_by_lookup(
             &mut walk,
         );
         // The expected tokens with the first l + 1 tokens of the walk after the prefix.
-        let (mut tokens, mut reached) = (reach[..=j].iter().sum::<f64>(), reach[j]);
+        let (mut tokens, mut reached) = (expected[j], reach[j]);
         for (l, &a) in walk.confidence.iter().enumerate() {
             reached *= f64::from(a);
             tokens += reached;

@@ -57,6 +57,7 @@ fn replay(
             rng: CounterRng::new(0),
             min_confidence: 0.0,
             costs: Some(costs),
+            stop_tokens: &[],
         };
         let mut p = Proposal::default();
         drafter.propose_one(&req, &mut p);

@@ -380,6 +380,7 @@ impl<T: Target, D: Draft> Batch<T, D> {
                         rng: s.rng,
                         min_confidence: s.config.min_confidence,
                         costs: s.controller.costs(),
+                        stop_tokens: &s.config.stop_tokens,
                     }
                 })
                 .collect();

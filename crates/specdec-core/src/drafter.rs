@@ -8,7 +8,9 @@ use crate::TokenId;
 
 /// Drafts by running a model one token at a time, sampling each token with the target's sampling
 /// parameters (greedy stays greedy) and the draft stream of the RNG. All sequences of a batch advance
-/// together, one model call per drafted position.
+/// together, one model call per drafted position. A sequence's draft ends after a token that ends its
+/// generation ([`DraftRequest::stop_tokens`]): nothing after it can be emitted. Exact: whether
+/// position `i + 1` is drafted depends only on the tokens drawn before it, as any draft length may.
 #[derive(Debug)]
 pub struct ModelDrafter<M> {
     model: M,
@@ -147,7 +149,7 @@ impl<M: Target> Draft for ModelDrafter<M> {
                 let token = q.sample(req.rng.uniform(pos, Stream::Draft));
                 out[b].push(token, q);
                 contexts[b].push(token);
-                if out[b].tokens.len() >= req.model_len() {
+                if out[b].tokens.len() >= req.model_len() || req.stop_tokens.contains(&token) {
                     active[b] = false;
                 }
             }

@@ -513,6 +513,7 @@ mod tests {
             rng: CounterRng::new(0),
             min_confidence: 0.0,
             costs,
+            stop_tokens: &[],
         }
     }
 

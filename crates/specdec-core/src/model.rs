@@ -158,6 +158,10 @@ pub struct DraftRequest<'a> {
     /// draft extended by the model, nothing) picks the one with the most expected tokens per unit of
     /// time; `max_len` is then only a cap.
     pub costs: Option<&'a RoundCosts>,
+    /// The tokens that end this sequence's generation ([`crate::GenerateConfig::stop_tokens`]): if
+    /// the target accepts one, nothing after it is emitted, and if it rejects one, it rejects what
+    /// follows too, so a drafter that draws one may stop there.
+    pub stop_tokens: &'a [TokenId],
 }
 
 impl DraftRequest<'_> {

@@ -452,6 +452,7 @@ mod tests {
             rng: CounterRng::new(0),
             min_confidence: 0.0,
             costs,
+            stop_tokens: &[],
         };
         let model_draft = || {
             let mut p = Proposal::default();
@@ -516,6 +517,7 @@ mod tests {
             rng: CounterRng::new(0),
             min_confidence: 0.0,
             costs,
+            stop_tokens: &[],
         };
         let mut lookup = Proposal::default();
         // Without a cost model: the model when the lookup has nothing, else the lookup.

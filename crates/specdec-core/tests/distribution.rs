@@ -263,6 +263,22 @@ fn rejection_mode_is_exact_for_every_drafter_option() {
                 );
                 counts
             }),
+            ("model, draft ended after token 2", {
+                // Token 2 ends every draft it is drawn in, as a token that ends generation does
+                // (here generation goes on past it): the draft's length then depends on its own
+                // draws, each stop decided from the tokens before it.
+                let (counts, drafted, rounds) = sample_joint_counted(
+                    &target_logits(),
+                    &mut StopsDraftingAfter2(ModelDrafter::new(MockModel::new(draft_logits()))),
+                    &config(0.0),
+                    n,
+                );
+                assert!(
+                    drafted > rounds && drafted < rounds * k as u64,
+                    "{name}: {drafted} drafted in {rounds} rounds of k = {k}"
+                );
+                counts
+            }),
             (
                 "ngram",
                 sample_joint_with(
@@ -411,6 +427,54 @@ fn early_stop_on_low_confidence_keeps_the_target_distribution() {
                 );
             }
         }
+    }
+}
+
+/// A drafter whose requests name token 2 as a token that ends generation
+/// ([`specdec_core::DraftRequest::stop_tokens`]), while the generation itself goes on past it.
+#[derive(Debug)]
+struct StopsDraftingAfter2<D>(D);
+
+impl<D: Draft> Draft for StopsDraftingAfter2<D> {
+    type Error = D::Error;
+
+    fn vocab_size(&self) -> Option<usize> {
+        self.0.vocab_size()
+    }
+
+    fn propose(
+        &mut self,
+        batch: &[specdec_core::DraftRequest<'_>],
+        out: &mut [specdec_core::Proposal],
+    ) -> Result<(), Self::Error> {
+        let batch: Vec<_> = batch
+            .iter()
+            .map(|req| specdec_core::DraftRequest {
+                stop_tokens: &[2],
+                ..*req
+            })
+            .collect();
+        self.0.propose(&batch, out)
+    }
+
+    fn commit(
+        &mut self,
+        seq: specdec_core::SeqId,
+        committed: &[TokenId],
+    ) -> Result<(), Self::Error> {
+        self.0.commit(seq, committed)
+    }
+
+    fn prefill(
+        &mut self,
+        seq: specdec_core::SeqId,
+        context: &[TokenId],
+    ) -> Result<(), Self::Error> {
+        self.0.prefill(seq, context)
+    }
+
+    fn release(&mut self, seq: specdec_core::SeqId) {
+        self.0.release(seq);
     }
 }
 

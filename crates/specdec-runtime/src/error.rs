@@ -210,6 +210,14 @@ pub enum Error {
         /// The model's vocabulary size.
         vocab: usize,
     },
+    /// A token id to score beside a restricted vocabulary that is not in the vocabulary.
+    #[error("token id {id} to score is not in the vocabulary of {vocab} tokens")]
+    LogitsAlso {
+        /// The id asked for.
+        id: u32,
+        /// The model's vocabulary size.
+        vocab: usize,
+    },
     /// The kernel thread pool could not start its threads.
     #[error("starting {threads} kernel threads: {source}")]
     Threads {

@@ -38,6 +38,11 @@ pub struct LoadOptions {
     /// text, and a draft restricted to them stays exact (the target still verifies every token; a
     /// token the draft cannot propose is simply never drafted). `None` scores the whole vocabulary.
     pub logits_vocab: Option<usize>,
+    /// Token ids scored beside the first [`LoadOptions::logits_vocab`] when that restricts the
+    /// vocabulary: the tokens that end a generation, which tokenizers list last. A draft that
+    /// cannot propose the end of an answer has its draft rejected there, and pays a round for it
+    /// at the end of every answer. Ids past the vocabulary are an error.
+    pub logits_also: Vec<u32>,
     /// Re-quantise every matrix (the embedding table included, which a tied output matrix reads) to
     /// this type at load, when it is another: fewer bytes per step for a draft model, at some cost
     /// in acceptance. A K-quant applies to matrices whose rows are whole 256-value super-blocks; the
@@ -51,6 +56,7 @@ impl Default for LoadOptions {
             requantize_q5: true,
             threads: None,
             logits_vocab: None,
+            logits_also: Vec::new(),
             requantize: None,
         }
     }
@@ -106,6 +112,8 @@ pub struct Model {
     pool: Arc<ThreadPool>,
     /// Tokens `0..logits_vocab` are scored (the whole vocabulary unless restricted at load).
     logits_vocab: usize,
+    /// And these, past `logits_vocab` ([`LoadOptions::logits_also`]), ascending.
+    logits_also: Vec<u32>,
 }
 
 /// The type [`LoadOptions::requantize`] gives a matrix of `cols` columns when it asks for `t`: `t`
@@ -204,9 +212,26 @@ impl Model {
                 })
             }
         };
+        if let Some(&id) = options
+            .logits_also
+            .iter()
+            .find(|&&id| id as usize >= c.vocab)
+        {
+            return Err(Error::LogitsAlso { id, vocab: c.vocab });
+        }
+        // Only the ids the prefix leaves out, ascending.
+        let mut logits_also: Vec<u32> = options
+            .logits_also
+            .iter()
+            .copied()
+            .filter(|&id| id as usize >= logits_vocab)
+            .collect();
+        logits_also.sort_unstable();
+        logits_also.dedup();
         Ok(Self {
             pool,
             logits_vocab,
+            logits_also,
             norm: g.vector("output_norm.weight", c.n_embd)?,
             config: c,
             embd,
@@ -225,6 +250,11 @@ impl Model {
     /// unless restricted.
     pub fn logits_vocab(&self) -> usize {
         self.logits_vocab
+    }
+
+    /// The token ids scored past [`Model::logits_vocab`] ([`LoadOptions::logits_also`]), ascending.
+    pub fn logits_also(&self) -> &[u32] {
+        &self.logits_also
     }
 
     /// Bytes of weights held.
@@ -253,7 +283,8 @@ impl Model {
     pub fn step_bytes(&self) -> usize {
         let output = self.output.as_ref().unwrap_or(&self.embd);
         let vocab = self.config().vocab.max(1);
-        self.layer_bytes() + output.size_in_bytes() / vocab * self.logits_vocab
+        self.layer_bytes()
+            + output.size_in_bytes() / vocab * (self.logits_vocab + self.logits_also.len())
     }
 
     /// The distinct types of the matrices as loaded (after any re-quantisation), embedding and
@@ -442,10 +473,22 @@ impl Model {
             // One part: straight into its buffer.
             // Every element is written below: no need to zero the buffer first.
             p.logits.resize(wanted * c.vocab, 0.0);
-            out.matmul_prefix(&mut acts, self.logits_vocab, p.logits, pool)?;
+            out.matmul_prefix(
+                &mut acts,
+                self.logits_vocab,
+                &self.logits_also,
+                p.logits,
+                pool,
+            )?;
         } else {
             all_logits.resize(wanted * c.vocab, 0.0);
-            out.matmul_prefix(&mut acts, self.logits_vocab, all_logits, pool)?;
+            out.matmul_prefix(
+                &mut acts,
+                self.logits_vocab,
+                &self.logits_also,
+                all_logits,
+                pool,
+            )?;
             let mut at = 0;
             for p in parts.iter_mut() {
                 let n = p.logits_rows * c.vocab;

@@ -220,27 +220,54 @@ impl QWeight {
         Ok(())
     }
 
-    /// The output features `0..limit` only: `out[i, r]` for `r < limit` as [`QWeight::matmul`] computes
-    /// it, and [`MASKED`] for `r >= limit` (`out` is `[m, rows]`). Our kernels skip the other rows'
-    /// weights; candle's compute them and overwrite them.
+    /// The output features `0..limit` and those listed in `also` only: `out[i, r]` for those `r` as
+    /// [`QWeight::matmul`] computes it (the same bits), and [`MASKED`] for the others (`out` is
+    /// `[m, rows]`; `also` ascending). Our kernels skip the other rows' weights; candle's compute them
+    /// and overwrite them.
     pub fn matmul_prefix(
         &self,
         x: &mut Activations<'_>,
         limit: usize,
+        also: &[u32],
         out: &mut [f32],
         pool: &ThreadPool,
     ) -> Result<()> {
         let limit = limit.min(self.rows);
+        // The listed rows past the prefix, as runs of consecutive rows.
+        let mut runs: Vec<std::ops::Range<usize>> = Vec::new();
+        for r in also.iter().map(|&r| r as usize) {
+            if r < limit || r >= self.rows {
+                continue;
+            }
+            match runs.last_mut() {
+                Some(run) if run.end == r => run.end += 1,
+                Some(run) if run.end > r => {}
+                _ => runs.push(r..r + 1),
+            }
+        }
         match &self.data {
             Storage::Own(w) if limit < self.rows => {
                 self.check_shape(x, out)?;
                 let q = x.quantized(w, pool)?;
-                Kernels::get().matmul_threaded_columns(w, q, 0..limit, out, self.rows, pool)?;
+                let kernels = Kernels::get();
+                kernels.matmul_threaded_columns(w, q, 0..limit, out, self.rows, pool)?;
+                for run in &runs {
+                    // Column `run.start` of row 0 is `out[run.start]`; the stride moves by rows.
+                    // (No rows, no output: nothing to compute.)
+                    if let Some(at) = out.get_mut(run.start..) {
+                        kernels.matmul_threaded_columns(w, q, run.clone(), at, self.rows, pool)?;
+                    }
+                }
             }
             _ => self.matmul(x, out, pool)?,
         }
         for row in out.chunks_exact_mut(self.rows.max(1)) {
-            row[limit..].fill(MASKED);
+            let mut from = limit;
+            for run in &runs {
+                row[from..run.start].fill(MASKED);
+                from = run.end;
+            }
+            row[from..].fill(MASKED);
         }
         Ok(())
     }

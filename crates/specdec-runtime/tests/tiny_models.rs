@@ -545,6 +545,65 @@ fn a_restricted_logits_vocabulary_scores_only_its_tokens() {
     }
 }
 
+/// The tokens that end generation, listed last in a vocabulary, are scored beside a restricted one
+/// (`LoadOptions::logits_also`), with the full model's bits; ids already in the prefix change
+/// nothing, and an id past the vocabulary is an error.
+#[test]
+fn tokens_scored_beside_a_restricted_vocabulary_get_the_full_models_logits() {
+    use specdec_runtime::weights::MASKED;
+    for dtype in [GgmlDType::Q8_0, GgmlDType::Q4K] {
+        let spec = TinySpec::new(Arch::Qwen2, dtype);
+        let (_dir, path) = tiny(&spec);
+        let full = Arc::new(Model::load(&path, &LoadOptions::default()).unwrap());
+        let vocab = full.config().vocab;
+        let limit = 64;
+        let also = [
+            vocab as u32 - 1,
+            3,
+            vocab as u32 - 3,
+            vocab as u32 - 2,
+            70,
+            70,
+        ];
+        let options = LoadOptions {
+            logits_vocab: Some(limit),
+            logits_also: also.to_vec(),
+            ..LoadOptions::default()
+        };
+        let part = Arc::new(Model::load(&path, &options).unwrap());
+        let want: Vec<usize> = vec![70, vocab - 3, vocab - 2, vocab - 1];
+        let got: Vec<usize> = part.logits_also().iter().map(|&t| t as usize).collect();
+        assert_eq!(got, want);
+        let toks = tokens(11, vocab, 6);
+        let a = Session::new(full.clone(), 64)
+            .feed(&toks, 4)
+            .unwrap()
+            .to_vec();
+        // A pass that asks for no logits (a drafter reading tokens it missed) computes none.
+        assert!(Session::new(part.clone(), 64)
+            .feed(&toks, 0)
+            .unwrap()
+            .is_empty());
+        let b = Session::new(part, 64).feed(&toks, 4).unwrap().to_vec();
+        for (ra, rb) in a.chunks_exact(vocab).zip(b.chunks_exact(vocab)) {
+            for (t, (x, y)) in ra.iter().zip(rb).enumerate() {
+                if t < limit || want.contains(&t) {
+                    assert_eq!(x.to_bits(), y.to_bits(), "{dtype:?}: token {t}");
+                } else {
+                    assert_eq!(*y, MASKED, "{dtype:?}: token {t}");
+                }
+            }
+        }
+        let options = LoadOptions {
+            logits_vocab: Some(limit),
+            logits_also: vec![vocab as u32],
+            ..LoadOptions::default()
+        };
+        let err = Model::load(&path, &options).unwrap_err();
+        assert!(matches!(err, Error::LogitsAlso { .. }), "{err}");
+    }
+}
+
 #[path = "../../specdec-core/tests/common/mod.rs"]
 mod stats;
 

@@ -179,6 +179,14 @@ impl Loaded {
                 let vocab = ModelConfig::from_gguf(&g)?.vocab;
                 let draft_options = LoadOptions {
                     logits_vocab: Some(args.draft_vocab.limit(vocab)),
+                    // The draft can end an answer where the target does (a vocabulary mismatch is
+                    // reported below, so only ids within it are passed).
+                    logits_also: tokenizer
+                        .stop_tokens()
+                        .iter()
+                        .copied()
+                        .filter(|&t| (t as usize) < vocab)
+                        .collect(),
                     requantize: match args.draft_quant {
                         DraftQuant::AsIs => None,
                         DraftQuant::Q4_0 => Some(GgmlDType::Q4_0),

@@ -7,6 +7,7 @@
 //! kernels through `QuantizedType::matmul_t` keeps the guarantee.
 
 use std::borrow::Cow;
+use std::ops::Range;
 
 use candle_core::backend::BackendStorage;
 use candle_core::quantized::{GgmlDType, QuantizedType};
@@ -42,6 +43,29 @@ pub fn supported(dtype: GgmlDType) -> bool {
 /// The logit of a token a model was told not to score (see [`QWeight::matmul_prefix`]): the lowest
 /// finite `f32`, whose probability after a softmax is exactly 0.
 pub const MASKED: f32 = f32::MIN;
+
+/// The rows listed in `also` (ascending) that lie in `limit..rows`, as runs of consecutive rows
+/// (computed where they are used: no allocation per pass).
+fn also_runs(also: &[u32], limit: usize, rows: usize) -> impl Iterator<Item = Range<usize>> + '_ {
+    let mut ids = also
+        .iter()
+        .map(|&r| r as usize)
+        .filter(move |&r| r >= limit && r < rows)
+        .peekable();
+    std::iter::from_fn(move || {
+        let start = ids.next()?;
+        let mut end = start + 1;
+        // Consecutive ids (and repeats) extend the run.
+        while let Some(&r) = ids.peek() {
+            if r > end {
+                break;
+            }
+            end = end.max(r + 1);
+            ids.next();
+        }
+        Some(start..end)
+    })
+}
 
 /// The block format of our own kernels for a GGUF type, if they cover it.
 fn own_format(dtype: GgmlDType) -> Option<BlockFormat> {
@@ -233,29 +257,18 @@ impl QWeight {
         pool: &ThreadPool,
     ) -> Result<()> {
         let limit = limit.min(self.rows);
-        // The listed rows past the prefix, as runs of consecutive rows.
-        let mut runs: Vec<std::ops::Range<usize>> = Vec::new();
-        for r in also.iter().map(|&r| r as usize) {
-            if r < limit || r >= self.rows {
-                continue;
-            }
-            match runs.last_mut() {
-                Some(run) if run.end == r => run.end += 1,
-                Some(run) if run.end > r => {}
-                _ => runs.push(r..r + 1),
-            }
-        }
+        let runs = || also_runs(also, limit, self.rows);
         match &self.data {
             Storage::Own(w) if limit < self.rows => {
                 self.check_shape(x, out)?;
                 let q = x.quantized(w, pool)?;
                 let kernels = Kernels::get();
                 kernels.matmul_threaded_columns(w, q, 0..limit, out, self.rows, pool)?;
-                for run in &runs {
+                for run in runs() {
                     // Column `run.start` of row 0 is `out[run.start]`; the stride moves by rows.
                     // (No rows, no output: nothing to compute.)
                     if let Some(at) = out.get_mut(run.start..) {
-                        kernels.matmul_threaded_columns(w, q, run.clone(), at, self.rows, pool)?;
+                        kernels.matmul_threaded_columns(w, q, run, at, self.rows, pool)?;
                     }
                 }
             }
@@ -263,7 +276,7 @@ impl QWeight {
         }
         for row in out.chunks_exact_mut(self.rows.max(1)) {
             let mut from = limit;
-            for run in &runs {
+            for run in runs() {
                 row[from..run.start].fill(MASKED);
                 from = run.end;
             }

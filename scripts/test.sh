@@ -10,4 +10,4 @@ cargo test --workspace --release
 cargo build --release -p specdec --bin specdec
 cargo build --release -p specdec-runtime --features testing --example write_tiny
 python3 -m pip install --quiet --disable-pip-version-check -r tests/server/requirements.txt
-python3 -m pytest -q -rs tests/server
+python3 -m pytest -q -rs tests/server tests/scripts

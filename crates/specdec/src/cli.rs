@@ -81,10 +81,10 @@ pub struct ModelArgs {
     #[arg(long)]
     pub threads: Option<usize>,
     /// Let the draft model score only the first N token ids of the vocabulary (roughly the N most
-    /// frequent; the others are never drafted; at most its vocabulary), which skips most of its
+    /// frequent; the others are never drafted; at most its vocabulary), which skips much of its
     /// output matrix, or `all`. The tokens that end generation are scored too. Lossless: the target
     /// still verifies every token.
-    #[arg(long, default_value = "32768", value_parser = parse_draft_vocab)]
+    #[arg(long, default_value = "65536", value_parser = parse_draft_vocab)]
     pub draft_vocab: DraftVocab,
     /// Re-quantise the draft model at load: fewer bytes read per draft step (cheaper drafts), at
     /// some cost in acceptance. Lossless like any draft: the target verifies every token.

@@ -2,7 +2,7 @@
 # The whole test suite: the Rust tests, then the server's end-to-end tests (the official openai client,
 # a load test, garbage on the wire, graceful shutdown, and the chat page in headless Chromium when
 # Chromium and chromedriver are installed; tests that need the real models skip visibly until
-# `specdec fetch` has run).
+# `specdec fetch` has run), and the tests of the benchmark scripts.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo test --workspace --release

@@ -19,7 +19,7 @@ use crate::policy::Controller;
 use crate::rng::{CounterRng, Stream};
 use crate::sampling::{Probs, Sampler};
 use crate::verify::{
-    expected_tokens, verify_greedy, verify_onehot, verify_rejection, Verdict, VerifyMode,
+    expected_tokens_ending, verify_greedy, verify_onehot, verify_rejection, Verdict, VerifyMode,
 };
 use crate::TokenId;
 
@@ -605,19 +605,16 @@ impl Sequence {
         let drafted = draft.tokens.len();
         let lookup = !draft.confidence.is_empty();
         let (extension, prefix, lag) = (draft.extension, draft.prefix, draft.lag);
-        // What the round was expected to yield, before its verdict.
+        // What the round was expected to yield, before its verdict: a draft whose last token ends
+        // the generation brings no bonus token after it.
+        let ends = draft
+            .tokens
+            .last()
+            .is_some_and(|t| self.config.stop_tokens.contains(t));
         let expected = if lookup {
-            let mut reach = 1.0;
-            1.0 + draft
-                .confidence
-                .iter()
-                .map(|&a| {
-                    reach *= f64::from(a);
-                    reach
-                })
-                .sum::<f64>()
+            expected_tokens_ending(draft.confidence.iter().map(|&a| f64::from(a)), ends)
         } else {
-            expected_tokens(&self.controller.acceptance(drafted))
+            expected_tokens_ending(self.controller.acceptance(drafted), ends)
         };
         let before = self.output.tokens.len();
         let stop = self.emit(&emitted, accepted, on_token);

@@ -22,8 +22,8 @@ pub struct Round {
     /// Whether the draft came from lookup (a proposal with confidence estimates) rather than a model.
     pub lookup: bool,
     /// Tokens the round was expected to emit, estimated before verification: from the lookup's
-    /// confidence estimates, or the controller's per-position acceptance for a model draft; 0 when
-    /// unknown.
+    /// confidence estimates, or the controller's per-position acceptance for a model draft, with no
+    /// bonus token after a draft whose last token ends the generation; 0 when unknown.
     pub expected: f64,
     /// Of the drafted tokens, how many a model drafted to extend a lookup draft (then `lookup` holds
     /// too); 0 otherwise.

@@ -209,7 +209,11 @@ pub fn plan_hybrid(
     if c.model_len > 0 && (model_rate > bar || probe) {
         (plan, best) = (HybridPlan::Model, model_rate);
     }
-    if let Some((k, rate)) = c.best_extension(&lookup.confidence, req.max_len, lag) {
+    let ends = lookup
+        .tokens
+        .last()
+        .is_some_and(|t| req.stop_tokens.contains(t));
+    if let Some((k, rate)) = c.best_extension(&lookup.confidence, ends, req.max_len, lag) {
         let rate = rate * c.extended_factor;
         if rate > bar && rate > best {
             plan = HybridPlan::Extend(k);
@@ -251,12 +255,21 @@ pub fn continue_by_lookup(
         reach[i + 1] = reach[i] * acceptance(i);
         expected[i + 1] = expected[i] + reach[i + 1];
     }
-    let whole = expected[k] / c.r(k + 1);
+    // A model draft ending in a stop token brings no bonus token after it.
+    let model_ends = draft
+        .tokens
+        .last()
+        .is_some_and(|t| req.stop_tokens.contains(t));
+    let whole = (expected[k] - if model_ends { reach[k] } else { 0.0 }) / c.r(k + 1);
     let mut best: Option<(usize, Proposal)> = None;
     let mut best_rate = whole;
     let mut context = req.context.to_vec();
     let mut walk = Proposal::default();
     for j in 1..=k {
+        if req.stop_tokens.contains(&draft.tokens[j - 1]) {
+            // Nothing after a token that ends the generation is emitted.
+            break;
+        }
         context.truncate(req.context.len());
         context.extend_from_slice(&draft.tokens[..j]);
         lookup.continuation(
@@ -269,10 +282,16 @@ pub fn continue_by_lookup(
         );
         // The expected tokens with the first l + 1 tokens of the walk after the prefix.
         let (mut tokens, mut reached) = (expected[j], reach[j]);
+        let ends = walk
+            .tokens
+            .last()
+            .is_some_and(|t| req.stop_tokens.contains(t));
         for (l, &a) in walk.confidence.iter().enumerate() {
             reached *= f64::from(a);
             tokens += reached;
-            let rate = tokens / c.r(j + l + 2);
+            // A walk ending the generation brings no token after its last.
+            let last_ends = ends && l + 1 == walk.confidence.len();
+            let rate = (tokens - if last_ends { reached } else { 0.0 }) / c.r(j + l + 2);
             if rate > best_rate {
                 best_rate = rate;
                 let mut kept = walk.clone();
@@ -533,7 +552,7 @@ mod tests {
             HybridPlan::Lookup
         );
         // A confident lookup draft and a cheap model: extend it.
-        let (_, rate) = costs.best_free_len(&lookup.confidence);
+        let (_, rate) = costs.best_free_len(&lookup.confidence, false);
         let plan = plan_hybrid(&request(Some(&costs)), &lookup, rate, 1);
         assert!(matches!(plan, HybridPlan::Extend(k) if k >= 1), "{plan:?}");
         // Extensions that realised a third of their prediction: the lookup draft alone.
@@ -567,7 +586,7 @@ mod tests {
         let mut single = Proposal::default();
         single.push(7, Probs::OneHot(7));
         single.confidence = vec![0.25];
-        let (len, single_rate) = unlucky.best_free_len(&single.confidence);
+        let (len, single_rate) = unlucky.best_free_len(&single.confidence, false);
         assert_eq!(len, 1);
         assert!(single_rate * 1.05 > 0.96 && single_rate * 1.05 < 1.2);
         let no_extension = RoundCosts {

@@ -1010,15 +1010,18 @@ impl RoundCosts {
 
     /// For a draft that costs nothing to make (lookup) whose tokens have conditional acceptance
     /// `confidence`, the prefix length with the most expected tokens per target step, and that rate.
-    /// Length 0 (plain decoding) scores `1 / r(1)`, and a draft must beat it by [`PAY_MARGIN`].
-    pub fn best_free_len(&self, confidence: &[f32]) -> (usize, f64) {
+    /// Length 0 (plain decoding) scores `1 / r(1)`, and a draft must beat it by [`PAY_MARGIN`]. With
+    /// `ends`, the draft's last token ends the generation: drafted whole and accepted, it brings no
+    /// token after it ([`crate::verify::expected_tokens_ending`]).
+    pub fn best_free_len(&self, confidence: &[f32], ends: bool) -> (usize, f64) {
         let plain = 1.0 / self.r(1);
         let mut best = (0, plain * (1.0 + PAY_MARGIN));
         let (mut reach, mut tokens) = (1.0, 1.0);
         for (j, &a) in confidence.iter().enumerate() {
             reach *= f64::from(a);
             tokens += reach;
-            let rate = tokens / self.r(j + 2);
+            let whole = ends && j + 1 == confidence.len();
+            let rate = (tokens - if whole { reach } else { 0.0 }) / self.r(j + 2);
             if rate > best.1 {
                 best = (j + 1, rate);
             }
@@ -1080,15 +1083,17 @@ impl RoundCosts {
     /// `model_acceptance.len()` from the model) with the most expected tokens per target step, and
     /// that rate (before [`RoundCosts::extended_factor`]), for a model with `lag` committed tokens
     /// to read first (charged its [`RoundCosts::catch_up_share`]). `None` for an empty lookup draft,
-    /// without room past it, or without a measured cost per model token.
+    /// one whose last token ends the generation (`ends`: nothing after it is emitted), without room
+    /// past it, or without a measured cost per model token.
     pub fn best_extension(
         &self,
         confidence: &[f32],
+        ends: bool,
         max_len: usize,
         lag: usize,
     ) -> Option<(usize, f64)> {
         let lookup_len = confidence.len();
-        if lookup_len == 0 || self.draft_per_token <= 0.0 {
+        if lookup_len == 0 || self.draft_per_token <= 0.0 || ends {
             return None;
         }
         let (mut reach, mut tokens) = (1.0, 1.0);
@@ -1591,27 +1596,34 @@ mod tests {
             ..RoundCosts::default()
         };
         // Two confident lookup tokens: 2.71 expected tokens for r(3) = 1.2.
-        let (len, lookup_rate) = costs.best_free_len(&[0.9, 0.9]);
+        let (len, lookup_rate) = costs.best_free_len(&[0.9, 0.9], false);
         assert_eq!(len, 2);
-        let (k, rate) = costs.best_extension(&[0.9, 0.9], 8, 1).unwrap();
+        let (k, rate) = costs.best_extension(&[0.9, 0.9], false, 8, 1).unwrap();
         assert!(
             k >= 1 && rate > lookup_rate * 1.05,
             "{k} {rate} {lookup_rate}"
         );
+        // A lookup draft whose last token ends the generation: priced without a bonus token after
+        // it (2.71 - 0.81 = 1.9 expected tokens whole, where one token brings 1.9 for r(2) = 1.1),
+        // and never extended.
+        let (len, ending_rate) = costs.best_free_len(&[0.9, 0.9], true);
+        assert_eq!(len, 1);
+        assert!((ending_rate - 1.9 / 1.1).abs() < 1e-6, "{ending_rate}");
+        assert_eq!(costs.best_extension(&[0.9, 0.9], true, 8, 1), None);
         // No room past the lookup draft, no model cost known, no lookup draft: no extension.
-        assert_eq!(costs.best_extension(&[0.9, 0.9], 2, 1), None);
-        assert_eq!(costs.best_extension(&[], 8, 1), None);
+        assert_eq!(costs.best_extension(&[0.9, 0.9], false, 2, 1), None);
+        assert_eq!(costs.best_extension(&[], false, 8, 1), None);
         let free = RoundCosts {
             draft_per_token: 0.0,
             ..costs.clone()
         };
-        assert_eq!(free.best_extension(&[0.9, 0.9], 8, 1), None);
+        assert_eq!(free.best_extension(&[0.9, 0.9], false, 8, 1), None);
         // An expensive model: the lookup draft alone is better.
         let dear = RoundCosts {
             draft_per_token: 0.9,
             ..costs
         };
-        let (_, rate) = dear.best_extension(&[0.9, 0.9], 8, 1).unwrap();
+        let (_, rate) = dear.best_extension(&[0.9, 0.9], false, 8, 1).unwrap();
         assert!(rate < lookup_rate, "{rate} {lookup_rate}");
     }
 

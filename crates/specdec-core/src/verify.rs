@@ -179,6 +179,22 @@ pub fn expected_tokens(acceptance: &[f64]) -> f64 {
     total
 }
 
+/// [`expected_tokens`] for a draft whose last token ends the generation (`ends`): accepted whole,
+/// it emits its `k` tokens and no bonus after the last, so the last term `Π_{j≤k} a_j` is not
+/// counted once more. Without `ends` (or for an empty draft), [`expected_tokens`].
+pub fn expected_tokens_ending(acceptance: impl IntoIterator<Item = f64>, ends: bool) -> f64 {
+    let (mut prod, mut total, mut any) = (1.0, 1.0, false);
+    for a in acceptance {
+        prod *= a;
+        total += prod;
+        any = true;
+    }
+    if ends && any {
+        total -= prod;
+    }
+    total
+}
+
 /// Verification over a batch held as flat row-major slices, the layout a tensor runtime produces.
 pub mod batch {
     use super::*;
@@ -321,6 +337,15 @@ mod tests {
 
     fn d(v: &[f32]) -> Probs {
         Probs::Dense(v.to_vec())
+    }
+
+    #[test]
+    fn a_draft_that_ends_the_generation_expects_no_bonus_after_it() {
+        assert_eq!(expected_tokens(&[0.5, 0.5]), 1.75);
+        assert_eq!(expected_tokens_ending([0.5, 0.5], false), 1.75);
+        // All accepted: two tokens, the second ending the generation, and nothing after.
+        assert_eq!(expected_tokens_ending([0.5, 0.5], true), 1.5);
+        assert_eq!(expected_tokens_ending([], true), 1.0);
     }
 
     #[test]

@@ -236,6 +236,9 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
         .collect::<Result<Vec<_>>>()?;
     let mut records: Vec<Record> = Vec::new();
     let mut divergences = 0;
+    // The calibration as the runs teach it: each speculative run's blocks are folded in before the
+    // next run starts from it (`Calibration::learn`), the next mode's on the same prompt included.
+    let mut learned = cal.clone();
     for (pi, p) in prompts.iter().enumerate() {
         let ids = loaded.prompt(&p.prompt, p.chat, None, false)?;
         let mut reference: Option<(Vec<u32>, f64)> = None;
@@ -268,6 +271,9 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
                 bail!("prompt {}: mode {}: {e}", p.id, mode_name(*kind));
             }
             let m = &g.output.metrics;
+            if learned.learn(m) {
+                learned.set_prior(&mut policy);
+            }
             let tps = m.decode_tokens_per_s();
             let (matches, speedup) = match &reference {
                 None => {
@@ -329,6 +335,23 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
             );
         }
     }
+    if learned.learned_blocks > 0 {
+        let curve = learned
+            .r
+            .iter()
+            .map(|r| format!("{r:.2}"))
+            .collect::<Vec<_>>()
+            .join(" ");
+        // The results matter more than the file: a failure to save is reported, not fatal.
+        match crate::calibration::save(&loaded, &learned) {
+            Ok(saved) => ui.note(format!(
+                "calibration learned from {} timed blocks of the runs, saved to {}: r(m) for m = 1..16: {curve}",
+                learned.learned_blocks,
+                saved.display(),
+            )),
+            Err(e) => ui.note(format!("learned calibration not saved: {e:#}")),
+        }
+    }
     let summary = summarize(
         &records,
         &modes.iter().map(|&k| mode_name(k)).collect::<Vec<_>>(),
@@ -343,6 +366,7 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
             "target": args.model.target,
             "draft": args.model.draft,
             "calibration": cal,
+            "learned_calibration": learned,
             "summary": summary.rows,
             "records": records,
             "divergences": divergences,

@@ -1,13 +1,16 @@
 //! The cost model's calibration, measured once per (target file, draft file, CPU model, threads) and
 //! kept under `$SPECDEC_HOME/calibration/`, so that `--draft-len auto` starts calibrated instead of
-//! warming up; the cost model keeps measuring online and replaces it as samples come in.
+//! warming up; the cost model keeps measuring online and replaces it as samples come in, and each
+//! generation's own block timings are folded back into the saved curve ([`Calibration::learn`]), so
+//! that the next run starts from what runs cost, not only from what the calibration's isolated
+//! blocks cost.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
-use specdec_core::{isotonic_curve, ContextCost, DraftLenPolicy, FixedCost};
+use specdec_core::{isotonic_curve, ContextCost, DraftLenPolicy, FixedCost, Metrics};
 use specdec_runtime::fetch::home;
 use specdec_runtime::Session;
 
@@ -32,6 +35,94 @@ pub struct Calibration {
     /// The context the blocks for `context` were timed after; `None` where they were not timed.
     #[serde(default)]
     pub long_context: Option<usize>,
+    /// Timed calls behind each `r(m)` (index `m - 1`); empty as measured, which counts
+    /// [`MEASURED_WEIGHT`] each ([`Calibration::learn`]).
+    #[serde(default)]
+    pub weights: Vec<f64>,
+    /// Timed target blocks of generations folded into `r` since it was measured.
+    #[serde(default)]
+    pub learned_blocks: u64,
+}
+
+/// Timed calls a measured `r(m)` counts as when a run's blocks are folded in: the calibration's
+/// medians are steady, but blocks timed in isolation cost less than blocks in a generation (stop
+/// 36's benchmark: 2–5% more in the runs at every length from 2 to 8, at every context, against
+/// the same runs' single steps), so a few runs should outweigh it.
+pub const MEASURED_WEIGHT: f64 = 16.0;
+
+/// The most timed calls a learned `r(m)` keeps behind it, so that it follows a drifting machine.
+pub const MAX_LEARNED_WEIGHT: f64 = 256.0;
+
+/// Single-token steps a run must have timed for its blocks to count: they are its unit.
+pub const MIN_SINGLE_STEPS: u64 = 4;
+
+impl Calibration {
+    /// Folds a generation's timed target blocks into `r`: a block of `m` tokens timed `calls` times
+    /// after about `n` tokens of context gives `r_n(m)`, its mean time over the run's mean single
+    /// step, which [`ContextCost`] moves back to the calibration's context (the inverse of
+    /// [`FixedCost::at_context`]); `r(m)` becomes the weighted mean of the two, the run counting
+    /// `min(calls, single steps)` calls and the curve its [`Calibration::weights`] (at most
+    /// [`MAX_LEARNED_WEIGHT`]). A run that timed fewer than [`MIN_SINGLE_STEPS`] single steps has
+    /// no unit and teaches nothing. The timings must be the run's own: a sequence batched with
+    /// others shares its calls' time (the CLI's runs are single sequences; `serve` does not
+    /// learn). Returns whether `r` changed.
+    pub fn learn(&mut self, m: &Metrics) -> bool {
+        let Some(single) = m
+            .verify_by_len
+            .first()
+            .filter(|t| t.m == 1 && t.calls >= MIN_SINGLE_STEPS && t.secs > 0.0)
+        else {
+            return false;
+        };
+        let t1 = single.secs / single.calls as f64;
+        let n = m.prompt_tokens as f64 + m.emitted as f64 / 2.0;
+        if self.weights.len() != self.r.len() {
+            self.weights = vec![MEASURED_WEIGHT; self.r.len()];
+        }
+        let mut changed = false;
+        for t in &m.verify_by_len {
+            if t.m < 2 || t.m > self.r.len() || t.calls == 0 || t.secs <= 0.0 {
+                continue;
+            }
+            let at_n = t.secs / t.calls as f64 / t1;
+            let r_at = match self.context {
+                Some(cc) => {
+                    let d = n - cc.at as f64;
+                    let unit = 1.0 + (cc.shared + cc.per_row) * d;
+                    if unit.is_nan() || unit <= 0.0 {
+                        // As `FixedCost::at_context`, which leaves such a curve unmoved.
+                        at_n
+                    } else {
+                        at_n * unit - (cc.shared + t.m as f64 * cc.per_row) * d
+                    }
+                }
+                None => at_n,
+            };
+            if !r_at.is_finite() || r_at <= 0.0 {
+                continue;
+            }
+            let (i, calls) = (t.m - 1, t.calls.min(single.calls) as f64);
+            let w = self.weights[i];
+            self.r[i] = (w * self.r[i] + calls * r_at) / (w + calls);
+            self.weights[i] = (w + calls).min(MAX_LEARNED_WEIGHT);
+            self.learned_blocks += t.calls;
+            changed = true;
+        }
+        changed
+    }
+
+    /// This calibration as the prior of a cost-model `policy` that has one or none (a policy
+    /// with given costs, or another policy, is left as it is).
+    pub fn set_prior(&self, policy: &mut DraftLenPolicy) {
+        if let DraftLenPolicy::CostModel {
+            prior, cost: None, ..
+        } = policy
+        {
+            if let Some(p) = as_prior(self) {
+                *prior = Some(p);
+            }
+        }
+    }
 }
 
 /// Repetitions of each timing in [`measure`].
@@ -139,6 +230,8 @@ pub fn measure(loaded: &Loaded, context: &[u32]) -> Result<Calibration> {
         r,
         context: context_cost,
         long_context: (long + 16 <= loaded.ctx).then_some(long),
+        weights: Vec::new(),
+        learned_blocks: 0,
     })
 }
 
@@ -220,7 +313,8 @@ pub fn save(loaded: &Loaded, cal: &Calibration) -> Result<PathBuf> {
         ),
         calibration: cal.clone(),
     };
-    let tmp = p.with_extension("partial");
+    // Every run now writes it (`learn_saved`): a temporary file per process, renamed into place.
+    let tmp = p.with_extension(format!("partial-{}", std::process::id()));
     std::fs::write(&tmp, serde_json::to_string_pretty(&saved)?)
         .with_context(|| format!("writing {}", tmp.display()))?;
     std::fs::rename(&tmp, &p).with_context(|| format!("writing {}", p.display()))?;
@@ -230,6 +324,20 @@ pub fn save(loaded: &Loaded, cal: &Calibration) -> Result<PathBuf> {
 /// The saved calibration at `path` as a cost-model prior; `None` if there is none or it is unreadable.
 pub fn load_path(path: &Path) -> Option<FixedCost> {
     read(path).and_then(|cal| as_prior(&cal))
+}
+
+/// Folds a finished generation of `loaded` into its saved calibration ([`Calibration::learn`]), if
+/// there is one, and returns it where it changed; a failure to write it is reported, never fatal
+/// (the run's output is complete).
+pub fn learn_saved(loaded: &Loaded, m: &Metrics, ui: Ui) -> Option<Calibration> {
+    let mut cal = read(&saved_path(loaded))?;
+    if !cal.learn(m) {
+        return None;
+    }
+    if let Err(e) = save(loaded, &cal) {
+        ui.note(format!("cost model: calibration not updated: {e:#}"));
+    }
+    Some(cal)
 }
 
 /// The calibration saved at `path`, if there is a readable one.
@@ -300,4 +408,122 @@ pub fn apply(
         Err(e) => ui.note(format!("cost model: calibration skipped: {e:#}")),
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use specdec_core::metrics::VerifyTiming;
+
+    fn calibration(context: Option<ContextCost>) -> Calibration {
+        Calibration {
+            target_step_s: 0.04,
+            draft_step_s: Some(0.01),
+            c: Some(0.25),
+            r: (0..16).map(|i| 1.0 + 0.1 * i as f64).collect(),
+            context,
+            long_context: None,
+            weights: Vec::new(),
+            learned_blocks: 0,
+        }
+    }
+
+    /// A run that timed `calls` blocks of each length in `blocks` and `singles` single steps, each
+    /// costing `t(m) = r(m) · t1` seconds.
+    fn run(prompt: usize, singles: u64, blocks: &[(usize, u64, f64)]) -> Metrics {
+        let t1 = 0.05;
+        let mut verify = vec![VerifyTiming {
+            m: 1,
+            calls: singles,
+            secs: singles as f64 * t1,
+        }];
+        for &(m, calls, r) in blocks {
+            verify.resize(m, VerifyTiming::default());
+            verify[m - 1] = VerifyTiming {
+                m,
+                calls,
+                secs: calls as f64 * r * t1,
+            };
+        }
+        Metrics {
+            prompt_tokens: prompt,
+            emitted: 100,
+            verify_by_len: verify,
+            ..Metrics::default()
+        }
+    }
+
+    #[test]
+    fn a_runs_blocks_move_the_curve_by_their_weight() {
+        let mut cal = calibration(None);
+        // r(2) is 1.1; 10 blocks at 1.3 against 12 single steps count 10 calls against 16.
+        assert!(cal.learn(&run(50, 12, &[(2, 10, 1.3)])));
+        let want = (16.0 * 1.1 + 10.0 * 1.3) / 26.0;
+        assert!((cal.r[1] - want).abs() < 1e-12, "{}", cal.r[1]);
+        assert_eq!(cal.weights[1], 26.0);
+        assert_eq!(cal.weights[2], MEASURED_WEIGHT);
+        assert_eq!(cal.r[2], 1.2);
+        assert_eq!(cal.learned_blocks, 10);
+        // Fewer single steps than blocks bound the run's weight: 4 calls, not 10.
+        let before = cal.r[1];
+        let mut fewer = cal.clone();
+        assert!(fewer.learn(&run(50, MIN_SINGLE_STEPS, &[(2, 10, 2.0)])));
+        let w = MIN_SINGLE_STEPS as f64;
+        assert!((fewer.r[1] - (26.0 * before + w * 2.0) / (26.0 + w)).abs() < 1e-12);
+        // Without enough single steps a run has no unit and teaches nothing; nor does plain
+        // decoding (no blocks).
+        assert!(!cal.learn(&run(50, MIN_SINGLE_STEPS - 1, &[(2, 10, 2.0)])));
+        assert!(!cal.learn(&run(50, 40, &[])));
+        assert_eq!(cal.r[1], before);
+        // The weight is capped, so that later runs still count.
+        for _ in 0..100 {
+            cal.learn(&run(50, 40, &[(2, 40, 1.3)]));
+        }
+        assert_eq!(cal.weights[1], MAX_LEARNED_WEIGHT);
+        assert!((cal.r[1] - 1.3).abs() < 1e-6);
+    }
+
+    #[test]
+    fn blocks_after_a_longer_context_are_moved_back_to_the_calibrations() {
+        let cc = ContextCost {
+            at: 64,
+            shared: 2e-4,
+            per_row: 4e-5,
+        };
+        let mut cal = calibration(Some(cc));
+        let prior = as_prior(&cal).expect("a valid calibration");
+        // A run whose blocks cost exactly what the calibration predicts at its context (prompt 550
+        // plus half of 100 emitted tokens: 600) leaves the curve where it was.
+        let at = prior.at_context(600);
+        let blocks: Vec<(usize, u64, f64)> = (2..=16).map(|m| (m, 8, at.r(m))).collect();
+        assert!(cal.learn(&run(550, 20, &blocks)));
+        for m in 1..=16 {
+            assert!(
+                (cal.r[m - 1] - prior.r(m)).abs() < 1e-9,
+                "r({m}) {}",
+                cal.r[m - 1]
+            );
+        }
+        // Blocks 5% dearer there move every length up.
+        let dearer: Vec<(usize, u64, f64)> =
+            blocks.iter().map(|&(m, c, r)| (m, c, 1.05 * r)).collect();
+        assert!(cal.learn(&run(550, 20, &dearer)));
+        assert!((2..=16).all(|m| cal.r[m - 1] > prior.r(m)));
+    }
+
+    #[test]
+    fn a_learned_calibration_becomes_the_prior_of_a_cost_model() {
+        let mut cal = calibration(None);
+        let mut policy = DraftLenPolicy::auto(None);
+        cal.set_prior(&mut policy);
+        assert_eq!(policy.calibration().map(|p| p.r(2)), Some(1.1));
+        cal.learn(&run(50, 20, &[(2, 20, 1.5)]));
+        cal.set_prior(&mut policy);
+        let r2 = policy.calibration().map_or(0.0, |p| p.r(2));
+        assert!(r2 > 1.2, "{r2}");
+        // A fixed draft length has no prior to set.
+        let mut fixed = DraftLenPolicy::default();
+        cal.set_prior(&mut fixed);
+        assert_eq!(fixed, DraftLenPolicy::default());
+    }
 }

@@ -97,6 +97,10 @@ pub fn command(args: &ChatArgs, ui: Ui) -> Result<()> {
             &args.decode.stop,
         )?;
         ui.note(stats_line(&g, &config));
+        // The next turn starts from the calibration this one taught.
+        if let Some(cal) = crate::calibration::learn_saved(&loaded, &g.output.metrics, ui) {
+            cal.set_prior(&mut config.draft_len);
+        }
         if let Some(e) = &g.error {
             eprintln!("error: {e}");
         }

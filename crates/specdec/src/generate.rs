@@ -252,6 +252,8 @@ pub fn command(args: &GenerateArgs, ui: Ui) -> Result<()> {
             &args.decode.stop,
         )?
     };
+    // The next run starts from what this one's blocks cost.
+    let _ = crate::calibration::learn_saved(&loaded, &g.output.metrics, ui);
     if args.json {
         let obj = json!({
             "text": g.text,

@@ -255,21 +255,12 @@ pub fn continue_by_lookup(
         reach[i + 1] = reach[i] * acceptance(i);
         expected[i + 1] = expected[i] + reach[i + 1];
     }
-    // A model draft ending in a stop token brings no bonus token after it.
-    let model_ends = draft
-        .tokens
-        .last()
-        .is_some_and(|t| req.stop_tokens.contains(t));
-    let whole = (expected[k] - if model_ends { reach[k] } else { 0.0 }) / c.r(k + 1);
+    let whole = expected[k] / c.r(k + 1);
     let mut best: Option<(usize, Proposal)> = None;
     let mut best_rate = whole;
     let mut context = req.context.to_vec();
     let mut walk = Proposal::default();
     for j in 1..=k {
-        if req.stop_tokens.contains(&draft.tokens[j - 1]) {
-            // Nothing after a token that ends the generation is emitted.
-            break;
-        }
         context.truncate(req.context.len());
         context.extend_from_slice(&draft.tokens[..j]);
         lookup.continuation(

@@ -315,6 +315,32 @@ fn rejection_mode_is_exact_for_every_drafter_option() {
                 ),
             ),
             (
+                // The lookup ending its drafts after token 2 (stop 37), each sequence's estimates
+                // lowered by its own record.
+                "lookup stopping after token 2, cost model",
+                sample_joint_counted(
+                    &target_logits(),
+                    &mut StopsDraftingAfter2(LookupDrafter::default()),
+                    &priced(0.0),
+                    n,
+                )
+                .0,
+            ),
+            (
+                // The hybrid's lookup, model drafts and continuations all ending after token 2.
+                "hybrid stopping after token 2, cost model",
+                sample_joint_counted(
+                    &target_logits(),
+                    &mut StopsDraftingAfter2(HybridDrafter::new(
+                        LookupDrafter::default(),
+                        ModelDrafter::new(MockModel::new(draft_logits())),
+                    )),
+                    &priced(0.0),
+                    n,
+                )
+                .0,
+            ),
+            (
                 // The per-round choice between the lookup and the model draft, and the lookup's
                 // continuation of model drafts (one-hot tokens after the model's, which carry q).
                 "hybrid, cost model",

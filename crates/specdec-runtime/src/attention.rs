@@ -7,7 +7,7 @@
 //! row's result does not depend on the block, the batch, the thread or the level.
 
 use specdec_kernels::f16::f16_to_f32;
-use specdec_kernels::{Kernels, ThreadPool};
+use specdec_kernels::{CpuLevel, Kernels, ThreadPool};
 
 use crate::config::ModelConfig;
 use crate::kv::KEY_TILE;
@@ -33,7 +33,10 @@ pub(crate) fn attention(
 ) {
     let q_dim = c.q_dim();
     let m = q.len() / q_dim;
-    let avx2 = Kernels::get().level().has_avx2();
+    let level = Kernels::get().level();
+    let avx2 = level.has_avx2();
+    // The 512-bit loops where the matmul level says 512-bit operations run at full width (Intel).
+    let zmm = level == CpuLevel::Avx512Zmm;
     for first in (0..m).step_by(ATTN_ROWS) {
         let rows = ATTN_ROWS.min(m - first);
         let at = first * q_dim..(first + rows) * q_dim;
@@ -47,11 +50,16 @@ pub(crate) fn attention(
             span: pos + first + rows,
         };
         #[cfg(target_arch = "x86_64")]
+        if zmm {
+            job.run::<Avx512>(&mut out[at], scores, pool);
+            continue;
+        }
+        #[cfg(target_arch = "x86_64")]
         if avx2 {
             job.run::<Avx2>(&mut out[at], scores, pool);
             continue;
         }
-        let _ = avx2;
+        let _ = (avx2, zmm);
         job.run::<Portable>(&mut out[at], scores, pool);
     }
 }
@@ -611,6 +619,112 @@ impl HalfOps for Avx2 {
     }
 }
 
+/// [`Avx2`] on 512-bit vectors (AVX512F): one 16-lane vector per query head where [`Avx2`] needs
+/// two, so half the widenings and fused multiply-adds per key or value row. The same lanes in the
+/// same order, so the same bits.
+#[cfg(target_arch = "x86_64")]
+struct Avx512;
+
+#[cfg(target_arch = "x86_64")]
+impl HalfOps for Avx512 {
+    #[target_feature(enable = "avx2,f16c,fma,avx512f")]
+    unsafe fn score_batch(
+        rows: &AttentionRows<'_>,
+        kvh: usize,
+        heads: std::ops::Range<usize>,
+        scores: &SharedMut,
+    ) {
+        // SAFETY: the caller's contract.
+        unsafe { rows.score_batch::<Self>(kvh, heads, scores) }
+    }
+
+    #[target_feature(enable = "avx2,f16c,fma,avx512f")]
+    unsafe fn weigh_values(
+        rows: &AttentionRows<'_>,
+        i: usize,
+        kvh: usize,
+        scores: &SharedMut,
+        out: &mut [f32],
+    ) {
+        // SAFETY: the caller's contract.
+        unsafe { rows.weigh_values::<Self>(i, kvh, scores, out) }
+    }
+
+    /// One 16-lane vector of sums per query head, a lane per key: per element `d`, the tile's row
+    /// widened once and multiplied into every head's sums with the head's `q[d]` broadcast.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma,avx512f")]
+    unsafe fn score_tile<const H: usize>(
+        q: [&[f32]; H],
+        tile: &[u16],
+        sums: &mut [[f32; KEY_TILE]; H],
+    ) {
+        use std::arch::x86_64::*;
+        const { assert!(KEY_TILE == 16) };
+        let hd = q[0].len();
+        assert!(tile.len() >= hd * KEY_TILE && q.iter().all(|q| q.len() >= hd));
+        let tp = tile.as_ptr();
+        let mut acc = [_mm512_setzero_ps(); H];
+        // SAFETY: `d < hd`, so every load is within `tile` and each `q[h]` (asserted above).
+        unsafe {
+            for d in 0..hd {
+                let k = _mm512_cvtph_ps(_mm256_loadu_si256(tp.add(d * KEY_TILE).cast()));
+                for (a, q) in acc.iter_mut().zip(&q) {
+                    *a = _mm512_fmadd_ps(_mm512_set1_ps(*q.get_unchecked(d)), k, *a);
+                }
+            }
+            for (a, s) in acc.iter().zip(sums.iter_mut()) {
+                _mm512_storeu_ps(s.as_mut_ptr(), *a);
+            }
+        }
+    }
+
+    /// One 16-lane vector of sums per query head, a lane per output element, loaded from `out` and
+    /// stored back: per value row, its 16 elements widened once and multiplied into every head's
+    /// sums with the head's weight broadcast.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma,avx512f")]
+    unsafe fn value_lanes<const H: usize>(
+        w: [&[f32]; H],
+        values: &[u16],
+        hd: usize,
+        d: usize,
+        out: &mut [f32],
+    ) {
+        use std::arch::x86_64::*;
+        const { assert!(VALUE_LANES == 16) };
+        let n = w[0].len();
+        assert!(
+            d + VALUE_LANES <= hd
+                && values.len() >= n * hd
+                && out.len() >= H * hd
+                && w.iter().all(|w| w.len() >= n)
+        );
+        let (vp, op) = (values.as_ptr(), out.as_mut_ptr());
+        // SAFETY: `j < n`, `h < H` and `d + 16 <= hd`, so every access is within `values`, `out`
+        // and each `w[h]` (asserted above).
+        unsafe {
+            let mut acc: [__m512; H] = std::array::from_fn(|h| _mm512_loadu_ps(op.add(h * hd + d)));
+            for j in 0..n {
+                let v = _mm512_cvtph_ps(_mm256_loadu_si256(vp.add(j * hd + d).cast()));
+                for (a, w) in acc.iter_mut().zip(&w) {
+                    *a = _mm512_fmadd_ps(_mm512_set1_ps(*w.get_unchecked(j)), v, *a);
+                }
+            }
+            for (h, a) in acc.iter().enumerate() {
+                _mm512_storeu_ps(op.add(h * hd + d), *a);
+            }
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma,avx512f")]
+    unsafe fn prefetch(src: &[u16]) {
+        // SAFETY: the caller's contract (AVX2 is part of this implementation's features).
+        unsafe { Avx2::prefetch(src) }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -642,6 +756,20 @@ mod tests {
                 (
                     |q, t, s| unsafe { Avx2::score_tile(q, t, s) },
                     |w, v, hd, d, s| unsafe { Avx2::value_lanes(w, v, hd, d, s) },
+                ),
+            ));
+        }
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("f16c")
+            && std::arch::is_x86_feature_detected!("fma")
+            && std::arch::is_x86_feature_detected!("avx512f")
+        {
+            levels.push((
+                "avx512",
+                (
+                    |q, t, s| unsafe { Avx512::score_tile(q, t, s) },
+                    |w, v, hd, d, s| unsafe { Avx512::value_lanes(w, v, hd, d, s) },
                 ),
             ));
         }

@@ -452,6 +452,37 @@ trait HalfOps {
     unsafe fn prefetch(src: &[u16]);
 }
 
+/// [`HalfOps::score_batch`] and [`HalfOps::weigh_values`] for an implementation whose instructions
+/// need the target features `$features`: the shared glue of both jobs, compiled with them, so that
+/// the implementation's loops inline and the softmax loops vectorise at its width.
+#[cfg(target_arch = "x86_64")]
+macro_rules! glue {
+    ($features:literal) => {
+        #[target_feature(enable = $features)]
+        unsafe fn score_batch(
+            rows: &AttentionRows<'_>,
+            kvh: usize,
+            heads: std::ops::Range<usize>,
+            scores: &SharedMut,
+        ) {
+            // SAFETY: the caller's contract.
+            unsafe { rows.score_batch::<Self>(kvh, heads, scores) }
+        }
+
+        #[target_feature(enable = $features)]
+        unsafe fn weigh_values(
+            rows: &AttentionRows<'_>,
+            i: usize,
+            kvh: usize,
+            scores: &SharedMut,
+            out: &mut [f32],
+        ) {
+            // SAFETY: the caller's contract.
+            unsafe { rows.weigh_values::<Self>(i, kvh, scores, out) }
+        }
+    };
+}
+
 struct Portable;
 
 impl HalfOps for Portable {
@@ -505,28 +536,7 @@ struct Avx2;
 
 #[cfg(target_arch = "x86_64")]
 impl HalfOps for Avx2 {
-    #[target_feature(enable = "avx2,f16c,fma")]
-    unsafe fn score_batch(
-        rows: &AttentionRows<'_>,
-        kvh: usize,
-        heads: std::ops::Range<usize>,
-        scores: &SharedMut,
-    ) {
-        // SAFETY: the caller's contract.
-        unsafe { rows.score_batch::<Self>(kvh, heads, scores) }
-    }
-
-    #[target_feature(enable = "avx2,f16c,fma")]
-    unsafe fn weigh_values(
-        rows: &AttentionRows<'_>,
-        i: usize,
-        kvh: usize,
-        scores: &SharedMut,
-        out: &mut [f32],
-    ) {
-        // SAFETY: the caller's contract.
-        unsafe { rows.weigh_values::<Self>(i, kvh, scores, out) }
-    }
+    glue!("avx2,f16c,fma");
 
     /// Two 8-lane vectors of sums per query head, a lane per key: per element `d`, the tile's row
     /// widened once and multiplied into every head's sums with the head's `q[d]` broadcast.
@@ -627,28 +637,7 @@ struct Avx512;
 
 #[cfg(target_arch = "x86_64")]
 impl HalfOps for Avx512 {
-    #[target_feature(enable = "avx2,f16c,fma,avx512f")]
-    unsafe fn score_batch(
-        rows: &AttentionRows<'_>,
-        kvh: usize,
-        heads: std::ops::Range<usize>,
-        scores: &SharedMut,
-    ) {
-        // SAFETY: the caller's contract.
-        unsafe { rows.score_batch::<Self>(kvh, heads, scores) }
-    }
-
-    #[target_feature(enable = "avx2,f16c,fma,avx512f")]
-    unsafe fn weigh_values(
-        rows: &AttentionRows<'_>,
-        i: usize,
-        kvh: usize,
-        scores: &SharedMut,
-        out: &mut [f32],
-    ) {
-        // SAFETY: the caller's contract.
-        unsafe { rows.weigh_values::<Self>(i, kvh, scores, out) }
-    }
+    glue!("avx2,f16c,fma,avx512f");
 
     /// One 16-lane vector of sums per query head, a lane per key: per element `d`, the tile's row
     /// widened once and multiplied into every head's sums with the head's `q[d]` broadcast.

@@ -607,10 +607,7 @@ impl Sequence {
         let (extension, prefix, lag) = (draft.extension, draft.prefix, draft.lag);
         // What the round was expected to yield, before its verdict: a draft whose last token ends
         // the generation brings no bonus token after it.
-        let ends = draft
-            .tokens
-            .last()
-            .is_some_and(|t| self.config.stop_tokens.contains(t));
+        let ends = draft.ends_at(&self.config.stop_tokens);
         let expected = if lookup {
             expected_tokens_ending(draft.confidence.iter().map(|&a| f64::from(a)), ends)
         } else {

@@ -281,10 +281,7 @@ impl LookupDrafter {
         self.remember(req, out, buckets);
         match req.costs {
             Some(costs) => {
-                let ends = out
-                    .tokens
-                    .last()
-                    .is_some_and(|t| req.stop_tokens.contains(t));
+                let ends = out.ends_at(req.stop_tokens);
                 let (len, rate) = costs.best_free_len(&out.confidence, ends);
                 out.truncate(len);
                 rate
@@ -636,24 +633,22 @@ mod tests {
                 d.commit(seq, &committed).unwrap();
             }
         }
+        // Sequence `seq`'s draft after `ctx`.
+        let propose = |d: &mut LookupDrafter, seq| {
+            let mut out = Proposal::default();
+            d.propose_one(
+                &DraftRequest {
+                    seq,
+                    ..request(&ctx, 4, &greedy, None)
+                },
+                &mut out,
+            );
+            out
+        };
         // Both sequences read the same buckets for the same context; only their own records
         // differ.
-        let mut failing = Proposal::default();
-        d.propose_one(
-            &DraftRequest {
-                seq: SeqId(0),
-                ..request(&ctx, 4, &greedy, None)
-            },
-            &mut failing,
-        );
-        let mut passing = Proposal::default();
-        d.propose_one(
-            &DraftRequest {
-                seq: SeqId(1),
-                ..request(&ctx, 4, &greedy, None)
-            },
-            &mut passing,
-        );
+        let failing = propose(&mut d, SeqId(0));
+        let passing = propose(&mut d, SeqId(1));
         assert_eq!(failing.tokens.first(), passing.tokens.first());
         assert!(
             failing.confidence[0] < 0.6 * passing.confidence[0],
@@ -664,14 +659,7 @@ mod tests {
         // Doing better than the buckets does not raise them: a sequence with no record of its
         // own reads the same estimates as the passing one.
         d.prefill(SeqId(2), &ctx).unwrap();
-        let mut fresh = Proposal::default();
-        d.propose_one(
-            &DraftRequest {
-                seq: SeqId(2),
-                ..request(&ctx, 4, &greedy, None)
-            },
-            &mut fresh,
-        );
+        let fresh = propose(&mut d, SeqId(2));
         assert_eq!(fresh.confidence, passing.confidence);
     }
 

@@ -199,6 +199,12 @@ pub struct Proposal {
 }
 
 impl Proposal {
+    /// Whether the last drafted token is one of `stop_tokens`, so that the draft, accepted whole,
+    /// ends the generation with no token after it.
+    pub fn ends_at(&self, stop_tokens: &[TokenId]) -> bool {
+        self.tokens.last().is_some_and(|t| stop_tokens.contains(t))
+    }
+
     /// Empties the proposal.
     pub fn clear(&mut self) {
         self.tokens.clear();

@@ -209,10 +209,7 @@ pub fn plan_hybrid(
     if c.model_len > 0 && (model_rate > bar || probe) {
         (plan, best) = (HybridPlan::Model, model_rate);
     }
-    let ends = lookup
-        .tokens
-        .last()
-        .is_some_and(|t| req.stop_tokens.contains(t));
+    let ends = lookup.ends_at(req.stop_tokens);
     if let Some((k, rate)) = c.best_extension(&lookup.confidence, ends, req.max_len, lag) {
         let rate = rate * c.extended_factor;
         if rate > bar && rate > best {
@@ -273,10 +270,7 @@ pub fn continue_by_lookup(
         );
         // The expected tokens with the first l + 1 tokens of the walk after the prefix.
         let (mut tokens, mut reached) = (expected[j], reach[j]);
-        let ends = walk
-            .tokens
-            .last()
-            .is_some_and(|t| req.stop_tokens.contains(t));
+        let ends = walk.ends_at(req.stop_tokens);
         for (l, &a) in walk.confidence.iter().enumerate() {
             reached *= f64::from(a);
             tokens += reached;

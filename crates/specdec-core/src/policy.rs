@@ -100,6 +100,25 @@ pub struct ContextCost {
 }
 
 impl ContextCost {
+    /// The unit of [`FixedCost::at_context`] after `n` tokens of context: a single step at `n` in
+    /// single steps at `at`, `1 + (shared + per_row) (n - at)`, and `n - at`; `None` where it is
+    /// not a positive number (the curve is then left unmoved).
+    fn unit(&self, n: f64) -> Option<(f64, f64)> {
+        let d = n - self.at as f64;
+        let unit = 1.0 + (self.shared + self.per_row) * d;
+        (unit > 0.0).then_some((unit, d))
+    }
+
+    /// The inverse of [`FixedCost::at_context`] for one length: `r_n`, the cost of scoring `m`
+    /// tokens after `n` tokens of context in single steps at `n`, as `r(m)` at the curve's context
+    /// `at`.
+    pub fn to_calibration_context(&self, m: usize, n: f64, r_n: f64) -> f64 {
+        match self.unit(n) {
+            Some((unit, d)) => r_n * unit - (self.shared + m as f64 * self.per_row) * d,
+            None => r_n,
+        }
+    }
+
     /// Fits `t(m, long) / t(1, at) - r(m) = (shared + m · per_row) · (long - at)` by least squares
     /// to blocks of `m` tokens timed after `long` tokens of context (`(m, t(m, long) / t(1, at))`
     /// pairs), with `r(m)` measured at `at`. `None` without two block lengths or with `long <= at`.
@@ -152,11 +171,9 @@ impl FixedCost {
         let Some(cc) = self.context else {
             return self.clone();
         };
-        let d = n as f64 - cc.at as f64;
-        let unit = 1.0 + (cc.shared + cc.per_row) * d;
-        if unit.is_nan() || unit <= 0.0 {
+        let Some((unit, d)) = cc.unit(n as f64) else {
             return self.clone();
-        }
+        };
         FixedCost {
             c: self.c / unit,
             draft_fixed: self.draft_fixed / unit,

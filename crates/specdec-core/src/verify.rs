@@ -170,13 +170,7 @@ pub fn residual_into(p: &Probs, q: &Probs, out: &mut Vec<f32>) -> f64 {
 /// given that all before it were: `Σ_{i=1..k} Π_{j≤i} a_j + 1` (the `+ 1` is the resampled or bonus
 /// token).
 pub fn expected_tokens(acceptance: &[f64]) -> f64 {
-    let mut prod = 1.0;
-    let mut total = 1.0;
-    for &a in acceptance {
-        prod *= a;
-        total += prod;
-    }
-    total
+    expected_tokens_ending(acceptance.iter().copied(), false)
 }
 
 /// [`expected_tokens`] for a draft whose last token ends the generation (`ends`): accepted whole,

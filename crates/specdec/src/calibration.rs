@@ -85,19 +85,9 @@ impl Calibration {
                 continue;
             }
             let at_n = t.secs / t.calls as f64 / t1;
-            let r_at = match self.context {
-                Some(cc) => {
-                    let d = n - cc.at as f64;
-                    let unit = 1.0 + (cc.shared + cc.per_row) * d;
-                    if unit.is_nan() || unit <= 0.0 {
-                        // As `FixedCost::at_context`, which leaves such a curve unmoved.
-                        at_n
-                    } else {
-                        at_n * unit - (cc.shared + t.m as f64 * cc.per_row) * d
-                    }
-                }
-                None => at_n,
-            };
+            let r_at = self
+                .context
+                .map_or(at_n, |cc| cc.to_calibration_context(t.m, n, at_n));
             if !r_at.is_finite() || r_at <= 0.0 {
                 continue;
             }

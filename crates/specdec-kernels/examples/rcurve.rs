@@ -1,7 +1,8 @@
 //! Quick r(m) of the matmul per format on a 1.5B-like FFN shape, threaded as the runtime runs it:
 //! `cargo run --release -p specdec-kernels --example rcurve [threads] [rows] [every]` (`every`: r(m)
 //! for every m in 1..=16, not only powers of two; `RCURVE_COLS=N` sets the input features, default 1536;
-//! `RCURVE_FORMATS=Q4K,Q6K` times only those formats). Each line ends with the fastest pass's
+//! `RCURVE_FORMATS=Q4K,Q6K` times only those formats; `RCURVE_COPIES=N` cycles through N copies of
+//! the matrix, enough of which read it from memory instead of cache). Each line ends with the fastest pass's
 //! multiply-accumulate rate.
 
 use specdec_kernels::{BlockFormat, Kernels, QMatrix, ThreadPool};
@@ -55,7 +56,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 b[3] = 0x20;
             }
         }
-        let w = QMatrix::from_bytes(format, rows, cols, &raw)?;
+        // Copies of the matrix, used in turn: with enough of them their bytes outgrow the caches
+        // and every pass reads its weights from memory, as a model's step does.
+        let copies: usize = std::env::var("RCURVE_COPIES").map_or(Ok(1), |s| s.parse())?;
+        let ws = (0..copies.max(1))
+            .map(|_| QMatrix::from_bytes(format, rows, cols, &raw))
+            .collect::<Result<Vec<_>, _>>()?;
+        let w = &ws[0];
         let mut t1 = 0.0;
         let mut line = Vec::new();
         // The multiply-accumulate rate of the fastest pass: the kernel's compute throughput where
@@ -75,9 +82,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let xq = w.quantize_activations(m, &x)?;
             let mut out = vec![0.0; m * rows];
             let mut times = Vec::new();
-            for _ in 0..201 {
+            for i in 0..201 {
+                let w = &ws[i % ws.len()];
                 let start = Instant::now();
-                kernels.matmul_threaded(&w, &xq, &mut out, &pool)?;
+                kernels.matmul_threaded(w, &xq, &mut out, &pool)?;
                 times.push(start.elapsed().as_secs_f64());
             }
             times.sort_by(f64::total_cmp);

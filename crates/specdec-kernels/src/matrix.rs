@@ -394,14 +394,7 @@ impl QuantizedActivations {
                 });
             }
             ActBlocks::Q8K(out) => {
-                out.resize(
-                    n,
-                    BlockQ8K {
-                        d: 0.0,
-                        qs: [0; 256],
-                        bsums: [0; 16],
-                    },
-                );
+                out.resize(n, BlockQ8K::ZERO);
                 spread(pool, out, 8, &|start, part| {
                     quantize_row_q8_k(&x[start * QK_K..(start + part.len()) * QK_K], part);
                 });

@@ -255,14 +255,7 @@ pub(crate) fn assert_arithmetics_agree<B: WeightBlock>(
     let x: Vec<f32> = (0..n)
         .map(|i| ((i * 7919 % 1000) as f32 / 250.0 - 2.0) * if i % 13 == 0 { 8.0 } else { 1.0 })
         .collect();
-    let mut xq = vec![
-        BlockQ8K {
-            qs: [0; QK_K],
-            bsums: [0; QK_K / 16],
-            d: 0.0
-        };
-        w.len()
-    ];
+    let mut xq = vec![BlockQ8K::ZERO; w.len()];
     quantize_row_q8_k(&x, &mut xq);
     let (a, b) = (grouped(w, &xq), per_lane(w, &xq));
     // The magnitudes: every dequantised weight times its activation.

@@ -124,6 +124,15 @@ pub fn dot_q4_kx8_q8_k(w: &[BlockQ4K], x: &[BlockQ8K]) -> f32 {
     acc
 }
 
+/// `sums32[2 i]` and `sums32[2 i + 1]` of `x` as the low and high `i16` of one `i32` (`i < 4`): the
+/// activation side of a pair of sub-blocks' mins in one `madd` or `vpdpwssd` lane.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+fn pair_of_sums(x: &BlockQ8K, i: usize) -> i32 {
+    let (lo, hi) = (x.sums32[2 * i], x.sums32[2 * i + 1]);
+    i32::from(lo as u16) | (i32::from(hi) << 16)
+}
+
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
     use super::{BlockQ4Kx8, BlockQ8K};
@@ -237,25 +246,21 @@ pub(crate) mod avx2 {
         Scales { sc, mins, d, dmin }
     }
 
-    /// Lane `k`: `Σ_j m[j] (bsums[2j] + bsums[2j + 1])` of row `k`, exactly (the pair sums are at
-    /// most 32 · 127 in magnitude, so they fit `i16`).
+    /// Lane `k`: `Σ_j m[j] · sums32[j]` of row `k`, exactly (`sums32[j]` is at most 32 · 127 in
+    /// magnitude, so it fits `i16`): per pair of sub-blocks one `madd` against the pair's two
+    /// `sums32` broadcast from memory.
     #[inline]
     #[target_feature(enable = "avx2,f16c,fma")]
     fn mins(mins: &[__m256i; 4], x: &BlockQ8K) -> __m256i {
-        // SAFETY: `bsums` is 16 `i16`, 32 bytes.
-        let b = unsafe { _mm256_loadu_si256(x.bsums.as_ptr().cast()) };
-        // 32-bit elements 0, 1 (low half) and 4, 5 (high half) hold the pair sums (0, 1), (2, 3),
-        // (4, 5) and (6, 7).
-        let pairs = _mm256_hadd_epi16(b, b);
-        let at = |i: i32| _mm256_permutevar8x32_epi32(pairs, _mm256_set1_epi32(i));
+        let at = |i: usize| _mm256_set1_epi32(super::pair_of_sums(x, i));
         _mm256_add_epi32(
             _mm256_add_epi32(
                 _mm256_madd_epi16(mins[0], at(0)),
                 _mm256_madd_epi16(mins[1], at(1)),
             ),
             _mm256_add_epi32(
-                _mm256_madd_epi16(mins[2], at(4)),
-                _mm256_madd_epi16(mins[3], at(5)),
+                _mm256_madd_epi16(mins[2], at(2)),
+                _mm256_madd_epi16(mins[3], at(3)),
             ),
         )
     }
@@ -581,26 +586,16 @@ pub(crate) mod avx512 {
         }
     }
 
-    /// Lane `k` of each half: `Σ_j m[j] (bsums[2j] + bsums[2j + 1])` of that group's row `k`,
-    /// exactly.
+    /// Lane `k` of each half: `Σ_j m[j] · sums32[j]` of that group's row `k`, exactly: one `madd`
+    /// and three `vpdpwssd`, each against a pair of `sums32` broadcast from memory.
     #[inline]
     #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni,avx512bw")]
     fn mins(mins: &[__m512i; 4], x: &BlockQ8K) -> __m512i {
-        // SAFETY: `bsums` is 16 `i16`, 32 bytes.
-        let b = unsafe { _mm256_loadu_si256(x.bsums.as_ptr().cast()) };
-        // 32-bit elements 0, 1 and 4, 5 hold the pair sums (0, 1), (2, 3), (4, 5) and (6, 7).
-        let pairs = _mm512_zextsi256_si512(_mm256_hadd_epi16(b, b));
-        let at = |i: i32| _mm512_permutexvar_epi32(_mm512_set1_epi32(i), pairs);
-        _mm512_add_epi32(
-            _mm512_add_epi32(
-                _mm512_madd_epi16(mins[0], at(0)),
-                _mm512_madd_epi16(mins[1], at(1)),
-            ),
-            _mm512_add_epi32(
-                _mm512_madd_epi16(mins[2], at(4)),
-                _mm512_madd_epi16(mins[3], at(5)),
-            ),
-        )
+        let at = |i: usize| _mm512_set1_epi32(super::pair_of_sums(x, i));
+        let m = _mm512_madd_epi16(mins[0], at(0));
+        let m = _mm512_dpwssd_epi32(m, mins[1], at(1));
+        let m = _mm512_dpwssd_epi32(m, mins[2], at(2));
+        _mm512_dpwssd_epi32(m, mins[3], at(3))
     }
 
     /// Interleaved Q4_K as [`Pairs`].

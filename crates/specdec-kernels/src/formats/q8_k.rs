@@ -27,6 +27,24 @@ pub struct BlockQ8K {
     pub bsums: [i16; QK_K / 16],
     /// Scale (negative when the largest-magnitude value is positive, as in ggml).
     pub d: f32,
+    /// `sums32[j]` = `bsums[2 j] + bsums[2 j + 1]`, the sum of the quants of values `32 j .. 32 j +
+    /// 32` (Q4_K sub-block `j`; at most 32 · 127 in magnitude). Not in ggml's block: it lies in
+    /// what would otherwise be padding, so that the interleaved Q4_K passes broadcast each pair of
+    /// them straight from memory instead of adding and shuffling `bsums` for every row and block.
+    pub sums32: [i16; QK_K / 32],
+}
+
+// The sums of 32 values take 16 of the 28 bytes of padding that the alignment left.
+const _: () = assert!(std::mem::size_of::<BlockQ8K>() == 320);
+
+impl BlockQ8K {
+    /// The block of 256 zeros (scale 0).
+    pub const ZERO: BlockQ8K = BlockQ8K {
+        qs: [0; QK_K],
+        bsums: [0; QK_K / 16],
+        d: 0.0,
+        sums32: [0; QK_K / 32],
+    };
 }
 
 /// The value (0..256) whose quant is at position `i` of [`BlockQ8K::qs`]: position `32 t + 4 j + b`
@@ -88,11 +106,7 @@ fn quantize_blocks(x: &[f32], out: &mut [BlockQ8K]) {
     for (x, block) in x.chunks_exact(QK_K).zip(out) {
         let amax = x.iter().fold(0f32, |a, &v| a.max(v.abs()));
         if amax == 0.0 {
-            *block = BlockQ8K {
-                d: 0.0,
-                qs: [0; QK_K],
-                bsums: [0; QK_K / 16],
-            };
+            *block = BlockQ8K::ZERO;
             continue;
         }
         // The first value of the largest magnitude (`amax` is the magnitude of one of them).
@@ -107,6 +121,9 @@ fn quantize_blocks(x: &[f32], out: &mut [BlockQ8K]) {
         for (sum, q) in block.bsums.iter_mut().zip(q.chunks_exact(16)) {
             // 16 values of magnitude ≤ 127: |sum| ≤ 2032.
             *sum = q.iter().map(|&q| i16::from(q)).sum();
+        }
+        for (j, sum) in block.sums32.iter_mut().enumerate() {
+            *sum = block.bsums[2 * j] + block.bsums[2 * j + 1];
         }
         // Position 32 t + 4 j + b holds value 32 j + 4 t + b.
         for (t, vector) in block.qs.chunks_exact_mut(32).enumerate() {
@@ -155,11 +172,7 @@ mod tests {
                 }
             }
             if amax == 0.0 {
-                *block = BlockQ8K {
-                    d: 0.0,
-                    qs: [0; QK_K],
-                    bsums: [0; QK_K / 16],
-                };
+                *block = BlockQ8K::ZERO;
                 continue;
             }
             let iscale = -127.0 / max;
@@ -172,17 +185,19 @@ mod tests {
                     .sum();
                 block.bsums[i] = sum;
             }
+            for j in 0..QK_K / 32 {
+                let sum = (32 * j..32 * j + 32)
+                    .map(|v| i16::from(block.quant(v)))
+                    .sum();
+                block.sums32[j] = sum;
+            }
             block.d = 1.0 / iscale;
         }
     }
 
     #[test]
     fn q8_k_equals_the_reference_with_ties_zeros_and_nans() {
-        let zero = BlockQ8K {
-            d: 0.0,
-            qs: [0; QK_K],
-            bsums: [0; 16],
-        };
+        let zero = BlockQ8K::ZERO;
         let mut x: Vec<f32> = (0..8 * QK_K)
             .map(|i| ((i * 2_654_435_761) % 1_000_003) as f32 / 1_000_003.0 - 0.5)
             .collect();
@@ -220,11 +235,7 @@ mod tests {
     #[test]
     fn q8_k_maps_the_extreme_value_to_minus_127_and_keeps_sums() {
         let x: Vec<f32> = (0..QK_K).map(|i| (i as f32 - 100.0) * 0.37).collect();
-        let mut out = [BlockQ8K {
-            d: 0.0,
-            qs: [0; QK_K],
-            bsums: [0; 16],
-        }];
+        let mut out = [BlockQ8K::ZERO];
         quantize_row_q8_k(&x, &mut out);
         let b = &out[0];
         // The largest magnitude is the last value (positive), so its quant is -127 and d < 0.
@@ -234,6 +245,14 @@ mod tests {
             assert_eq!(
                 i32::from(*s),
                 (16 * i..16 * i + 16)
+                    .map(|v| i32::from(b.quant(v)))
+                    .sum::<i32>()
+            );
+        }
+        for (j, s) in b.sums32.iter().enumerate() {
+            assert_eq!(
+                i32::from(*s),
+                (32 * j..32 * j + 32)
                     .map(|v| i32::from(b.quant(v)))
                     .sum::<i32>()
             );
@@ -272,9 +291,10 @@ mod tests {
             d: 1.0,
             qs: [1; QK_K],
             bsums: [1; 16],
+            sums32: [1; 8],
         }];
         quantize_row_q8_k(&[0.0; QK_K], &mut out);
         assert_eq!(out[0].d, 0.0);
-        assert!(out[0].qs.iter().all(|&q| q == 0) && out[0].bsums.iter().all(|&s| s == 0));
+        assert_eq!(out[0], BlockQ8K::ZERO);
     }
 }

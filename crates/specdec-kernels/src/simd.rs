@@ -276,6 +276,19 @@ impl Window {
         }
     }
 
+    /// Where columns `first .. first + n` of row `r` go when all of them are in the window (a
+    /// pass's chunks are cut at group boundaries, so all but the window's edges are), else `None`.
+    ///
+    /// # Safety
+    /// As [`Window::write`]; the pointer is valid for `n` writes.
+    #[inline]
+    pub(crate) unsafe fn whole(self, r: usize, first: usize, n: usize) -> Option<*mut f32> {
+        (first >= self.skip && first - self.skip + n <= self.len).then(|| {
+            // SAFETY: the columns are in the window (the caller's contract).
+            unsafe { self.out.ptr.add(r * self.out.stride + first - self.skip) }
+        })
+    }
+
     /// Writes `lanes` (one per weight row, as the passes keep them) as columns `first ..` of row
     /// `r`, those in the window.
     ///
@@ -762,6 +775,12 @@ pub(crate) mod avx2 {
     #[inline]
     #[target_feature(enable = "avx2,f16c,fma")]
     pub(crate) unsafe fn write_group(out: super::Window, r: usize, g: usize, a: __m256) {
+        // SAFETY: the caller's contract.
+        if let Some(at) = unsafe { out.whole(r, 8 * g, 8) } {
+            // SAFETY: `whole` checked that the 8 columns are in the window.
+            unsafe { _mm256_storeu_ps(at, a) };
+            return;
+        }
         let mut lanes = [0f32; 8];
         // SAFETY: `lanes` is 8 floats.
         unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), a) };
@@ -1285,6 +1304,12 @@ pub(crate) mod avx512 {
     #[inline]
     #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni,avx512bw")]
     pub(crate) unsafe fn write_pair(out: super::Window, r: usize, g: usize, a: __m512) {
+        // SAFETY: the caller's contract.
+        if let Some(at) = unsafe { out.whole(r, 8 * g, 16) } {
+            // SAFETY: `whole` checked that the 16 columns are in the window.
+            unsafe { _mm512_storeu_ps(at, a) };
+            return;
+        }
         let mut lanes = [0f32; 16];
         // SAFETY: `lanes` is 16 floats.
         unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), a) };

@@ -207,6 +207,12 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
         }
     };
     sampling.validate().context("--temperature")?;
+    if !(0.0..=1.0).contains(&args.min_confidence) {
+        bail!(
+            "--min-confidence {}: a probability in [0, 1]",
+            args.min_confidence
+        );
+    }
     let prompts = load_prompts(&args.prompts, args.limit, ui)?;
     if prompts.is_empty() {
         bail!("no prompts to run");
@@ -249,6 +255,7 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
                 sampling: sampling.clone(),
                 seed: args.seed.wrapping_add(pi as u64),
                 verify_mode: VerifyMode::Rejection,
+                min_confidence: args.min_confidence,
                 draft_len: if *kind == DrafterKind::None {
                     DraftLenPolicy::default()
                 } else {

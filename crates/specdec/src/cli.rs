@@ -288,6 +288,10 @@ pub struct BenchArgs {
     /// Draft length for the speculative modes (as in generate).
     #[arg(long, default_value = "auto")]
     pub draft_len: String,
+    /// End a round's model drafting at a position where the draft model's most likely token has
+    /// less than this probability (as `generate --min-confidence`; 0 = never).
+    #[arg(long, default_value_t = 0.0)]
+    pub min_confidence: f32,
     /// Write every measurement and the summary as JSON.
     #[arg(long)]
     pub json: Option<PathBuf>,

@@ -143,6 +143,11 @@ fn argument_errors_are_one_clear_line() {
     assert_clean_error(&run(base(&["--top-p", "0"])), "top_p");
     assert_clean_error(&run(base(&["--draft-len", "0"])), "draft-len");
     assert_clean_error(&run(base(&["--draft-len", "many"])), "draft-len");
+    assert_clean_error(&run(base(&["--min-confidence", "2"])), "min_confidence");
+    assert_clean_error(
+        &specdec(&f, &["bench", "--target", t, "--min-confidence", "2"]),
+        "min-confidence",
+    );
     assert_clean_error(
         &specdec(
             &f,

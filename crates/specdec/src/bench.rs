@@ -261,7 +261,6 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
                 } else {
                     policy.clone()
                 },
-                ..GenerateConfig::default()
             };
             // Start each run with the target's cache holding nothing of this prompt.
             target.commit(specdec_core::SeqId(0), &[])?;

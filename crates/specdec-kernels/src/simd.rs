@@ -19,8 +19,11 @@ pub const MAX_PASS_ROWS: usize = 16;
 /// take the 256-bit VNNI ones. Both give the same bits, so the choice is only about speed:
 /// measured with `step_time` on the 1.5B target (Xeon, AVX-512 VNNI, stop 33), single-token steps
 /// ran 7–10% slower on the 512-bit passes (memory-bound: a pair of groups is read as two streams),
-/// 2 to 6 rows about as fast or slower, 8 and 16 rows and prefill faster.
-pub(crate) const ZMM_FROM_ROWS: usize = 8;
+/// 2 to 6 rows about as fast or slower, 8 and 16 rows and prefill faster. Since the 512-bit pass
+/// spreads its prefetches ([`Ahead`], stop 39), 6- and 7-token target blocks run 3–7% faster on it
+/// (`step_time`, 2 alternations: 60–62 against 63–64 ms, 66 against 70), 4 and 5 as fast or
+/// slower, single tokens slower.
+pub(crate) const ZMM_FROM_ROWS: usize = 6;
 
 /// A weight format's kernels: the scalar reference dot and, on x86-64, the AVX2 and AVX-512 VNNI
 /// passes.
@@ -236,6 +239,56 @@ group_format!(
     dot_q5_0_q8_0,
     crate::formats::interleaved::avx2::Q5_0x8
 );
+
+/// Bytes a chunk of the 512-bit pass prefetches into L2 while it computes, a part per sub-block
+/// ([`Ahead::part`]), so that the prefetches wait for memory among the multiplies instead of in one
+/// burst before them, which held up the whole step: 8-token target blocks 78–82 → 67–71 ms,
+/// 16-token 130–133 → 113–116 (stop 39, `step_time`, alternated). The 256-bit passes keep their
+/// burst ([`avx2::prefetch_ahead`]): spread the same way, 1- to 6-token blocks ran 4–7% slower.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+pub(crate) struct Ahead {
+    start: *const i8,
+    lines: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Ahead {
+    /// Nothing to prefetch.
+    pub(crate) const NONE: Ahead = Ahead {
+        start: std::ptr::null(),
+        lines: 0,
+    };
+
+    /// Block `b`'s share of the next pair of groups (`next` is its first block; a prefetch reads
+    /// nothing the program sees and cannot fault, so it may lie past the matrix): the two groups of
+    /// a pair are `2 · nb` blocks in a row, read as two streams `nb` blocks apart, which the
+    /// hardware prefetchers and [`avx2::prefetch_ahead`]'s fixed distance serve poorly; so each of
+    /// the pair's `nb` block steps prefetches 2 blocks of the next pair, in order.
+    #[inline]
+    pub(crate) fn pair<T>(next: *const T, b: usize) -> Ahead {
+        let size = std::mem::size_of::<T>();
+        Ahead {
+            start: next.cast::<i8>().wrapping_add(2 * b * size),
+            lines: (2 * size).div_ceil(64),
+        }
+    }
+
+    /// Prefetches part `i` of `n` of the lines into L2 (a prefetch reads nothing the program sees
+    /// and cannot fault).
+    #[inline]
+    pub(crate) fn part(self, i: usize, n: usize) {
+        for line in self.lines * i / n..self.lines * (i + 1) / n {
+            // SAFETY: SSE, which the prefetch needs, is part of x86-64; a prefetch reads nothing
+            // the program sees and cannot fault.
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
+                    self.start.wrapping_add(64 * line),
+                );
+            }
+        }
+    }
+}
 
 /// Where a pass writes: `out[r * stride + c]` for activation row `r` and column `c` of the pass.
 #[derive(Clone, Copy)]
@@ -1100,6 +1153,7 @@ pub(crate) mod avx2 {
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512 {
     use super::avx2::by_rows;
+    use super::Ahead;
     use super::Window;
     use crate::formats::interleaved::avx2::Groups8;
     use crate::formats::q4_k_x8::avx2::chunks;
@@ -1152,6 +1206,7 @@ pub(crate) mod avx512 {
             x: &[Self::Act],
             nb: usize,
             acc: &mut [__m512],
+            ahead: Ahead,
         );
     }
 
@@ -1206,14 +1261,17 @@ pub(crate) mod avx512 {
             let next = w.as_ptr().wrapping_add(2 * (p + 1) * nb);
             let mut acc = [_mm512_setzero_ps(); N];
             for (b, (g0, g1)) in w0.iter().zip(w1).enumerate() {
-                prefetch_pair(next, b);
+                let ahead = Ahead::pair(next, b);
                 // SAFETY: the level's features are enabled here; the chunks' rows are rows of the
                 // pass.
                 unsafe {
                     let u = P::unpack(&k, g0, g1);
                     let (a0, a1) = acc.split_at_mut(first);
-                    by_chunk!(first, P::chunk(g0, g1, &u, &x[b..], nb, a0));
-                    by_chunk!(second, P::chunk(g0, g1, &u, &x[first * nb + b..], nb, a1));
+                    by_chunk!(first, P::chunk(g0, g1, &u, &x[b..], nb, a0, ahead));
+                    by_chunk!(
+                        second,
+                        P::chunk(g0, g1, &u, &x[first * nb + b..], nb, a1, Ahead::NONE)
+                    );
                 }
             }
             for (r, &a) in acc.iter().enumerate() {
@@ -1266,10 +1324,12 @@ pub(crate) mod avx512 {
             x: &[ActQ8_0],
             nb: usize,
             acc: &mut [__m512],
+            ahead: Ahead,
         ) {
             let mut a = [_mm512_setzero_si512(); R];
             let mut c = [_mm512_setzero_si512(); R];
             for t in 0..4 {
+                ahead.part(t, 4);
                 for (i, (a, c)) in a.iter_mut().zip(c.iter_mut()).enumerate() {
                     let y = x[i * nb].qs.as_ptr();
                     // SAFETY: `qs` is 32 bytes; bytes 4t .. 4t + 4 and 16 + 4t .. 20 + 4t are in
@@ -1315,22 +1375,6 @@ pub(crate) mod avx512 {
         unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), a) };
         // SAFETY: the caller's contract.
         unsafe { out.write_lanes(r, 8 * g, &lanes) };
-    }
-
-    /// Prefetches into L2 block `b`'s share of the next pair of groups: the two groups of a pair
-    /// are `2 · nb` blocks in a row, read as two streams `nb` blocks apart, which the hardware
-    /// prefetchers and [`super::avx2::prefetch_ahead`]'s fixed distance serve poorly; so each of
-    /// the pair's `nb` block steps prefetches 2 blocks of the next pair, in order. `next` is the
-    /// next pair's first block (a prefetch reads nothing the program sees and cannot fault, so it
-    /// may lie past the matrix).
-    #[inline]
-    #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni,avx512bw")]
-    pub(crate) fn prefetch_pair<T>(next: *const T, b: usize) {
-        let size = std::mem::size_of::<T>();
-        let start = next.cast::<i8>().wrapping_add(2 * b * size);
-        for line in (0..2 * size).step_by(64) {
-            _mm_prefetch::<_MM_HINT_T1>(start.wrapping_add(line));
-        }
     }
 
     /// For each of `R` Q8_K activation rows (row `i`'s block at `x[i * nb]`): `a[i] += vpdpbusd(lo,

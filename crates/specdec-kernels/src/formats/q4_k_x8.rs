@@ -492,6 +492,7 @@ pub(crate) mod avx2 {
 pub(crate) mod avx512 {
     use super::{BlockQ4Kx8, BlockQ8K};
     use crate::simd::avx512::{join, quads, Pairs};
+    use crate::simd::Ahead;
     use crate::simd::Window;
     use std::arch::x86_64::*;
 
@@ -639,10 +640,12 @@ pub(crate) mod avx512 {
             x: &[BlockQ8K],
             nb: usize,
             acc: &mut [__m512],
+            ahead: Ahead,
         ) {
             let low = _mm512_set1_epi8(0x0f);
             let mut sumi = [_mm512_setzero_si512(); R];
             for (s, &sc) in u.sc.iter().enumerate() {
+                ahead.part(s, 8);
                 // Per row, `avx2::sub_block_lanes_vnni`'s two `vpdpbusd` chains (vectors 0..4 and
                 // 4..8, each activation quad broadcast to all 16 lanes), the rows side by side so that
                 // neighbouring instructions do not wait on each other.

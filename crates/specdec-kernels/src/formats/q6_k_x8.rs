@@ -425,6 +425,7 @@ pub(crate) mod avx2 {
 pub(crate) mod avx512 {
     use super::{BlockQ6Kx8, BlockQ8K};
     use crate::simd::avx512::{join, quads, Pairs};
+    use crate::simd::Ahead;
     use crate::simd::Window;
     use std::arch::x86_64::*;
 
@@ -540,11 +541,13 @@ pub(crate) mod avx512 {
             x: &[BlockQ8K],
             nb: usize,
             acc: &mut [__m512],
+            ahead: Ahead,
         ) {
             let (low, high) = (_mm512_set1_epi8(0x0f), _mm512_set1_epi8(0x30));
             let mut sumi = [_mm512_setzero_si512(); R];
             for s in 0..8 {
                 let at = 64 * s;
+                ahead.part(s, 8);
                 // SAFETY: `qh` is 512 bytes; bytes 64s .. 64s + 64 are in bounds for s < 8.
                 let (h0, h1) = unsafe {
                     (

@@ -274,11 +274,16 @@ impl Ahead {
         }
     }
 
+    /// The lines of part `i` of `n`: together the parts cover every line once, in order.
+    fn range(self, i: usize, n: usize) -> std::ops::Range<usize> {
+        self.lines * i / n..self.lines * (i + 1) / n
+    }
+
     /// Prefetches part `i` of `n` of the lines into L2 (a prefetch reads nothing the program sees
     /// and cannot fault).
     #[inline]
     pub(crate) fn part(self, i: usize, n: usize) {
-        for line in self.lines * i / n..self.lines * (i + 1) / n {
+        for line in self.range(i, n) {
             // SAFETY: SSE, which the prefetch needs, is part of x86-64; a prefetch reads nothing
             // the program sees and cannot fault.
             unsafe {
@@ -1194,7 +1199,8 @@ pub(crate) mod avx512 {
             -> Self::Unpacked;
 
         /// `R` activation rows (row `i`'s block at `x[i * nb]`) against block `b` of two groups
-        /// (`g0`, `g1`, unpacked as `u`), added to `acc[i]` (16 weight rows' sums each).
+        /// (`g0`, `g1`, unpacked as `u`), added to `acc[i]` (16 weight rows' sums each),
+        /// prefetching `ahead` a part per sub-block ([`Ahead::part`]) as it goes.
         ///
         /// # Safety
         /// As [`Pairs::unpack`]; `x` must hold `(R - 1) * nb + 1` blocks and `acc` `R`
@@ -1424,5 +1430,29 @@ pub(crate) mod avx512 {
                 _mm256_loadu_si256(hi.cast()),
             )
         }
+    }
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::Ahead;
+    use crate::formats::{BlockQ4Kx8, BlockQ4_0x8, BlockQ5_0x8, BlockQ6Kx8};
+
+    /// The parts a chunk prefetches, one per sub-block, cover the next pair's block (both groups'
+    /// bytes) line by line, each line once.
+    fn covers<T>(parts: usize) {
+        let ahead = Ahead::pair(std::ptr::null::<T>(), 0);
+        let bytes = 2 * std::mem::size_of::<T>();
+        let lines: Vec<usize> = (0..parts).flat_map(|i| ahead.range(i, parts)).collect();
+        assert_eq!(lines, (0..bytes.div_ceil(64)).collect::<Vec<_>>());
+        assert!(lines.len() * 64 >= bytes && (lines.len() - 1) * 64 < bytes);
+    }
+
+    #[test]
+    fn a_chunks_prefetch_parts_cover_the_next_pairs_block_once() {
+        covers::<BlockQ4Kx8>(8);
+        covers::<BlockQ6Kx8>(8);
+        covers::<BlockQ4_0x8>(4);
+        covers::<BlockQ5_0x8>(4);
     }
 }

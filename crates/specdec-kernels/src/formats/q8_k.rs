@@ -241,21 +241,14 @@ mod tests {
         // The largest magnitude is the last value (positive), so its quant is -127 and d < 0.
         assert_eq!(b.quant(QK_K - 1), -127);
         assert!(b.d < 0.0);
+        let sum = |from: usize, n: usize| -> i32 {
+            (from..from + n).map(|v| i32::from(b.quant(v))).sum()
+        };
         for (i, s) in b.bsums.iter().enumerate() {
-            assert_eq!(
-                i32::from(*s),
-                (16 * i..16 * i + 16)
-                    .map(|v| i32::from(b.quant(v)))
-                    .sum::<i32>()
-            );
+            assert_eq!(i32::from(*s), sum(16 * i, 16));
         }
         for (j, s) in b.sums32.iter().enumerate() {
-            assert_eq!(
-                i32::from(*s),
-                (32 * j..32 * j + 32)
-                    .map(|v| i32::from(b.quant(v)))
-                    .sum::<i32>()
-            );
+            assert_eq!(i32::from(*s), sum(32 * j, 32));
         }
         for (i, &v) in x.iter().enumerate() {
             assert!((b.d * f32::from(b.quant(i)) - v).abs() <= b.d.abs() * 0.5 + 1e-5);

@@ -42,12 +42,13 @@ for bin in "${bins[@]}"; do
     case "$(basename "$bin")" in
     levels-*)
         expect=('avx512vnni::matches_the_scalar_reference_for_every_m *\.\.\. ok'
+            'avx512zmm-k::matches_the_scalar_reference_for_every_m *\.\.\. ok'
             'avx512zmm::matches_the_scalar_reference_for_every_m *\.\.\. ok')
         ;;
     tiny_models-*)
         # The test that compares the logits of every level; the others run natively anyway.
         args+=(every_kernel_level_gives_the_same_logits --exact --nocapture)
-        expect=('compared kernel levels: .*"avx512vnni", "avx512zmm"')
+        expect=('compared kernel levels: .*"avx512vnni", "avx512zmm-k", "avx512zmm"')
         ;;
     esac
     echo "=== $(basename "$bin") ${args[*]} on the emulated CPU"

@@ -4,7 +4,7 @@ use crate::KernelError;
 use std::sync::OnceLock;
 
 /// The environment variable that overrides the detected level: `scalar`, `avx2`, `avx512vnni`,
-/// `avx512zmm` or `auto`.
+/// `avx512zmm-k`, `avx512zmm` or `auto`.
 pub const LEVEL_ENV: &str = "SPECDEC_KERNELS";
 
 /// A kernel implementation level. Every level returns bit-identical results; they differ in speed.
@@ -19,19 +19,29 @@ pub enum CpuLevel {
     /// (`vpdpbusd`, `vpdpwssd`; needs AVX512F, AVX512VL and AVX512_VNNI): the same integer lanes in
     /// fewer instructions per activation row.
     Avx512Vnni,
-    /// [`CpuLevel::Avx512Vnni`] with the interleaved Q4_K passes on 512-bit vectors (needs AVX512BW
-    /// besides): two groups of 8 weight rows side by side, so one `vpdpbusd` does the work of two.
-    /// The same integer lanes and float operations per weight row as the other levels. Detected as
-    /// the best level only where 512-bit operations run at full width ([`full_width_512`]: Intel);
-    /// Zen 4 splits them in two, and there the 256-bit level stays the default.
+    /// [`CpuLevel::Avx512Vnni`] with the interleaved K-quant passes (Q4_K, Q6_K) on 512-bit vectors
+    /// (needs AVX512BW besides): two groups of 8 weight rows side by side, so one `vpdpbusd` does
+    /// the work of two; attention on 512-bit vectors too. The same integer lanes and float
+    /// operations per weight row as the other levels. Zen 4 executes a 512-bit operation as two
+    /// 256-bit halves, yet these passes still pay there: fewer instructions and loads per product
+    /// (stop 41, `rcurve 2 8960` with 48 copies of the matrix on an EPYC Zen 4, 2 alternations:
+    /// Q4_K 334–335 against 263–299 GMAC/s, r(16) 2.99–3.05 against 3.45–3.54; Q6_K r(16) 2.54–2.64
+    /// against 2.93–2.95), where the 32-value formats' 512-bit passes lose (Q4_0 201–230 against
+    /// 271–273 GMAC/s, Q5_0 200–203 against 260). The best level detected where 512-bit operations
+    /// do not run at full width ([`full_width_512`]).
+    Avx512ZmmK,
+    /// [`CpuLevel::Avx512ZmmK`] with the interleaved 32-value formats (Q4_0, Q5_0) on 512-bit
+    /// vectors too. Detected as the best level only where 512-bit operations run at full width
+    /// ([`full_width_512`]: Intel).
     Avx512Zmm,
 }
 
 /// Whether this CPU runs 512-bit vector operations at full width, so that [`CpuLevel::Avx512Zmm`]
 /// pays: Intel's AVX-512 cores do (measured on a Xeon with AVX-512 VNNI, stop 33: `vpdpbusd` on
 /// `zmm` at the same instruction rate as on `ymm`, twice the products); AMD's Zen 4 executes each
-/// as two 256-bit halves. Other vendors and AMD's later cores are not measured, so they keep the
-/// 256-bit level unless `SPECDEC_KERNELS=avx512zmm` asks for it.
+/// as two 256-bit halves, and there [`CpuLevel::Avx512ZmmK`] is the best level. Other vendors and
+/// AMD's later cores are not measured, so they get [`CpuLevel::Avx512ZmmK`] too unless
+/// `SPECDEC_KERNELS` asks for another.
 pub fn full_width_512() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
@@ -51,14 +61,16 @@ pub fn full_width_512() -> bool {
 
 impl CpuLevel {
     /// Every level, lowest first.
-    pub const ALL: [CpuLevel; 4] = [
+    pub const ALL: [CpuLevel; 5] = [
         CpuLevel::Scalar,
         CpuLevel::Avx2,
         CpuLevel::Avx512Vnni,
+        CpuLevel::Avx512ZmmK,
         CpuLevel::Avx512Zmm,
     ];
 
-    /// The best level this CPU supports ([`CpuLevel::Avx512Zmm`] only where [`full_width_512`]).
+    /// The best level this CPU supports ([`CpuLevel::Avx512Zmm`] only where [`full_width_512`],
+    /// else [`CpuLevel::Avx512ZmmK`]).
     pub fn detect() -> CpuLevel {
         CpuLevel::ALL
             .into_iter()
@@ -73,8 +85,14 @@ impl CpuLevel {
     pub fn has_avx2(self) -> bool {
         matches!(
             self,
-            CpuLevel::Avx2 | CpuLevel::Avx512Vnni | CpuLevel::Avx512Zmm
+            CpuLevel::Avx2 | CpuLevel::Avx512Vnni | CpuLevel::Avx512ZmmK | CpuLevel::Avx512Zmm
         )
+    }
+
+    /// Whether the level runs the K-quant passes of 8 or more rows and attention on 512-bit
+    /// vectors.
+    pub fn has_zmm(self) -> bool {
+        matches!(self, CpuLevel::Avx512ZmmK | CpuLevel::Avx512Zmm)
     }
 
     /// Whether this CPU can run the level.
@@ -95,12 +113,14 @@ impl CpuLevel {
                     && std::arch::is_x86_feature_detected!("avx512vnni")
             }
             #[cfg(target_arch = "x86_64")]
-            CpuLevel::Avx512Zmm => {
+            CpuLevel::Avx512ZmmK | CpuLevel::Avx512Zmm => {
                 CpuLevel::Avx512Vnni.is_supported()
                     && std::arch::is_x86_feature_detected!("avx512bw")
             }
             #[cfg(not(target_arch = "x86_64"))]
-            CpuLevel::Avx2 | CpuLevel::Avx512Vnni | CpuLevel::Avx512Zmm => false,
+            CpuLevel::Avx2 | CpuLevel::Avx512Vnni | CpuLevel::Avx512ZmmK | CpuLevel::Avx512Zmm => {
+                false
+            }
         }
     }
 
@@ -112,7 +132,7 @@ impl CpuLevel {
             CpuLevel::Avx512Vnni => {
                 "x86-64 with AVX2, F16C, FMA, AVX512F, AVX512VL and AVX512_VNNI"
             }
-            CpuLevel::Avx512Zmm => {
+            CpuLevel::Avx512ZmmK | CpuLevel::Avx512Zmm => {
                 "x86-64 with AVX2, F16C, FMA, AVX512F, AVX512VL, AVX512BW and AVX512_VNNI"
             }
         }
@@ -132,6 +152,7 @@ impl CpuLevel {
             CpuLevel::Scalar => "scalar",
             CpuLevel::Avx2 => "avx2",
             CpuLevel::Avx512Vnni => "avx512vnni",
+            CpuLevel::Avx512ZmmK => "avx512zmm-k",
             CpuLevel::Avx512Zmm => "avx512zmm",
         }
     }
@@ -142,6 +163,7 @@ impl CpuLevel {
             "scalar" => Ok(CpuLevel::Scalar),
             "avx2" => Ok(CpuLevel::Avx2),
             "avx512vnni" => Ok(CpuLevel::Avx512Vnni),
+            "avx512zmm-k" => Ok(CpuLevel::Avx512ZmmK),
             "avx512zmm" => Ok(CpuLevel::Avx512Zmm),
             "auto" | "" => Ok(CpuLevel::detect()),
             _ => Err(KernelError::UnknownLevel {

@@ -14,7 +14,7 @@
 //! - [`Kernels`]: the matmul at a [`CpuLevel`] (portable scalar, AVX2 with F16C and FMA, AVX2 with
 //!   AVX-512 VNNI dot products, and the interleaved formats' passes of 8 or more rows on 512-bit
 //!   vectors), detected once per process and overridable with
-//!   `SPECDEC_KERNELS=scalar|avx2|avx512vnni|avx512zmm|auto`; [`Kernels::matmul_threaded`]
+//!   `SPECDEC_KERNELS=scalar|avx2|avx512vnni|avx512zmm-k|avx512zmm|auto`; [`Kernels::matmul_threaded`]
 //!   splits the output columns over a [`ThreadPool`].
 //! - [`pool`]: the fork-join [`ThreadPool`].
 //! - [`mod@f16`]: exact f16 conversions.
@@ -170,7 +170,7 @@ pub enum KernelError {
     },
     /// An unknown level name (in `SPECDEC_KERNELS` or [`CpuLevel::parse`]).
     #[error(
-        "unknown kernel level {name:?} (expected scalar, avx2, avx512vnni, avx512zmm or auto)"
+        "unknown kernel level {name:?} (expected scalar, avx2, avx512vnni, avx512zmm-k, avx512zmm or auto)"
     )]
     UnknownLevel {
         /// The name given.

@@ -15,8 +15,8 @@ use crate::formats::{
 /// Most activation rows dotted against one unpacked weight block.
 pub const MAX_PASS_ROWS: usize = 16;
 
-/// From how many activation rows on [`CpuLevel::Avx512Zmm`] runs the 512-bit passes; smaller passes
-/// take the 256-bit VNNI ones. Both give the same bits, so the choice is only about speed:
+/// From how many activation rows [`CpuLevel::Avx512Zmm`] and [`CpuLevel::Avx512ZmmK`] run the
+/// 512-bit passes; smaller passes take the 256-bit VNNI ones. Both give the same bits, so the choice is only about speed:
 /// measured with `step_time` on the 1.5B target (Xeon, AVX-512 VNNI, stop 33), single-token steps
 /// ran 7–10% slower on the 512-bit passes (memory-bound: a pair of groups is read as two streams),
 /// 2 to 6 rows about as fast or slower, 8 and 16 rows and prefill faster. Since the 512-bit pass
@@ -118,6 +118,9 @@ format!(
 /// [`crate::BlockQ4Kx8`], [`crate::BlockQ6Kx8`]): the reference dot of its plain blocks and the AVX2 and AVX-512 VNNI passes
 /// over groups of 8 rows.
 pub(crate) trait GroupFormat {
+    /// Whether the format is a K-quant, whose 512-bit pass runs at [`CpuLevel::Avx512ZmmK`] too
+    /// (the 32-value formats' runs at [`CpuLevel::Avx512Zmm`] only).
+    const K_QUANT: bool = false;
     type Group: Interleaved;
     /// The activation blocks.
     type Act;
@@ -179,6 +182,7 @@ macro_rules! group_format {
 pub(crate) struct Q4Kx8;
 
 impl GroupFormat for Q4Kx8 {
+    const K_QUANT: bool = true;
     type Group = BlockQ4Kx8;
     type Act = BlockQ8K;
     fn dot(w: &[BlockQ4K], x: &[BlockQ8K]) -> f32 {
@@ -205,6 +209,7 @@ impl GroupFormat for Q4Kx8 {
 pub(crate) struct Q6Kx8;
 
 impl GroupFormat for Q6Kx8 {
+    const K_QUANT: bool = true;
     type Group = BlockQ6Kx8;
     type Act = BlockQ8K;
     fn dot(w: &[BlockQ6K], x: &[BlockQ8K]) -> f32 {
@@ -408,15 +413,18 @@ pub(crate) unsafe fn pass_groups<G: GroupFormat>(
         CpuLevel::Avx512Vnni => unsafe { G::vnni_pass(w, nb, x, out) },
         // SAFETY: as above.
         #[cfg(target_arch = "x86_64")]
-        CpuLevel::Avx512Zmm if x.len() < ZMM_FROM_ROWS * nb => unsafe {
+        CpuLevel::Avx512ZmmK | CpuLevel::Avx512Zmm if x.len() < ZMM_FROM_ROWS * nb => unsafe {
             G::vnni_pass(w, nb, x, out)
         },
         // SAFETY: as above.
         #[cfg(target_arch = "x86_64")]
-        CpuLevel::Avx512Zmm => unsafe { G::zmm_pass(w, nb, x, out) },
+        CpuLevel::Avx512ZmmK if !G::K_QUANT => unsafe { G::vnni_pass(w, nb, x, out) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        CpuLevel::Avx512ZmmK | CpuLevel::Avx512Zmm => unsafe { G::zmm_pass(w, nb, x, out) },
         // SAFETY: the caller's contract.
         #[cfg(not(target_arch = "x86_64"))]
-        CpuLevel::Avx2 | CpuLevel::Avx512Vnni | CpuLevel::Avx512Zmm => unsafe {
+        CpuLevel::Avx2 | CpuLevel::Avx512Vnni | CpuLevel::Avx512ZmmK | CpuLevel::Avx512Zmm => unsafe {
             scalar_groups::<G>(w, nb, x, out)
         },
     }
@@ -467,10 +475,12 @@ pub(crate) unsafe fn pass<F: Format>(
         // SAFETY: as above.
         // The row formats have no 512-bit pass: the zmm level runs the VNNI one.
         #[cfg(target_arch = "x86_64")]
-        CpuLevel::Avx512Vnni | CpuLevel::Avx512Zmm => unsafe { F::vnni_pass(w, nb, x, out) },
+        CpuLevel::Avx512Vnni | CpuLevel::Avx512ZmmK | CpuLevel::Avx512Zmm => unsafe {
+            F::vnni_pass(w, nb, x, out)
+        },
         // SAFETY: the caller's contract.
         #[cfg(not(target_arch = "x86_64"))]
-        CpuLevel::Avx2 | CpuLevel::Avx512Vnni | CpuLevel::Avx512Zmm => unsafe {
+        CpuLevel::Avx2 | CpuLevel::Avx512Vnni | CpuLevel::Avx512ZmmK | CpuLevel::Avx512Zmm => unsafe {
             scalar_rows(F::dot, w, nb, x, out)
         },
     }

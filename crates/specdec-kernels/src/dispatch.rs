@@ -89,7 +89,7 @@ impl CpuLevel {
         )
     }
 
-    /// Whether the level runs the K-quant passes of 8 or more rows and attention on 512-bit
+    /// Whether the level runs the K-quant passes of 6 or more rows and attention on 512-bit
     /// vectors.
     pub fn has_zmm(self) -> bool {
         matches!(self, CpuLevel::Avx512ZmmK | CpuLevel::Avx512Zmm)

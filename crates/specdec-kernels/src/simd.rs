@@ -16,10 +16,11 @@ use crate::formats::{
 pub const MAX_PASS_ROWS: usize = 16;
 
 /// From how many activation rows [`CpuLevel::Avx512Zmm`] and [`CpuLevel::Avx512ZmmK`] run the
-/// 512-bit passes; smaller passes take the 256-bit VNNI ones. Both give the same bits, so the choice is only about speed:
-/// measured with `step_time` on the 1.5B target (Xeon, AVX-512 VNNI, stop 33), single-token steps
-/// ran 7–10% slower on the 512-bit passes (memory-bound: a pair of groups is read as two streams),
-/// 2 to 6 rows about as fast or slower, 8 and 16 rows and prefill faster. Since the 512-bit pass
+/// 512-bit passes; smaller passes take the 256-bit VNNI ones. Both give the same bits, so the
+/// choice is only about speed: measured with `step_time` on the 1.5B target (Xeon, AVX-512 VNNI,
+/// stop 33), single-token steps ran 7–10% slower on the 512-bit passes (memory-bound: a pair of
+/// groups is read as two streams), 2 to 6 rows about as fast or slower, 8 and 16 rows and prefill
+/// faster. Since the 512-bit pass
 /// spreads its prefetches ([`Ahead`], stop 39), 6- and 7-token target blocks run 3–7% faster on it
 /// (`step_time`, 2 alternations: 60–62 against 63–64 ms, 66 against 70), 4 and 5 as fast or
 /// slower, single tokens slower.

@@ -412,14 +412,12 @@ pub(crate) unsafe fn pass_groups<G: GroupFormat>(
         // SAFETY: as above.
         #[cfg(target_arch = "x86_64")]
         CpuLevel::Avx512Vnni => unsafe { G::vnni_pass(w, nb, x, out) },
-        // SAFETY: as above.
+        // SAFETY: as above. Passes of few rows, and the 32-value formats at the K-quant level, take
+        // the 256-bit pass.
         #[cfg(target_arch = "x86_64")]
-        CpuLevel::Avx512ZmmK | CpuLevel::Avx512Zmm if x.len() < ZMM_FROM_ROWS * nb => unsafe {
-            G::vnni_pass(w, nb, x, out)
-        },
-        // SAFETY: as above.
-        #[cfg(target_arch = "x86_64")]
-        CpuLevel::Avx512ZmmK if !G::K_QUANT => unsafe { G::vnni_pass(w, nb, x, out) },
+        CpuLevel::Avx512ZmmK | CpuLevel::Avx512Zmm
+            if x.len() < ZMM_FROM_ROWS * nb || (level == CpuLevel::Avx512ZmmK && !G::K_QUANT) =>
+        unsafe { G::vnni_pass(w, nb, x, out) },
         // SAFETY: as above.
         #[cfg(target_arch = "x86_64")]
         CpuLevel::Avx512ZmmK | CpuLevel::Avx512Zmm => unsafe { G::zmm_pass(w, nb, x, out) },

@@ -14,10 +14,22 @@ use specdec_runtime::{thread_pool, Model, Session};
 use crate::cli::{BenchArgs, DrafterKind};
 use crate::engine::{Loaded, Ui};
 
-/// Single-token steps timed per decode measurement.
-const DECODE_STEPS: usize = 24;
-/// Repetitions per block size of the r(m) curve (the median is kept).
-const BLOCK_REPS: usize = 9;
+/// Sweeps per run. Each sweep times, for the target and then the draft, blocks of 1..=16 tokens
+/// after [`SHORT`] tokens of context, single steps after [`SHORT`] and after [`LONG`] tokens in
+/// pairs, and then the machine's read bandwidth; every figure is a median over the sweeps. Other
+/// tenants share this machine's memory, whose read rate moved between 27 and 55 GB/s from one run
+/// to the next (stop 41): timed one after the other, each figure would carry the moment it was
+/// timed in, and their ratios (r(m), context 2048 against 128, the roofline fraction, c) the
+/// difference between two moments; timed in turn, a slow moment weighs on all of them alike.
+const SWEEPS: usize = 9;
+/// Tokens of context of the decode steps and the blocks.
+const SHORT: usize = 128;
+/// Tokens of context of the long decode steps.
+const LONG: usize = 2048;
+/// Single steps timed at each context per sweep (one after every fourth block length).
+const PAIRS_PER_SWEEP: usize = 4;
+/// Passes over 1 GiB that time the read bandwidth per sweep.
+const READ_PASSES: usize = 3;
 
 /// The cost figures of one model.
 #[derive(Clone, Debug, Serialize)]
@@ -28,11 +40,13 @@ pub struct ModelCosts {
     pub weight_bytes: usize,
     /// Decode tokens/s with 128 tokens of context (median step).
     pub decode_tok_s_ctx128: f64,
-    /// Decode tokens/s with 2,048 tokens of context (median step), if the context allows it.
+    /// Decode tokens/s with 2,048 tokens of context (median step, the steps timed in pairs with
+    /// those at 128), if the context allows it.
     pub decode_tok_s_ctx2048: Option<f64>,
     /// Prefill tokens/s of a 512-token prompt.
     pub prefill_tok_s_512: f64,
-    /// `r(m) = t(m) / t(1)` for `m = 1..=16`, after 128 tokens of context.
+    /// `r(m) = t(m) / t(1)` for `m = 1..=16`, after 128 tokens of context: medians over the sweeps,
+    /// `t(1)` the median single step.
     pub r: Vec<f64>,
     /// Seconds of one step on one token at context 128 (`t(1)`).
     pub step_s: f64,
@@ -49,8 +63,13 @@ pub struct CostCurve {
     pub threads: usize,
     /// The kernel level running ([`specdec_kernels::CpuLevel`]).
     pub kernels: String,
-    /// Read bandwidth of this machine with `threads` threads, GB/s (best of 3 passes over 1 GiB).
+    /// Read bandwidth of this machine with `threads` threads, GB/s: the median of the passes over 1
+    /// GiB, 3 per sweep. The median, as the decode figures are medians of steps timed in the same
+    /// sweeps: a pass takes about as long as a step, and the best pass would compare a quiet
+    /// moment of the machine against a typical step.
     pub read_gb_s: f64,
+    /// The fastest of those passes, GB/s.
+    pub read_gb_s_best: f64,
     /// The target's figures.
     pub target: ModelCosts,
     /// The draft's figures, when a draft model is loaded.
@@ -79,96 +98,152 @@ fn tokens(n: usize, vocab: usize, salt: usize) -> Vec<TokenId> {
         .collect()
 }
 
-/// Best-of-3 read bandwidth over a 1 GiB buffer, split over `pool`'s threads.
-pub fn read_bandwidth(pool: &ThreadPool) -> f64 {
-    const BYTES: usize = 1 << 30;
-    let words = BYTES / 8;
-    // Written once so every page is really backed (a zeroed allocation would read the zero page).
-    let buf: Vec<u64> = (0..words as u64).collect();
-    let sink = AtomicU64::new(0);
-    let mut best = 0.0f64;
-    for _ in 0..3 {
-        let start = Instant::now();
-        pool.for_chunks(words, 1 << 20, &|r| {
-            let mut acc = [0u64; 8];
-            for c in buf[r].chunks_exact(8) {
-                for (a, &x) in acc.iter_mut().zip(c) {
-                    *a ^= x;
-                }
-            }
-            sink.fetch_xor(acc.iter().fold(0, |a, &b| a ^ b), Ordering::Relaxed);
-        });
-        let gb_s = BYTES as f64 / start.elapsed().as_secs_f64() / 1e9;
-        best = best.max(gb_s);
-    }
-    std::hint::black_box(sink.load(Ordering::Relaxed));
-    best
+/// A 1 GiB buffer to time reads of: the machine's read bandwidth.
+struct Memory {
+    buf: Vec<u64>,
 }
 
-fn model_costs(model: &Arc<Model>, name: &str, ctx: usize, read_gb_s: f64) -> Result<ModelCosts> {
-    let vocab = model.config().vocab;
-    let cap = ctx.min(model.config().ctx_train);
-    // Decode after 128 tokens, and r(m) at the same context.
-    let mut s = Session::new(model.clone(), cap);
-    let context = tokens(128, vocab, 1);
-    s.feed(&context, 1)?;
-    let step = |s: &mut Session, n: usize, salt: usize| -> Result<f64> {
-        let start_len = s.tokens().len();
-        let toks = tokens(n, vocab, salt);
-        let mut t = Vec::with_capacity(n);
-        for &tok in &toks {
-            let start = Instant::now();
-            s.feed(&[tok], 1)?;
-            t.push(start.elapsed().as_secs_f64());
+impl Memory {
+    const BYTES: usize = 1 << 30;
+
+    fn new() -> Self {
+        // Written once so every page is really backed (a zeroed allocation would read the zero page).
+        Self {
+            buf: (0..(Self::BYTES / 8) as u64).collect(),
         }
-        s.rollback(start_len)?;
-        Ok(median(t))
-    };
-    step(&mut s, 4, 9)?; // warm-up
-    let t128 = step(&mut s, DECODE_STEPS, 2)?;
-    let mut times = Vec::with_capacity(16);
-    for m in 1..=16 {
-        let mut t = Vec::with_capacity(BLOCK_REPS);
-        for rep in 0..BLOCK_REPS {
-            let block = tokens(m, vocab, 3 + rep);
-            let start = Instant::now();
-            s.feed(&block, m)?;
-            t.push(start.elapsed().as_secs_f64());
-            s.rollback(context.len())?;
-        }
-        times.push(median(t));
     }
-    let t1 = times[0];
-    // Decode after 2,048 tokens.
-    let t2048 = if cap >= 2048 + DECODE_STEPS {
-        let mut s = Session::new(model.clone(), cap);
-        s.feed(&tokens(2048, vocab, 4), 1)?;
-        step(&mut s, 4, 9)?;
-        Some(step(&mut s, DECODE_STEPS, 5)?)
-    } else {
-        None
-    };
-    // Prefill of 512 tokens: best of 2.
-    let mut prefill = Vec::new();
-    for rep in 0..2 {
-        let mut s = Session::new(model.clone(), cap.max(513));
-        let p = tokens(512, vocab, 6 + rep);
+
+    /// The rates of [`READ_PASSES`] passes over the buffer, split over `pool`'s threads, in GB/s.
+    fn read_gb_s(&self, pool: &ThreadPool) -> [f64; READ_PASSES] {
+        let sink = AtomicU64::new(0);
+        let rates = std::array::from_fn(|_| {
+            let start = Instant::now();
+            pool.for_chunks(self.buf.len(), 1 << 20, &|r| {
+                let mut acc = [0u64; 8];
+                for c in self.buf[r].chunks_exact(8) {
+                    for (a, &x) in acc.iter_mut().zip(c) {
+                        *a ^= x;
+                    }
+                }
+                sink.fetch_xor(acc.iter().fold(0, |a, &b| a ^ b), Ordering::Relaxed);
+            });
+            Self::BYTES as f64 / start.elapsed().as_secs_f64() / 1e9
+        });
+        std::hint::black_box(sink.load(Ordering::Relaxed));
+        rates
+    }
+}
+
+/// One model's timings, gathered over the sweeps.
+struct Timings {
+    model: Arc<Model>,
+    /// After [`SHORT`] tokens.
+    short: Session,
+    /// After [`LONG`] tokens, where the context allows it.
+    long: Option<Session>,
+    /// Samples of `t(m)` after [`SHORT`] tokens, `m = 1..=16` (single steps at index 0).
+    blocks: Vec<Vec<f64>>,
+    /// Samples of single steps after [`LONG`] tokens.
+    long_steps: Vec<f64>,
+}
+
+impl Timings {
+    fn new(model: &Arc<Model>, ctx: usize) -> Result<Self> {
+        let vocab = model.config().vocab;
+        let cap = ctx.min(model.config().ctx_train);
+        let mut short = Session::new(model.clone(), cap);
+        short.feed(&tokens(SHORT, vocab, 1), 1)?;
+        let long = if cap >= LONG + 16 {
+            let mut s = Session::new(model.clone(), cap);
+            s.feed(&tokens(LONG, vocab, 4), 1)?;
+            Some(s)
+        } else {
+            None
+        };
+        let mut t = Self {
+            model: model.clone(),
+            short,
+            long,
+            blocks: (0..16).map(|_| Vec::new()).collect(),
+            long_steps: Vec::new(),
+        };
+        // Warm-up, not kept.
+        for salt in 0..4 {
+            t.time(false, 1, salt)?;
+            if t.long.is_some() {
+                t.time(true, 1, salt)?;
+            }
+        }
+        Ok(t)
+    }
+
+    /// Seconds of one pass over `m` tokens (with `m` rows of logits, as a verification scores
+    /// them), rolled back afterwards.
+    fn time(&mut self, long: bool, m: usize, salt: usize) -> Result<f64> {
+        let vocab = self.model.config().vocab;
+        let s = match (long, self.long.as_mut()) {
+            (true, Some(s)) => s,
+            _ => &mut self.short,
+        };
+        let base = s.tokens().len();
+        let block = tokens(m, vocab, salt);
         let start = Instant::now();
-        s.feed(&p, 1)?;
-        prefill.push(512.0 / start.elapsed().as_secs_f64());
+        s.feed(&block, m)?;
+        let secs = start.elapsed().as_secs_f64();
+        s.rollback(base)?;
+        Ok(secs)
     }
-    let achieved = model.step_bytes() as f64 / t128 / 1e9;
-    Ok(ModelCosts {
-        model: name.to_string(),
-        weight_bytes: model.step_bytes(),
-        decode_tok_s_ctx128: 1.0 / t128,
-        decode_tok_s_ctx2048: t2048.map(|t| 1.0 / t),
-        prefill_tok_s_512: prefill.iter().copied().fold(0.0, f64::max),
-        r: times.iter().map(|t| t / t1).collect(),
-        step_s: t128,
-        achieved_gb_s: achieved,
-        roofline_fraction: achieved / read_gb_s,
-    })
+
+    /// One sweep: blocks of 1..=16 tokens, and after every fourth length a single step at each
+    /// context.
+    fn sweep(&mut self, rep: usize) -> Result<()> {
+        for m in 1..=16 {
+            let t = self.time(false, m, 3 + rep)?;
+            self.blocks[m - 1].push(t);
+            if m % (16 / PAIRS_PER_SWEEP) == 0 {
+                let salt = 100 + rep * 16 + m;
+                let t = self.time(false, 1, salt)?;
+                self.blocks[0].push(t);
+                if self.long.is_some() {
+                    let t = self.time(true, 1, salt)?;
+                    self.long_steps.push(t);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The figures, with the prefill of 512 tokens timed now (best of 2) and `read_gb_s` the
+    /// sweeps' bandwidth.
+    fn finish(self, name: &str, ctx: usize, read_gb_s: f64) -> Result<ModelCosts> {
+        let vocab = self.model.config().vocab;
+        let cap = ctx.min(self.model.config().ctx_train);
+        let times: Vec<f64> = self.blocks.into_iter().map(median).collect();
+        let t1 = times[0];
+        let t2048 = (!self.long_steps.is_empty()).then(|| median(self.long_steps));
+        drop(self.short);
+        drop(self.long);
+        let mut prefill = Vec::new();
+        for rep in 0..2 {
+            let mut s = Session::new(self.model.clone(), cap.max(513));
+            let p = tokens(512, vocab, 6 + rep);
+            let start = Instant::now();
+            s.feed(&p, 1)?;
+            prefill.push(512.0 / start.elapsed().as_secs_f64());
+        }
+        let achieved = self.model.step_bytes() as f64 / t1 / 1e9;
+        Ok(ModelCosts {
+            model: name.to_string(),
+            weight_bytes: self.model.step_bytes(),
+            decode_tok_s_ctx128: 1.0 / t1,
+            decode_tok_s_ctx2048: t2048.map(|t| 1.0 / t),
+            prefill_tok_s_512: prefill.iter().copied().fold(0.0, f64::max),
+            r: times.iter().map(|t| t / t1).collect(),
+            step_s: t1,
+            achieved_gb_s: achieved,
+            roofline_fraction: achieved / read_gb_s,
+        })
+    }
 }
 
 fn print(name: &str, m: &ModelCosts) {
@@ -190,15 +265,33 @@ fn print(name: &str, m: &ModelCosts) {
 pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
     let loaded = Loaded::load(&args.model, &[DrafterKind::Model], ui)?;
     let pool = thread_pool(args.model.threads)?;
-    ui.note("measuring read bandwidth (1 GiB, best of 3)");
-    let read_gb_s = read_bandwidth(&pool);
-    ui.note("timing the target: decode at context 128 and 2048, r(m) for m = 1..16, prefill 512");
-    let target = model_costs(&loaded.target, &args.model.target, loaded.ctx, read_gb_s)?;
-    let draft = match &loaded.draft {
-        Some(d) => {
-            ui.note("timing the draft");
-            Some(model_costs(d, &args.model.draft, loaded.ctx, read_gb_s)?)
+    let memory = Memory::new();
+    let mut target = Timings::new(&loaded.target, loaded.ctx)?;
+    let mut draft = match &loaded.draft {
+        Some(d) => Some(Timings::new(d, loaded.ctx)?),
+        None => None,
+    };
+    let mut read = Vec::with_capacity(SWEEPS);
+    for rep in 0..SWEEPS {
+        ui.note(format!(
+            "sweep {} of {SWEEPS}: r(m) for m = 1..16 and decode at context {SHORT} and {LONG}, \
+             target{}, then read bandwidth (3 passes over 1 GiB)",
+            rep + 1,
+            if draft.is_some() { " and draft" } else { "" }
+        ));
+        target.sweep(rep)?;
+        if let Some(d) = draft.as_mut() {
+            d.sweep(rep)?;
         }
+        read.extend(memory.read_gb_s(&pool));
+    }
+    drop(memory);
+    let read_gb_s_best = read.iter().copied().fold(0.0, f64::max);
+    let read_gb_s = median(read);
+    ui.note("timing prefill of 512 tokens");
+    let target = target.finish(&args.model.target, loaded.ctx, read_gb_s)?;
+    let draft = match draft {
+        Some(d) => Some(d.finish(&args.model.draft, loaded.ctx, read_gb_s)?),
         None => None,
     };
     let c = draft.as_ref().map(|d| d.step_s / target.step_s);
@@ -206,13 +299,18 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
         threads: pool.threads(),
         kernels: Kernels::get().level().name().to_string(),
         read_gb_s,
+        read_gb_s_best,
         target,
         draft,
         c,
     };
     println!(
-        "threads {}, kernels {}, read bandwidth {:.1} GB/s",
-        curve.threads, curve.kernels, curve.read_gb_s
+        "threads {}, kernels {}, read bandwidth {:.1} GB/s (median of {} passes; fastest {:.1})",
+        curve.threads,
+        curve.kernels,
+        curve.read_gb_s,
+        SWEEPS * READ_PASSES,
+        curve.read_gb_s_best
     );
     print("target", &curve.target);
     if let Some(d) = &curve.draft {

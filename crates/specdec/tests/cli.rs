@@ -248,6 +248,65 @@ fn json_output_has_the_documented_schema() {
     assert!(stats["drafted"].as_u64().unwrap() > 0);
 }
 
+/// `bench --cost-curve` on the tiny pair: every figure of both models, in the JSON as printed.
+#[test]
+fn cost_curve_reports_both_models_at_both_contexts() {
+    let f = fixture();
+    let json = f.home.with_extension("cost-curve.json");
+    let out = specdec(
+        &f,
+        &[
+            "bench",
+            "--cost-curve",
+            "--target",
+            s(&f.target),
+            "--draft",
+            s(&f.draft),
+            "--threads",
+            "1",
+            "--json",
+            s(&json),
+        ],
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert!(v["read_gb_s"].as_f64().unwrap() > 0.0, "{v}");
+    for model in ["target", "draft"] {
+        let m = &v[model];
+        let r: Vec<f64> = m["r"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect();
+        assert_eq!(r.len(), 16, "{m}");
+        assert_eq!(r[0], 1.0, "{m}");
+        assert!(r.iter().all(|&x| x.is_finite() && x > 0.0), "{m}");
+        for key in [
+            "decode_tok_s_ctx128",
+            "decode_tok_s_ctx2048",
+            "prefill_tok_s_512",
+            "achieved_gb_s",
+            "roofline_fraction",
+        ] {
+            let x = m[key].as_f64().unwrap_or(f64::NAN);
+            assert!(x.is_finite() && x > 0.0, "{model}.{key}: {m}");
+        }
+        assert!(
+            stdout.contains(&format!("{model}: r(m) for m = 1..16: ")),
+            "{stdout}"
+        );
+    }
+    let c = v["c"].as_f64().unwrap();
+    let ratio = v["draft"]["step_s"].as_f64().unwrap() / v["target"]["step_s"].as_f64().unwrap();
+    assert!((c - ratio).abs() < 1e-9 * ratio, "{v}");
+}
+
 #[test]
 fn auto_calibrates_once_with_costs_against_context() {
     let f = fixture();

@@ -62,7 +62,7 @@ pub use formats::{
     BlockQ4Kx8, BlockQ4_0, BlockQ4_0x8, BlockQ5_0, BlockQ5_0x8, BlockQ6K, BlockQ6Kx8, BlockQ8K,
     BlockQ8_0, Interleaved, WeightBlock, GROUP_ROWS,
 };
-pub use matrix::{matmul, QMatrix, QuantizedActivations, Weights};
+pub use matrix::{matmul, MatmulJob, QMatrix, QuantizedActivations, Weights};
 pub use pool::ThreadPool;
 pub use simd::MAX_PASS_ROWS;
 

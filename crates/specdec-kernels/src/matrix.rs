@@ -542,15 +542,8 @@ impl Kernels {
             ptr: out.as_mut_ptr(),
             stride,
         });
-        // Enough chunks per thread that a thread slowed by a busy core hands its share to the others,
-        // few enough that claiming one costs nothing next to computing it.
         let n = columns.len();
-        // A multiple of 16, so that chunks from an aligned start cover whole pairs of groups of an
-        // interleaved format (the 512-bit passes take two groups at a time).
-        let per = n
-            .div_ceil(8 * pool.threads())
-            .clamp(16, 512)
-            .next_multiple_of(2 * GROUP_ROWS);
+        let per = chunk_columns(n, pool.threads());
         pool.for_chunks(n, per, &|cols| {
             let out = &out;
             let cols = base + cols.start..base + cols.end;
@@ -558,6 +551,58 @@ impl Kernels {
             // outlives it; chunks are disjoint column ranges, so no two threads write one element.
             unsafe { self.columns_into(w, x, cols, base, out.0) };
         });
+        Ok(())
+    }
+
+    /// Several matmuls as one job on `pool`'s threads: each [`MatmulJob`] as
+    /// [`Kernels::matmul_threaded`] computes it (the same bits), their chunks claimed from one
+    /// counter, so the threads meet once for all of them instead of once per matrix (up to
+    /// [`MAX_JOBS`] at a time). For the projections of the same activations: query, key and
+    /// value; gate and up.
+    ///
+    /// # Errors
+    /// As [`Kernels::matmul`], for any of the jobs; the jobs of the failing one's turn are not
+    /// computed.
+    pub fn matmul_threaded_many<'a>(
+        &self,
+        jobs: impl IntoIterator<Item = MatmulJob<'a>>,
+        pool: &ThreadPool,
+    ) -> Result<(), KernelError> {
+        let mut jobs = jobs.into_iter().peekable();
+        while jobs.peek().is_some() {
+            // Per job of this turn: its matrix, activations and output, its columns per chunk and
+            // the end of its chunks in the count.
+            let mut turn: [Option<(&QMatrix, &QuantizedActivations, SharedOut)>; MAX_JOBS] =
+                [None, None, None, None];
+            let (mut per, mut ends) = ([1; MAX_JOBS], [0; MAX_JOBS]);
+            let mut total = 0;
+            for (i, j) in jobs.by_ref().take(MAX_JOBS).enumerate() {
+                let n = j.w.rows();
+                self.check(j.w, j.x, 0..n, j.out.len())?;
+                per[i] = chunk_columns(n, pool.threads());
+                total += n.div_ceil(per[i]);
+                ends[i] = total;
+                let out = SharedOut(Out {
+                    ptr: j.out.as_mut_ptr(),
+                    stride: n,
+                });
+                turn[i] = Some((j.w, j.x, out));
+            }
+            pool.for_chunks(total, 1, &|chunks| {
+                for c in chunks {
+                    let i = ends.iter().position(|&e| c < e).unwrap_or(0);
+                    let Some((w, x, out)) = &turn[i] else {
+                        continue;
+                    };
+                    let k = c - if i == 0 { 0 } else { ends[i - 1] };
+                    let cols = k * per[i]..((k + 1) * per[i]).min(w.rows());
+                    // SAFETY: `out` holds every element of its job's output (checked above) and
+                    // outlives the call; chunks are disjoint column ranges of one job each, so no
+                    // two threads write one element.
+                    unsafe { self.columns_into(w, x, cols, 0, out.0) };
+                }
+            });
+        }
         Ok(())
     }
 
@@ -701,6 +746,29 @@ fn spread<T: Send>(
 }
 
 /// An output pointer shared by the threads of one matmul, each writing its own columns.
+/// Output columns per chunk of a threaded matmul of `n` columns: enough chunks per thread that a
+/// thread slowed by a busy core hands its share to the others, few enough that claiming one costs
+/// nothing next to computing it; a multiple of 16, so that chunks from an aligned start cover whole
+/// pairs of groups of an interleaved format (the 512-bit passes take two groups at a time).
+fn chunk_columns(n: usize, threads: usize) -> usize {
+    n.div_ceil(8 * threads)
+        .clamp(16, 512)
+        .next_multiple_of(2 * GROUP_ROWS)
+}
+
+/// Matmuls one [`Kernels::matmul_threaded_many`] job holds at most (more are run in turns).
+pub const MAX_JOBS: usize = 4;
+
+/// One matmul of [`Kernels::matmul_threaded_many`]: `out = x · wᵀ` (`[x.rows(), w.rows()]`).
+pub struct MatmulJob<'a> {
+    /// The weights.
+    pub w: &'a QMatrix,
+    /// The quantised activations.
+    pub x: &'a QuantizedActivations,
+    /// The output, `x.rows() · w.rows()` values.
+    pub out: &'a mut [f32],
+}
+
 struct SharedOut(Out);
 // SAFETY: the threads write disjoint elements (see `matmul_threaded`), and the buffer outlives the job.
 unsafe impl Sync for SharedOut {}

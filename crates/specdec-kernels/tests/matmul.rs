@@ -5,7 +5,8 @@ mod common;
 
 use common::{cols_for, random_activations, random_matrix, reference, same_bits, Rng, FORMATS};
 use specdec_kernels::{
-    BlockFormat, CpuLevel, KernelError, Kernels, QMatrix, QuantizedActivations, ThreadPool,
+    BlockFormat, CpuLevel, KernelError, Kernels, MatmulJob, QMatrix, QuantizedActivations,
+    ThreadPool,
 };
 
 fn kernels() -> Vec<Kernels> {
@@ -84,6 +85,80 @@ fn threaded_matmul_gives_the_single_threaded_bits() {
             }
         }
     }
+}
+
+/// Several matmuls of the same activations as one job give each matmul's own bits, for more jobs
+/// than one turn holds and matrices of different formats (the same activation format) and sizes.
+#[test]
+fn matmuls_as_one_job_give_each_matmuls_bits() {
+    let mut rng = Rng(47);
+    let pools: Vec<ThreadPool> = [1, 2, 3]
+        .into_iter()
+        .map(|n| ThreadPool::new(n).unwrap())
+        .collect();
+    // Formats that share an activation format, as a layer's projections may.
+    let sets = [
+        [BlockFormat::Q4K, BlockFormat::Q6K],
+        [BlockFormat::Q4_0, BlockFormat::Q5_0],
+    ];
+    for formats in sets {
+        let cols = cols_for(formats[0]);
+        assert_eq!(cols, cols_for(formats[1]));
+        for m in [1, 5, 17] {
+            let x_f32 = random_activations(&mut rng, m, cols);
+            let shapes = [1000, 256, 296, 37, 8, 1, 520];
+            let ws: Vec<QMatrix> = shapes
+                .iter()
+                .enumerate()
+                .map(|(i, &rows)| random_matrix(&mut rng, formats[i % 2], rows, cols))
+                .collect();
+            let x = ws[0].quantize_activations(m, &x_f32).unwrap();
+            for k in kernels() {
+                let want: Vec<Vec<f32>> = ws
+                    .iter()
+                    .map(|w| {
+                        let mut out = vec![0.0; m * w.rows()];
+                        k.matmul(w, &x, &mut out).unwrap();
+                        out
+                    })
+                    .collect();
+                for pool in &pools {
+                    let mut got: Vec<Vec<f32>> =
+                        ws.iter().map(|w| vec![f32::NAN; m * w.rows()]).collect();
+                    let jobs =
+                        ws.iter()
+                            .zip(got.iter_mut())
+                            .map(|(w, out)| MatmulJob { w, x: &x, out });
+                    k.matmul_threaded_many(jobs, pool).unwrap();
+                    for (g, w) in got.iter().zip(&want) {
+                        assert!(
+                            g.iter().zip(w).all(|(a, b)| same_bits(*a, *b)),
+                            "{formats:?} m {m} threads {}",
+                            pool.threads()
+                        );
+                    }
+                }
+            }
+        }
+    }
+    // A job whose output has the wrong length is an error, not a panic.
+    let w = random_matrix(&mut rng, BlockFormat::Q4K, 16, cols_for(BlockFormat::Q4K));
+    let x = w
+        .quantize_activations(2, &random_activations(&mut rng, 2, w.cols()))
+        .unwrap();
+    let mut short = vec![0.0; 31];
+    let pool = ThreadPool::new(2).unwrap();
+    let err = Kernels::get()
+        .matmul_threaded_many(
+            [MatmulJob {
+                w: &w,
+                x: &x,
+                out: &mut short,
+            }],
+            &pool,
+        )
+        .unwrap_err();
+    assert!(matches!(err, KernelError::OutputLength { .. }), "{err}");
 }
 
 #[test]

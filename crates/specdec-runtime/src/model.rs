@@ -408,9 +408,7 @@ impl Model {
             let _span = tracing::trace_span!("layer", li).entered();
             rms_norm(x, &l.attn_norm, c.rms_eps, h);
             let mut hq = Activations::new(h, m, acts);
-            l.wq.matmul(&mut hq, q, pool)?;
-            l.wk.matmul(&mut hq, k, pool)?;
-            l.wv.matmul(&mut hq, v, pool)?;
+            QWeight::matmul_many(&mut hq, [(&l.wq, &mut **q), (&l.wk, k), (&l.wv, v)], pool)?;
             if let Some([bq, bk, bv]) = &l.bias {
                 add_rows(q, bq);
                 add_rows(k, bk);
@@ -444,8 +442,7 @@ impl Model {
             add(x, o);
             rms_norm(x, &l.ffn_norm, c.rms_eps, h);
             let mut hq = Activations::new(h, m, acts);
-            l.w_gate.matmul(&mut hq, gate, pool)?;
-            l.w_up.matmul(&mut hq, up, pool)?;
+            QWeight::matmul_many(&mut hq, [(&l.w_gate, &mut **gate), (&l.w_up, up)], pool)?;
             swiglu(gate, up, pool);
             l.w_down
                 .matmul(&mut Activations::new(gate, m, acts), o, pool)?;

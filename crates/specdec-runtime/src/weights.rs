@@ -14,7 +14,7 @@ use candle_core::quantized::{GgmlDType, QuantizedType};
 use candle_core::CpuStorage;
 
 use specdec_kernels::{
-    ActivationFormat, BlockFormat, Kernels, QMatrix, QuantizedActivations, ThreadPool,
+    ActivationFormat, BlockFormat, Kernels, MatmulJob, QMatrix, QuantizedActivations, ThreadPool,
 };
 
 use crate::error::{Error, Result};
@@ -123,6 +123,18 @@ impl<'a> Activations<'a> {
             buffers,
             q8_0: false,
             q8k: false,
+        }
+    }
+
+    /// The activations quantised for the matrix in `data`, if [`Activations::quantized`] made them.
+    fn ready(&self, data: &Storage) -> Option<&QuantizedActivations> {
+        let Storage::Own(w) = data else {
+            return None;
+        };
+        match w.format().activation_format() {
+            ActivationFormat::Q8_0 if self.q8_0 => self.buffers.q8_0.as_ref(),
+            ActivationFormat::Q8K if self.q8k => self.buffers.q8k.as_ref(),
+            _ => None,
         }
     }
 
@@ -283,6 +295,52 @@ impl QWeight {
             row[from..].fill(MASKED);
         }
         Ok(())
+    }
+
+    /// [`QWeight::matmul`] of the same activations by `N` matrices, each into its output: one job
+    /// on `pool`'s threads where all of them run on our kernels
+    /// ([`Kernels::matmul_threaded_many`], the same bits), one after the other otherwise.
+    pub fn matmul_many<const N: usize>(
+        x: &mut Activations<'_>,
+        jobs: [(&QWeight, &mut [f32]); N],
+        pool: &ThreadPool,
+    ) -> Result<()> {
+        for (w, out) in &jobs {
+            w.check_shape(x, out)?;
+        }
+        if !jobs.iter().all(|(w, _)| w.is_own_kernel()) {
+            for (w, out) in jobs {
+                w.matmul(x, out, pool)?;
+            }
+            return Ok(());
+        }
+        for (w, _) in &jobs {
+            if let Storage::Own(q) = &w.data {
+                x.quantized(q, pool)?;
+            }
+        }
+        let x = &*x;
+        let mut missing = None;
+        let kernel_jobs = jobs.into_iter().filter_map(|(w, out)| {
+            match (&w.data, x.ready(&w.data)) {
+                (Storage::Own(q), Some(acts)) => Some(MatmulJob { w: q, x: acts, out }),
+                // Not reached: every matrix runs on our kernels and its activations were made
+                // above.
+                _ => {
+                    missing = Some(w.cols);
+                    None
+                }
+            }
+        });
+        Kernels::get().matmul_threaded_many(kernel_jobs, pool)?;
+        match missing {
+            Some(cols) => Err(Error::Shape {
+                what: "activation quantisation",
+                expected: (x.m * cols, 0),
+                actual: (x.x.len(), 0),
+            }),
+            None => Ok(()),
+        }
     }
 
     /// `out[i, r] = Σ_c x[i, c] w[r, c]` for `m` rows of `x` (`[m, cols]` in, `[m, rows]` out), on

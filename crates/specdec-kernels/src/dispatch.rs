@@ -19,8 +19,8 @@ pub enum CpuLevel {
     /// (`vpdpbusd`, `vpdpwssd`; needs AVX512F, AVX512VL and AVX512_VNNI): the same integer lanes in
     /// fewer instructions per activation row.
     Avx512Vnni,
-    /// [`CpuLevel::Avx512Vnni`] with the interleaved K-quant passes (Q4_K, Q6_K) on 512-bit vectors
-    /// (needs AVX512BW besides): two groups of 8 weight rows side by side, so one `vpdpbusd` does
+    /// [`CpuLevel::Avx512Vnni`] with the interleaved K-quant passes (Q4_K, Q6_K) of 4 or more rows
+    /// on 512-bit vectors (needs AVX512BW besides): two groups of 8 weight rows side by side, so one `vpdpbusd` does
     /// the work of two; attention on 512-bit vectors too. The same integer lanes and float
     /// operations per weight row as the other levels. Zen 4 executes a 512-bit operation as two
     /// 256-bit halves, yet these passes still pay there: fewer instructions and loads per product
@@ -89,8 +89,8 @@ impl CpuLevel {
         )
     }
 
-    /// Whether the level runs the K-quant passes of 6 or more rows and attention on 512-bit
-    /// vectors.
+    /// Whether the level runs the K-quant passes of several rows (6 or more on Intel, 4 or more on
+    /// AMD) and attention on 512-bit vectors.
     pub fn has_zmm(self) -> bool {
         matches!(self, CpuLevel::Avx512ZmmK | CpuLevel::Avx512Zmm)
     }

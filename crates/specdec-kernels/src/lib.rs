@@ -13,7 +13,7 @@
 //!   functions) and the scalar reference dot products.
 //! - [`Kernels`]: the matmul at a [`CpuLevel`] (portable scalar, AVX2 with F16C and FMA, AVX2 with
 //!   AVX-512 VNNI dot products, and the interleaved formats' passes of 6 or more rows on 512-bit
-//!   vectors, the K-quants' only on CPUs that split 512-bit operations in two), detected once per
+//!   vectors, the K-quants' only, from 4 rows, on CPUs that split 512-bit operations in two), detected once per
 //!   process and overridable with
 //!   `SPECDEC_KERNELS=scalar|avx2|avx512vnni|avx512zmm-k|avx512zmm|auto`; [`Kernels::matmul_threaded`]
 //!   splits the output columns over a [`ThreadPool`].

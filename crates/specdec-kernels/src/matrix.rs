@@ -557,7 +557,7 @@ impl Kernels {
     /// Several matmuls as one job on `pool`'s threads: each [`MatmulJob`] as
     /// [`Kernels::matmul_threaded`] computes it (the same bits), their chunks claimed from one
     /// counter, so the threads meet once for all of them instead of once per matrix (up to
-    /// [`MAX_JOBS`] at a time). For the projections of the same activations: query, key and
+    /// 4 at a time). For the projections of the same activations: query, key and
     /// value; gate and up.
     ///
     /// # Errors
@@ -757,7 +757,7 @@ fn chunk_columns(n: usize, threads: usize) -> usize {
 }
 
 /// Matmuls one [`Kernels::matmul_threaded_many`] job holds at most (more are run in turns).
-pub const MAX_JOBS: usize = 4;
+const MAX_JOBS: usize = 4;
 
 /// One matmul of [`Kernels::matmul_threaded_many`]: `out = x · wᵀ` (`[x.rows(), w.rows()]`).
 pub struct MatmulJob<'a> {

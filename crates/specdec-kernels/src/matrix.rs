@@ -573,7 +573,7 @@ impl Kernels {
             // Per job of this turn: its matrix, activations and output, its columns per chunk and
             // the end of its chunks in the count.
             let mut turn: [Option<(&QMatrix, &QuantizedActivations, SharedOut)>; MAX_JOBS] =
-                [None, None, None, None];
+                std::array::from_fn(|_| None);
             let (mut per, mut ends) = ([1; MAX_JOBS], [0; MAX_JOBS]);
             let mut total = 0;
             for (i, j) in jobs.by_ref().take(MAX_JOBS).enumerate() {

@@ -16,6 +16,14 @@ fn kernels() -> Vec<Kernels> {
         .collect()
 }
 
+/// Pools of 1, 2 and 3 threads.
+fn pools() -> Vec<ThreadPool> {
+    [1, 2, 3]
+        .into_iter()
+        .map(|n| ThreadPool::new(n).expect("a thread pool"))
+        .collect()
+}
+
 #[test]
 fn column_ranges_compose_into_the_full_matmul() {
     let mut rng = Rng(3);
@@ -45,10 +53,7 @@ fn column_ranges_compose_into_the_full_matmul() {
 #[test]
 fn threaded_matmul_gives_the_single_threaded_bits() {
     let mut rng = Rng(31);
-    let pools: Vec<ThreadPool> = [1, 2, 3]
-        .into_iter()
-        .map(|n| ThreadPool::new(n).unwrap())
-        .collect();
+    let pools = pools();
     for format in FORMATS {
         for (rows, m) in [(1, 1), (37, 3), (300, 17), (1000, 1), (296, 5), (1024, 1)] {
             let cols = cols_for(format);
@@ -92,10 +97,7 @@ fn threaded_matmul_gives_the_single_threaded_bits() {
 #[test]
 fn matmuls_as_one_job_give_each_matmuls_bits() {
     let mut rng = Rng(47);
-    let pools: Vec<ThreadPool> = [1, 2, 3]
-        .into_iter()
-        .map(|n| ThreadPool::new(n).unwrap())
-        .collect();
+    let pools = pools();
     // Formats that share an activation format, as a layer's projections may.
     let sets = [
         [BlockFormat::Q4K, BlockFormat::Q6K],

@@ -149,19 +149,12 @@ impl Loaded {
             bail!("--ctx must be at least 2 tokens");
         }
         let target_path = ui.model_path(&args.target)?;
-        let needs_draft = drafters
-            .iter()
-            .any(|d| matches!(d, DrafterKind::Model | DrafterKind::Hybrid));
-        let draft_path = if needs_draft {
-            Some(ui.model_path(&args.draft)?)
-        } else {
-            None
-        };
         ui.note(format!(
             "kernels: {}, {} threads",
             specdec_kernels::Kernels::get().level().name(),
             specdec_runtime::thread_pool(args.threads)?.threads()
         ));
+        // The target first: a bad target file is reported before the draft is fetched.
         let bar = ui.spinner(format!("loading {}", target_path.display()));
         let g = Gguf::open(&target_path)?;
         let tokenizer = Tokenizer::from_gguf(&g)?;
@@ -171,6 +164,14 @@ impl Loaded {
         };
         let target = Arc::new(Model::from_gguf(&g, &options)?);
         bar.finish_and_clear();
+        let needs_draft = drafters
+            .iter()
+            .any(|d| matches!(d, DrafterKind::Model | DrafterKind::Hybrid));
+        let draft_path = if needs_draft {
+            Some(ui.model_path(&args.draft)?)
+        } else {
+            None
+        };
         let draft_path_kept = draft_path.clone();
         let draft = match draft_path {
             Some(p) => {

@@ -55,10 +55,13 @@ fn fixture() -> Fixture {
     }
 }
 
+/// Runs the binary on the fixture's home. Fetching is made to fail at once (no such Python), so a
+/// command that would download a default model where it needs none fails here as it would offline.
 fn specdec(f: &Fixture, args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_specdec"))
         .args(args)
         .env("SPECDEC_HOME", &f.home)
+        .env("SPECDEC_PYTHON", "specdec-tests-fetch-nothing")
         .output()
         .unwrap()
 }

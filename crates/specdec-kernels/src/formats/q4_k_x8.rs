@@ -401,10 +401,14 @@ pub(crate) mod avx2 {
                 assert_eq!(x.len(), N * nb, "a pass holds N rows of nb blocks");
                 let pat = Patterns::new();
                 let (first, second) = chunks(N);
+                // A single row's pass reads its groups in order (see `streams_unaided`).
+                let prefetch = N > 1 || !crate::dispatch::streams_unaided();
                 for (g, groups) in w.chunks_exact(nb).enumerate() {
                     let mut acc = [_mm256_setzero_ps(); N];
                     for (b, group) in groups.iter().enumerate() {
-                        prefetch_ahead(group);
+                        if prefetch {
+                            prefetch_ahead(group);
+                        }
                         let u = scales(group, &pat);
                         let (a0, a1) = acc.split_at_mut(first);
                         // SAFETY: the chunks' rows are rows of the pass; the level's features are

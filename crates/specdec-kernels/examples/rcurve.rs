@@ -94,7 +94,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             if m == 1 {
                 t1 = t;
                 line.push(format!(
-                    "t(1) {:.2} ms ({:.1} GB/s)",
+                    "t(1) {:.3} ms ({:.1} GB/s)",
                     t * 1e3,
                     w.size_bytes() as f64 / t / 1e9
                 ));

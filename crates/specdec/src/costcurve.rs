@@ -64,9 +64,10 @@ pub struct CostCurve {
     /// The kernel level running ([`specdec_kernels::CpuLevel`]).
     pub kernels: String,
     /// Read bandwidth of this machine with `threads` threads, GB/s: the median of the passes over 1
-    /// GiB, 3 per sweep (each the faster of a plain and a prefetching read loop). The median, as the decode figures are medians of steps timed in the same
-    /// sweeps: a pass takes about as long as a step, and the best pass would compare a quiet
-    /// moment of the machine against a typical step.
+    /// GiB, 3 per sweep (each the faster of a plain and a prefetching read loop). The median, as
+    /// the decode figures are medians of steps timed in the same sweeps: a pass takes about as long
+    /// as a step, and the best pass would compare a quiet moment of the machine against a typical
+    /// step.
     pub read_gb_s: f64,
     /// The fastest of those passes, GB/s.
     pub read_gb_s_best: f64,
@@ -125,8 +126,7 @@ impl Memory {
             let start = Instant::now();
             pool.for_chunks(self.buf.len(), 1 << 20, &|r| {
                 let mut acc = [0u64; 8];
-                let chunk = &self.buf[r];
-                for c in chunk.chunks_exact(8) {
+                for c in self.buf[r].chunks_exact(8) {
                     if prefetch {
                         prefetch_l2(c.as_ptr().cast::<i8>().wrapping_add(4096));
                     }

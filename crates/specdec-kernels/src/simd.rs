@@ -823,6 +823,14 @@ pub(crate) mod avx2 {
     }
     pub(crate) use by_rows;
 
+    /// Whether a K-quant pass of `rows` activation rows asks for its weights ahead
+    /// ([`prefetch_ahead`]): always, but for a single row on a CPU whose hardware prefetchers follow
+    /// the pass's stream on their own ([`crate::dispatch::streams_unaided`]).
+    #[inline]
+    pub(crate) fn k_quant_prefetch(rows: usize) -> bool {
+        rows > 1 || !crate::dispatch::streams_unaided()
+    }
+
     /// How far ahead of the block being unpacked [`rows`] prefetches weights, in bytes.
     const PREFETCH: usize = 4096;
 

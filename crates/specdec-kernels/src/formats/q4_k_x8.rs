@@ -136,7 +136,7 @@ fn pair_of_sums(x: &BlockQ8K, i: usize) -> i32 {
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
     use super::{BlockQ4Kx8, BlockQ8K};
-    use crate::simd::avx2::{prefetch_ahead, write_group};
+    use crate::simd::avx2::{k_quant_prefetch, prefetch_ahead, write_group};
     use crate::simd::Window;
     use std::arch::x86_64::*;
 
@@ -401,8 +401,7 @@ pub(crate) mod avx2 {
                 assert_eq!(x.len(), N * nb, "a pass holds N rows of nb blocks");
                 let pat = Patterns::new();
                 let (first, second) = chunks(N);
-                // A single row's pass reads its groups in order (see `streams_unaided`).
-                let prefetch = N > 1 || !crate::dispatch::streams_unaided();
+                let prefetch = k_quant_prefetch(N);
                 for (g, groups) in w.chunks_exact(nb).enumerate() {
                     let mut acc = [_mm256_setzero_ps(); N];
                     for (b, group) in groups.iter().enumerate() {

@@ -143,7 +143,7 @@ pub fn dot_q6_kx8_q8_k(w: &[BlockQ6K], x: &[BlockQ8K]) -> f32 {
 pub(crate) mod avx2 {
     use super::{qh_at, ql_at, BlockQ6Kx8, BlockQ8K};
     use crate::formats::q4_k_x8::avx2::{by_chunk, by_const, by_rows, chunks};
-    use crate::simd::avx2::{prefetch_ahead, write_group};
+    use crate::simd::avx2::{k_quant_prefetch, prefetch_ahead, write_group};
     use crate::simd::Window;
     use std::arch::x86_64::*;
 
@@ -355,9 +355,7 @@ pub(crate) mod avx2 {
             ) {
                 assert_eq!(x.len(), N * nb, "a pass holds N rows of nb blocks");
                 let (first, second) = chunks(N);
-                // A single row's pass reads its groups in order, each in the order of `q` (see
-                // `streams_unaided`).
-                let prefetch = N > 1 || !crate::dispatch::streams_unaided();
+                let prefetch = k_quant_prefetch(N);
                 for (g, groups) in w.chunks_exact(nb).enumerate() {
                     let mut acc = [_mm256_setzero_ps(); N];
                     for (b, group) in groups.iter().enumerate() {

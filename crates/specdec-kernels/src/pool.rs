@@ -186,7 +186,7 @@ impl ThreadPool {
     /// made larger) and calls `f` on each, spread over the pool's threads; returns when all are done.
     ///
     /// Thread `t` of `T` takes the chunks of the `t`-th of `T` contiguous regions of `0..n`, in order,
-    /// and then helps with the others' from their ends (see [`Regions`]).
+    /// and then helps with the others' from their ends (see the module documentation).
     pub fn for_chunks(&self, n: usize, chunk: usize, f: &(dyn Fn(Range<usize>) + Sync)) {
         let chunk = chunk.max(1).max(n.div_ceil(u32::MAX as usize));
         if self.workers.is_empty() || n <= chunk {

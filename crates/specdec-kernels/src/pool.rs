@@ -230,12 +230,14 @@ impl Regions {
     fn new(count: usize, threads: usize) -> Regions {
         let len = threads.clamp(1, MAX_REGIONS);
         let state = std::array::from_fn(|r| {
+            // In 64 bits: `count · r` may not fit a 32-bit `usize`.
+            let (count, r, len) = (count as u64, r as u64, len as u64);
             let (front, back) = if r < len {
                 (count * r / len, count * (r + 1) / len)
             } else {
                 (0, 0)
             };
-            AtomicU64::new(((front as u64) << 32) | back as u64)
+            AtomicU64::new((front << 32) | back)
         });
         Regions { state, len }
     }

@@ -2,8 +2,8 @@
 //!
 //! The calling thread always takes part, so a pool of `n` threads starts `n - 1` workers. A job is split
 //! into chunks dealt out in contiguous regions, one per thread: each participant claims its own
-//! region's chunks in order and then the others' from their ends, so a thread streams one run of
-//! memory, and a worker whose core is busy with another process simply claims fewer chunks: the
+//! region's chunks in order and then moves the back half of another's into its own, so a thread
+//! streams one run of memory, and a worker whose core is busy with another process simply claims fewer chunks: the
 //! caller never waits for a worker that has not yet started on a job (it closes the job when every
 //! chunk is claimed, and a late worker then skips it).
 //! Workers spin briefly after a job, since the next one usually follows within microseconds, and then
@@ -186,7 +186,7 @@ impl ThreadPool {
     /// made larger) and calls `f` on each, spread over the pool's threads; returns when all are done.
     ///
     /// Thread `t` of `T` takes the chunks of the `t`-th of `T` contiguous regions of `0..n`, in order,
-    /// and then helps with the others' from their ends (see the module documentation).
+    /// and then takes over the back halves of the others' (see the module documentation).
     pub fn for_chunks(&self, n: usize, chunk: usize, f: &(dyn Fn(Range<usize>) + Sync)) {
         let chunk = chunk.max(1).max(n.div_ceil(u32::MAX as usize));
         if self.workers.is_empty() || n <= chunk {
@@ -207,18 +207,22 @@ impl ThreadPool {
     }
 }
 
-/// Most regions a job's chunks are dealt out in; participants beyond it share regions.
+/// Most regions a job's chunks are dealt out in; participants beyond it only help.
 const MAX_REGIONS: usize = 16;
 
 /// The chunks `0..count` of one job dealt out in contiguous regions, one per participant.
 ///
-/// A participant claims its own region's chunks from the front, in order, then whatever is left of
-/// the others from their backs, so that while every thread keeps up each reads one run of memory
-/// (a matmul's weight rows, its software prefetch running ahead into its own next chunk), and a
-/// thread slowed by a busy core, or one that never started, leaves its chunks to the others. Until
-/// stop 44 every participant claimed the next chunk of one shared counter, so the two threads took
-/// turns along a matrix and each restarted its stream at every chunk: the 0.5B draft's steps took
-/// 9–11% longer and the target's 4-token blocks 14% (`step_time`, alternated in one run).
+/// A participant claims its own region's chunks from the front, in order, then moves the back half
+/// of another region's unclaimed chunks into its own and goes on with those, so that while every
+/// thread keeps up each reads one run of memory (a matmul's weight rows, its software prefetch
+/// running ahead into its own next chunk), and a thread slowed by a busy core, or one that never
+/// started, leaves its chunks to the others, who still read them forward. Until stop 44 every
+/// participant claimed the next chunk of one shared counter, so the two threads took turns along a
+/// matrix and each restarted its stream at every chunk: the 0.5B draft's steps took 9–11% longer
+/// and the target's 4-token blocks 14% (`step_time`, alternated in one run). Stealing single chunks
+/// from the other region's end instead of its back half made the target's steps 5–10% slower than
+/// the shared counter's with a busy loop on one core (the thief read backwards, a fresh stream per
+/// chunk); halves read forward, restarting at each steal.
 struct Regions {
     /// Per region, its next chunk from the front (high 32 bits) and its end (low 32 bits).
     state: [AtomicU64; MAX_REGIONS],
@@ -242,23 +246,33 @@ impl Regions {
         Regions { state, len }
     }
 
-    /// Calls `f` on every chunk `participant` claims: its own region's from the front, then the
-    /// others' from the back.
+    /// Calls `f` on every chunk `participant` claims. The owner of region `r` (participant `r`)
+    /// takes its chunks from the front, in order; once its region is empty it moves the back half
+    /// of another region's unclaimed chunks into its own and goes on from their front, until none
+    /// are left, so that even a participant doing another's work reads forward, restarting its
+    /// stream only at each steal. Participants beyond the regions take single chunks from the
+    /// regions' fronts.
     fn claim(&self, participant: usize, f: &mut dyn FnMut(usize)) {
-        let own = participant % self.len;
-        while let Some(c) = self.take(own, true) {
-            f(c);
+        if participant >= self.len {
+            for r in 0..self.len {
+                while let Some(c) = self.take_front(r) {
+                    f(c);
+                }
+            }
+            return;
         }
-        for step in 1..self.len {
-            let other = (own + step) % self.len;
-            while let Some(c) = self.take(other, false) {
+        loop {
+            while let Some(c) = self.take_front(participant) {
                 f(c);
+            }
+            if !self.steal_half(participant) {
+                return;
             }
         }
     }
 
-    /// Region `r`'s first unclaimed chunk (`front`) or its last, claimed; `None` once it is empty.
-    fn take(&self, r: usize, front: bool) -> Option<usize> {
+    /// Region `r`'s first unclaimed chunk, claimed; `None` once it is empty.
+    fn take_front(&self, r: usize) -> Option<usize> {
         let state = &self.state[r];
         let mut now = state.load(Ordering::Relaxed);
         loop {
@@ -266,16 +280,47 @@ impl Regions {
             if first >= end {
                 return None;
             }
-            let (next, chunk) = if front {
-                (now + (1 << 32), first)
-            } else {
-                (now - 1, end - 1)
-            };
-            match state.compare_exchange_weak(now, next, Ordering::Relaxed, Ordering::Relaxed) {
-                Ok(_) => return Some(chunk as usize),
+            match state.compare_exchange_weak(
+                now,
+                now + (1 << 32),
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => return Some(first as usize),
                 Err(seen) => now = seen,
             }
         }
+    }
+
+    /// Moves the back half (rounded up) of the first other region with unclaimed chunks into
+    /// region `own`, which must be empty and is written only by its owner: no other participant
+    /// changes an empty region, and a region's unclaimed range never returns to an earlier value,
+    /// so a plain store cannot lose a claim. `false` once every region is empty.
+    fn steal_half(&self, own: usize) -> bool {
+        for step in 1..self.len {
+            let state = &self.state[(own + step) % self.len];
+            let mut now = state.load(Ordering::Relaxed);
+            loop {
+                let (first, end) = (now >> 32, now & 0xffff_ffff);
+                if first >= end {
+                    break;
+                }
+                let mid = first + (end - first) / 2;
+                match state.compare_exchange_weak(
+                    now,
+                    (first << 32) | mid,
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                ) {
+                    Ok(_) => {
+                        self.state[own].store((mid << 32) | end, Ordering::Relaxed);
+                        return true;
+                    }
+                    Err(seen) => now = seen,
+                }
+            }
+        }
+        false
     }
 }
 
@@ -405,17 +450,17 @@ mod tests {
     }
 
     /// A participant alone (the others never started) takes its own region in order and then the
-    /// rest from their ends; the regions split the chunks evenly.
+    /// back halves of the others', each in order; the regions split the chunks evenly.
     #[test]
-    fn a_participant_reads_its_region_in_order_then_the_others_from_their_ends() {
+    fn a_participant_reads_its_region_then_the_others_back_halves_in_order() {
         let regions = Regions::new(10, 2);
         let mut seen = Vec::new();
         regions.claim(1, &mut |c| seen.push(c));
-        assert_eq!(seen, [5, 6, 7, 8, 9, 4, 3, 2, 1, 0]);
+        assert_eq!(seen, [5, 6, 7, 8, 9, 2, 3, 4, 1, 0]);
         let regions = Regions::new(7, 3);
         let mut seen = Vec::new();
         regions.claim(0, &mut |c| seen.push(c));
-        assert_eq!(seen, [0, 1, 3, 2, 6, 5, 4]);
+        assert_eq!(seen, [0, 1, 3, 2, 5, 6, 4]);
         // More participants than regions share them; fewer chunks than regions leave some empty.
         let regions = Regions::new(2, 40);
         let mut seen = Vec::new();

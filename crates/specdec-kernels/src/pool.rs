@@ -3,9 +3,9 @@
 //! The calling thread always takes part, so a pool of `n` threads starts `n - 1` workers. A job is split
 //! into chunks dealt out in contiguous regions, one per thread: each participant claims its own
 //! region's chunks in order and then moves the back half of another's into its own, so a thread
-//! streams one run of memory, and a worker whose core is busy with another process simply claims fewer chunks: the
-//! caller never waits for a worker that has not yet started on a job (it closes the job when every
-//! chunk is claimed, and a late worker then skips it).
+//! streams one run of memory, and a worker whose core is busy with another process simply claims
+//! fewer chunks: the caller never waits for a worker that has not yet started on a job (it closes
+//! the job when every chunk is claimed, and a late worker then skips it).
 //! Workers spin briefly after a job, since the next one usually follows within microseconds, and then
 //! sleep on a condition variable. Nothing is allocated per job.
 //!
@@ -273,55 +273,44 @@ impl Regions {
 
     /// Region `r`'s first unclaimed chunk, claimed; `None` once it is empty.
     fn take_front(&self, r: usize) -> Option<usize> {
-        let state = &self.state[r];
-        let mut now = state.load(Ordering::Relaxed);
-        loop {
-            let (first, end) = (now >> 32, now & 0xffff_ffff);
-            if first >= end {
-                return None;
-            }
-            match state.compare_exchange_weak(
-                now,
-                now + (1 << 32),
-                Ordering::Relaxed,
-                Ordering::Relaxed,
-            ) {
-                Ok(_) => return Some(first as usize),
-                Err(seen) => now = seen,
-            }
-        }
+        self.state[r]
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |now| {
+                let (first, end) = unpack(now);
+                (first < end).then_some(now + (1 << 32))
+            })
+            .ok()
+            .map(|was| unpack(was).0 as usize)
     }
 
     /// Moves the back half (rounded up) of the first other region with unclaimed chunks into
-    /// region `own`, which must be empty and is written only by its owner: no other participant
-    /// changes an empty region, and a region's unclaimed range never returns to an earlier value,
-    /// so a plain store cannot lose a claim. `false` once every region is empty.
+    /// region `own`, which must be empty; `false` once every region is empty. Only a region's
+    /// owner stores into it, and only while it is empty, which no compare-and-swap ever changes
+    /// (every claim and split first checks for unclaimed chunks); a word equal to one seen earlier
+    /// holds the same unclaimed chunks, so a claim against it takes only chunks still unclaimed.
     fn steal_half(&self, own: usize) -> bool {
         for step in 1..self.len {
-            let state = &self.state[(own + step) % self.len];
-            let mut now = state.load(Ordering::Relaxed);
-            loop {
-                let (first, end) = (now >> 32, now & 0xffff_ffff);
-                if first >= end {
-                    break;
-                }
+            let split = self.state[(own + step) % self.len].fetch_update(
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+                |now| {
+                    let (first, end) = unpack(now);
+                    (first < end).then(|| (first << 32) | (first + (end - first) / 2))
+                },
+            );
+            if let Ok(was) = split {
+                let (first, end) = unpack(was);
                 let mid = first + (end - first) / 2;
-                match state.compare_exchange_weak(
-                    now,
-                    (first << 32) | mid,
-                    Ordering::Relaxed,
-                    Ordering::Relaxed,
-                ) {
-                    Ok(_) => {
-                        self.state[own].store((mid << 32) | end, Ordering::Relaxed);
-                        return true;
-                    }
-                    Err(seen) => now = seen,
-                }
+                self.state[own].store((mid << 32) | end, Ordering::Relaxed);
+                return true;
             }
         }
         false
     }
+}
+
+/// A region's word as (its first unclaimed chunk, its end).
+fn unpack(word: u64) -> (u64, u64) {
+    (word >> 32, word & 0xffff_ffff)
 }
 
 impl ThreadPool {

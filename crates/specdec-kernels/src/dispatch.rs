@@ -53,8 +53,10 @@ pub fn full_width_512() -> bool {
 /// 36.8 while a plain read loop ran at 55 (the prefetches compete with the hardware's own stream);
 /// Q6_K likewise once its quants were stored in reading order ([`crate::BlockQ6Kx8::q`]). Target
 /// steps took 4–7% less (`step_time`, 6 alternations, contexts 200 and 2,000), 24% less in
-/// `bench --cost-curve` where the machine's read bandwidth was high. Passes of 2 or more rows keep
-/// their prefetch (2-token target blocks 1–3% slower without it), the 512-bit pass too (it reads a
+/// `bench --cost-curve` where the machine's read bandwidth was high. Since stop 45 passes of 2 rows
+/// leave it to the hardware too (2-token target blocks 11% cheaper where memory was fast, 2–3%
+/// where slow, once stop 44's pool let each thread read one region; see `UNAIDED_ROWS` in
+/// `simd.rs`); passes of 3 or more rows keep their prefetch, the 512-bit pass too (it reads a
 /// pair of groups as two streams: 4-token blocks 35 → 49 ms without), and so do the 32-value
 /// formats (draft steps 1–5% slower without). On a 16-core Xeon with AMX the single-row Q4_K pass
 /// without it read at 13–16 GB/s against 21–24 (the hardware there follows no stream past a page),

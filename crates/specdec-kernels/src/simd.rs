@@ -823,19 +823,48 @@ pub(crate) mod avx2 {
     }
     pub(crate) use by_rows;
 
-    /// Whether a K-quant pass of `rows` activation rows asks for its weights ahead
-    /// ([`prefetch_ahead`]): always, but for a single row on a CPU whose hardware prefetchers follow
-    /// the pass's stream on their own ([`crate::dispatch::streams_unaided`]).
+    /// How far ahead a K-quant pass of `rows` activation rows asks for its weights
+    /// ([`prefetch_ahead_by`]), in bytes: [`PREFETCH`], but on a CPU whose hardware prefetchers
+    /// follow the pass's stream on their own ([`crate::dispatch::streams_unaided`]) nothing for one
+    /// or two rows ([`UNAIDED_ROWS`]) and [`UNAIDED_AHEAD`] for more.
     #[inline]
-    pub(crate) fn k_quant_prefetch(rows: usize) -> bool {
-        rows > 1 || !crate::dispatch::streams_unaided()
+    pub(crate) fn k_quant_prefetch(rows: usize) -> Option<usize> {
+        if !crate::dispatch::streams_unaided() {
+            Some(PREFETCH)
+        } else if rows > UNAIDED_ROWS {
+            Some(UNAIDED_AHEAD)
+        } else {
+            None
+        }
     }
+
+    /// The most rows of a K-quant pass that leaves its weight stream to the hardware where
+    /// [`crate::dispatch::streams_unaided`]. Measured on Zen 4 (stop 45, `step_time` on the 1.5B
+    /// target with each variant taking every other step of one run, context 300): 2-token blocks
+    /// without the software prefetch 28.99 → 25.92, 28.73 → 25.45 and 28.39 → 25.20 ms where the
+    /// machine's memory was fast (single steps there 20.8 ms), 34.39 → 33.57, 35.16 → 34.13 and
+    /// 33.82 → 33.01 ms where it was slow; 3-token blocks slower without it (31.4 → 32.7, 35.6 →
+    /// 42.0, 35.3 → 43.4 ms). Before stop 44's pool gave each thread one contiguous region, the
+    /// 2-row pass had been 1–3% slower without it.
+    const UNAIDED_ROWS: usize = 2;
+
+    /// How far ahead the K-quant passes of more than [`UNAIDED_ROWS`] rows prefetch where
+    /// [`crate::dispatch::streams_unaided`]: with the hardware's stream running as well, a distance
+    /// of [`PREFETCH`] asks for lines it has mostly fetched already. Measured as for
+    /// [`UNAIDED_ROWS`] (stop 45, 3-token blocks, [`PREFETCH`] against the distance, 2 alternating
+    /// runs each): 2 KiB 32.6 → 39.4 and 32.5 → 39.4 ms, 8 KiB 32.6 → 31.2, 33.5 → 32.2, 34.9 → 33.9
+    /// and 35.1 → 34.1, 12 KiB 32.4 → 30.5 and 35.7 → 34.3, 16 KiB 35.8 → 34.5, 31.5 → 29.5, 34.3 →
+    /// 33.3 and 34.0 → 33.1, 24 KiB 35.9 → 34.9 and 33.6 → 32.7, 32 KiB 35.8 → 35.1 and 35.1 → 34.1.
+    /// (The 32-value formats' passes keep [`PREFETCH`]: the Q4_0 draft's single steps took 5–7%
+    /// longer at 16 KiB.) The 512-bit passes, from 4 rows, prefetch the next pair of groups instead
+    /// ([`super::Ahead`]): without it 4-token blocks took 35.5 → 50.2 and 35.7 → 49.8 ms, with the
+    /// pair after next 34.3 → 34.7 and 34.4 → 34.8.
+    const UNAIDED_AHEAD: usize = 16384;
 
     /// How far ahead of the block being unpacked [`rows`] prefetches weights, in bytes.
     const PREFETCH: usize = 4096;
 
-    /// Prefetches the bytes [`PREFETCH`] ahead of `block` into L2, one cache line per 64 bytes of
-    /// `T`: the rows of a pass are adjacent, so that is where the pass reads next.
+    /// [`prefetch_ahead_by`] at [`PREFETCH`].
     ///
     /// L2 (`T1`), not L1 (`T0`): the loads bring each line on to L1 when the pass gets there, and L1
     /// keeps the activation rows, which at 4 rows of a wide matrix (the FFN down projection's 8,960
@@ -846,9 +875,17 @@ pub(crate) mod avx2 {
     #[inline]
     #[target_feature(enable = "avx2,f16c,fma")]
     pub(crate) fn prefetch_ahead<T>(block: &T) {
+        prefetch_ahead_by(block, PREFETCH);
+    }
+
+    /// Prefetches the bytes `distance` ahead of `block` into L2, one cache line per 64 bytes of `T`:
+    /// the rows of a pass are adjacent, so that is where the pass reads next.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma")]
+    pub(crate) fn prefetch_ahead_by<T>(block: &T, distance: usize) {
         let ahead = std::ptr::from_ref(block)
             .cast::<i8>()
-            .wrapping_add(PREFETCH);
+            .wrapping_add(distance);
         for line in (0..std::mem::size_of::<T>()).step_by(64) {
             // A prefetch reads nothing the program sees and cannot fault.
             _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(line));

@@ -136,7 +136,7 @@ fn pair_of_sums(x: &BlockQ8K, i: usize) -> i32 {
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
     use super::{BlockQ4Kx8, BlockQ8K};
-    use crate::simd::avx2::{k_quant_prefetch, prefetch_ahead, write_group};
+    use crate::simd::avx2::{k_quant_prefetch, prefetch_ahead_by, write_group};
     use crate::simd::Window;
     use std::arch::x86_64::*;
 
@@ -405,8 +405,8 @@ pub(crate) mod avx2 {
                 for (g, groups) in w.chunks_exact(nb).enumerate() {
                     let mut acc = [_mm256_setzero_ps(); N];
                     for (b, group) in groups.iter().enumerate() {
-                        if prefetch {
-                            prefetch_ahead(group);
+                        if let Some(distance) = prefetch {
+                            prefetch_ahead_by(group, distance);
                         }
                         let u = scales(group, &pat);
                         let (a0, a1) = acc.split_at_mut(first);

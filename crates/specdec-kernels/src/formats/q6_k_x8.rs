@@ -143,7 +143,7 @@ pub fn dot_q6_kx8_q8_k(w: &[BlockQ6K], x: &[BlockQ8K]) -> f32 {
 pub(crate) mod avx2 {
     use super::{qh_at, ql_at, BlockQ6Kx8, BlockQ8K};
     use crate::formats::q4_k_x8::avx2::{by_chunk, by_const, by_rows, chunks};
-    use crate::simd::avx2::{k_quant_prefetch, prefetch_ahead, write_group};
+    use crate::simd::avx2::{k_quant_prefetch, prefetch_ahead_by, write_group};
     use crate::simd::Window;
     use std::arch::x86_64::*;
 
@@ -359,8 +359,8 @@ pub(crate) mod avx2 {
                 for (g, groups) in w.chunks_exact(nb).enumerate() {
                     let mut acc = [_mm256_setzero_ps(); N];
                     for (b, group) in groups.iter().enumerate() {
-                        if prefetch {
-                            prefetch_ahead(group);
+                        if let Some(distance) = prefetch {
+                            prefetch_ahead_by(group, distance);
                         }
                         let u = scales::<$both>(group);
                         let (a0, a1) = acc.split_at_mut(first);

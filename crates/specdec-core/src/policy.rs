@@ -311,6 +311,7 @@ impl DraftLenPolicy {
             probe_left: 0,
             after_draft: false,
             idle_probes: 0,
+            last_plain: None,
             last_choice: None,
             costs: None,
             realised_model: Realised::default(),
@@ -347,6 +348,9 @@ pub struct Controller {
     after_draft: bool,
     /// Probes in a row after which no drafting was still best.
     idle_probes: u8,
+    /// The last round that timed a single-token step of the target: a round without a draft, chosen
+    /// or a plain probe ([`PLAIN_PROBE_EVERY`]).
+    last_plain: Option<u64>,
     last_choice: Option<Choice>,
     costs: Option<RoundCosts>,
     /// How model drafts, lookup drafts and lookup drafts extended by the model have done against
@@ -463,6 +467,25 @@ const MAX_PROBE_GAP: u64 = 1024;
 const FIRST_IDLE_PROBE: u64 = 2;
 /// Probes from no drafting that leave the choice at no drafting, after which a sequence stops probing.
 const MAX_IDLE_PROBES: u8 = 3;
+/// A cost model that measures its costs online decodes one round plainly (no draft at all) when no
+/// round of its sequence has timed a single-token step for this many rounds, and first at round
+/// [`PLAIN_PROBE_FIRST`]: speculating rounds time only blocks, from which the step itself is
+/// inferred through the calibrated curve, and on machines whose memory speeds up and slows down
+/// (stop 45's EPYC: plain steps of 21 ms in fast stretches, 31 ms in slow ones, while verification
+/// blocks, bound more by their multiply-adds, change far less) the calibration's curve then
+/// makes every draft look cheaper than it is, the model's more than the lookup's: predicted
+/// speedups of 1.8–2.5× where 1.1–1.9× were measured, and a hybrid that lost to lookup alone on the
+/// grounded prompts in fast stretches. The probe costs the round's gain, about 1% of a
+/// 128-token generation's speed.
+pub const PLAIN_PROBE_EVERY: u64 = 64;
+/// The range of the factor by which a run that timed its own steps scales the calibration's curve
+/// where it has not timed a length ([`Controller`]'s measured profile).
+const PRIOR_SCALE: (f64, f64) = (0.5, 3.0);
+/// The round of a sequence's first plain probe ([`PLAIN_PROBE_EVERY`]): late enough that a short
+/// answer pays for none (at round 6, stop 45's answers to questions on a passage, 5 to 25 rounds
+/// each, lost to lookup alone: the probe cost them one round in ten), early enough that much of a
+/// long one is priced with it.
+pub const PLAIN_PROBE_FIRST: u64 = 16;
 
 /// The cost curve [`RoundCosts`] carries reaches at least `r(LOOKUP_CURVE + 1)`, so that lookup
 /// drafts longer than the model's longest can be priced.
@@ -508,6 +531,14 @@ impl Controller {
                 prior,
             } => {
                 let (max, probe_every) = (*max, *probe_every as u64);
+                if cost.is_none() && self.plain_probe_due() {
+                    // No draft at all this round (a hybrid's lookup neither: no costs), so that
+                    // the target times a single-token step.
+                    self.last_plain = Some(self.rounds);
+                    self.k = 0;
+                    self.costs = None;
+                    return 0;
+                }
                 let prior = prior.as_ref().map(|p| p.at_context(self.context));
                 let profile = match cost {
                     Some(fixed) => Some(Profile::fixed(&fixed.at_context(self.context))),
@@ -620,6 +651,16 @@ impl Controller {
         }
     }
 
+    /// Whether the next round is a plain probe ([`PLAIN_PROBE_EVERY`]): `PLAIN_PROBE_FIRST` rounds
+    /// in, then whenever the last single-token step was timed (or probed for, where the round's
+    /// timing was not the sequence's own) `PLAIN_PROBE_EVERY` rounds ago.
+    fn plain_probe_due(&self) -> bool {
+        match self.last_plain {
+            None => self.rounds >= PLAIN_PROBE_FIRST,
+            Some(last) => self.rounds >= last + PLAIN_PROBE_EVERY,
+        }
+    }
+
     /// The cost model's view of the round [`Controller::next_draft_len`] just planned; `None` for the
     /// other policies and while the cost model is warming up without a prior.
     pub fn costs(&self) -> Option<&RoundCosts> {
@@ -647,16 +688,33 @@ impl Controller {
             Some((a, b)) => (a / t1, b / t1),
             None => prior.map_or((0.0, 0.0), |p| (p.draft_fixed, p.c)),
         };
+        let samples = |m: usize| self.verify_times.get(m - 1).map_or(1.0, |t| t.len() as f64);
+        // Where this run timed the step itself, the blocks it timed tell how the machine compares
+        // with the calibration now (in a fast stretch of memory a step gets much cheaper and a
+        // block, bound more by its multiply-adds, far less): the calibration's lengths this run has
+        // not timed are scaled by the timed lengths' mean ratio to it, weighted by their samples.
+        let scale = match prior {
+            Some(p) if fit.measured.first().is_some_and(|&(m, _)| m == 1) => {
+                let (mut num, mut den) = (0.0, 0.0);
+                for &(m, r) in fit.measured.iter().filter(|&&(m, _)| m > 1) {
+                    num += samples(m) * r / p.r(m);
+                    den += samples(m);
+                }
+                if den > 0.0 {
+                    (num / den).clamp(PRIOR_SCALE.0, PRIOR_SCALE.1)
+                } else {
+                    1.0
+                }
+            }
+            _ => 1.0,
+        };
         // Each measured length weighs its samples; lengths this run has not timed come from the
         // prior (or the fitted line) with the weight of one sample.
         let (r, weights): (Vec<f64>, Vec<f64>) = (1..=MAX_DRAFT_LEN + 1)
             .map(
                 |m| match (fit.measured.iter().find(|(mm, _)| *mm == m), prior) {
-                    (Some(&(_, r)), _) => (
-                        r,
-                        self.verify_times.get(m - 1).map_or(1.0, |t| t.len() as f64),
-                    ),
-                    (None, Some(p)) => (p.r(m), 1.0),
+                    (Some(&(_, r)), _) => (r, samples(m)),
+                    (None, Some(p)) => ((p.r(m) * scale).max(1.0), 1.0),
                     (None, None) => (fit.r(m), 1.0),
                 },
             )
@@ -816,6 +874,10 @@ impl Controller {
     }
 
     fn push_verify_time(&mut self, round: &Round, timed: bool) {
+        if timed && round.verified == 1 {
+            // `rounds` already counts this one.
+            self.last_plain = Some(self.rounds - 1);
+        }
         if timed && round.verified > 0 {
             if self.verify_times.len() < round.verified {
                 self.verify_times.resize(round.verified, Vec::new());
@@ -1642,6 +1704,89 @@ mod tests {
         };
         let (_, rate) = dear.best_extension(&[0.9, 0.9], false, 8, 1).unwrap();
         assert!(rate < lookup_rate, "{rate} {lookup_rate}");
+    }
+
+    /// With a calibration whose curve is much flatter than the machine's current one (a fast
+    /// stretch of memory), a measuring cost model infers the single-token step from the blocks
+    /// and prices them at the calibration's proportions until it times a step itself: a plain round
+    /// at [`PLAIN_PROBE_FIRST`], another [`PLAIN_PROBE_EVERY`] rounds after, none in between while
+    /// it drafts; after the first, its curve is the machine's.
+    #[test]
+    fn a_measuring_cost_model_times_a_plain_step_now_and_then() {
+        let r_true = |m: usize| 1.0 + 0.3 * (m as f64 - 1.0);
+        let prior = FixedCost {
+            c: 0.2,
+            draft_fixed: 0.0,
+            r: (1..=17).map(|m| 1.0 + 0.05 * (m - 1) as f64).collect(),
+            context: None,
+        };
+        let p = DraftLenPolicy::auto(Some(prior));
+        p.validate().unwrap();
+        let mut c = p.controller();
+        let mut plain = Vec::new();
+        let mut timed = [0usize; 20];
+        let (mut checked, mut before) = (0, 0);
+        for i in 0..PLAIN_PROBE_FIRST + 2 * PLAIN_PROBE_EVERY + 4 {
+            let k = c.next_draft_len();
+            if c.costs().is_none() {
+                assert_eq!(k, 0, "round {i}");
+                plain.push(i);
+            } else {
+                assert!(k > 0, "round {i}: the drafts pay at either curve");
+                if i > PLAIN_PROBE_FIRST && timed[k + 1] >= 4 {
+                    // A length this run has timed often: its measured proportion to the step.
+                    let r = c.costs().unwrap().r(k + 1);
+                    let want = r_true(k + 1);
+                    assert!(
+                        (r - want).abs() < 0.05 * want,
+                        "round {i}: r({}) {r}",
+                        k + 1
+                    );
+                    checked += 1;
+                } else if i < PLAIN_PROBE_FIRST && i > 0 {
+                    // Before the probe: the calibration's proportions.
+                    let r = c.costs().unwrap().r(k + 1);
+                    assert!(r < 1.0 + 0.06 * k as f64, "round {i}: r({}) {r}", k + 1);
+                    before += 1;
+                }
+            }
+            let accepted = (0..k)
+                .take_while(|j| (i as usize * 7 + j * 13) % 20 < 17)
+                .count();
+            timed[k + 1] += 1;
+            c.observe(&Round {
+                drafted: k,
+                accepted,
+                emitted: accepted + 1,
+                draft_secs: 0.2 * k as f64,
+                verify_secs: r_true(k + 1),
+                verified: k + 1,
+                ..Default::default()
+            });
+        }
+        assert!(
+            checked > 100 && before > 3,
+            "{checked} rounds checked, {before} before"
+        );
+        assert_eq!(
+            plain,
+            [
+                PLAIN_PROBE_FIRST,
+                PLAIN_PROBE_FIRST + PLAIN_PROBE_EVERY,
+                PLAIN_PROBE_FIRST + 2 * PLAIN_PROBE_EVERY
+            ]
+        );
+    }
+
+    /// Given costs are not measured, so there is nothing to probe for.
+    #[test]
+    fn given_costs_are_never_probed_plainly() {
+        let mut c = given_costs(0.2).controller();
+        for i in 0..3 * PLAIN_PROBE_EVERY {
+            c.next_draft_len();
+            assert!(c.costs().is_some(), "round {i}");
+            c.observe(&rejected(2, false));
+        }
     }
 
     #[test]

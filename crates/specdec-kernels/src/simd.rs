@@ -865,13 +865,6 @@ pub(crate) mod avx2 {
     const PREFETCH: usize = 4096;
 
     /// [`prefetch_ahead_by`] at [`PREFETCH`].
-    ///
-    /// L2 (`T1`), not L1 (`T0`): the loads bring each line on to L1 when the pass gets there, and L1
-    /// keeps the activation rows, which at 4 rows of a wide matrix (the FFN down projection's 8,960
-    /// inputs: 10 KB of Q8_K per row) already fill it. Measured with `step_time` on the 1.5B target
-    /// (stop 27, Zen 4, old and new alternating, 3 rounds): 4-token blocks 51–57 → 41–43 ms, 2-token
-    /// blocks 36–47 → 29–36 ms, single tokens 32–37 → 28–37 ms, 16-token blocks unchanged; the draft
-    /// (Q4_0) unchanged.
     #[inline]
     #[target_feature(enable = "avx2,f16c,fma")]
     pub(crate) fn prefetch_ahead<T>(block: &T) {
@@ -880,6 +873,13 @@ pub(crate) mod avx2 {
 
     /// Prefetches the bytes `distance` ahead of `block` into L2, one cache line per 64 bytes of `T`:
     /// the rows of a pass are adjacent, so that is where the pass reads next.
+    ///
+    /// L2 (`T1`), not L1 (`T0`): the loads bring each line on to L1 when the pass gets there, and L1
+    /// keeps the activation rows, which at 4 rows of a wide matrix (the FFN down projection's 8,960
+    /// inputs: 10 KB of Q8_K per row) already fill it. Measured with `step_time` on the 1.5B target
+    /// (stop 27, Zen 4, old and new alternating, 3 rounds): 4-token blocks 51–57 → 41–43 ms, 2-token
+    /// blocks 36–47 → 29–36 ms, single tokens 32–37 → 28–37 ms, 16-token blocks unchanged; the draft
+    /// (Q4_0) unchanged.
     #[inline]
     #[target_feature(enable = "avx2,f16c,fma")]
     pub(crate) fn prefetch_ahead_by<T>(block: &T, distance: usize) {

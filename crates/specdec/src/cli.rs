@@ -188,7 +188,9 @@ pub struct DecodeArgs {
     /// Tokens drafted per round, 1..=64, or `auto`: the cost model picks each round what maximises
     /// expected tokens per second from measured acceptance and timings (the model draft's length, 0
     /// included, and how much of a lookup draft to keep, up to 16), starting from a calibration
-    /// saved for these models on this machine (measured once, in about ten seconds); or `adaptive`: one
+    /// saved for these models on this machine (measured once, in about ten seconds), and decoding a
+    /// round without a draft now and then (round 16, then every 64 rounds without one) to time the
+    /// target's plain step as the machine runs now; or `adaptive`: one
     /// longer while the smoothed acceptance rate is at least 0.7, one shorter below 0.6 (1..=8).
     #[arg(long, default_value = "auto")]
     pub draft_len: String,

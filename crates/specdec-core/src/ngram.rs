@@ -231,7 +231,13 @@ pub fn plan_hybrid(
 /// draft alone.
 ///
 /// The continuation is a function of the context and the drafted tokens before it, so its tokens
-/// are one-hot draws, and verification stays exact.
+/// are one-hot draws. A sampled model token is verified against the q it was drawn from, which
+/// holds only if whether it stays in the draft is decided without looking at it or at the tokens
+/// drawn after it: a sampled draft is cut at the *first* prefix whose continuation beats the draft
+/// whole as planned ([`DraftRequest::model_len`] tokens), not at the best one. (Cutting at the
+/// best prefix kept a drawn token where the continuation after it was good and dropped it where it
+/// was not, which biases sampled output; stop 46 found it.) A greedy draft is a function of the
+/// context, and is cut at the best prefix.
 pub fn continue_by_lookup(
     lookup: &mut LookupDrafter,
     req: &DraftRequest<'_>,
@@ -241,18 +247,25 @@ pub fn continue_by_lookup(
         return false;
     };
     let k = draft.tokens.len();
-    if k == 0 || !draft.confidence.is_empty() || draft.extension > 0 || k >= req.max_len {
+    // A sampled draft is cut at the first prefix whose continuation beats the planned draft whole,
+    // so that whether a drawn token stays is decided by the tokens before it alone; a greedy draft
+    // (a function of the context) is cut where it pays best.
+    let first = !req.sampling.is_greedy();
+    // The length the model was asked for: a sampled draft that a stop token it drew cut short is
+    // weighed, and let continue, as planned.
+    let planned = if first { k.max(req.model_len()) } else { k };
+    if k == 0 || !draft.confidence.is_empty() || draft.extension > 0 || planned >= req.max_len {
         return false;
     }
     let acceptance = |i: usize| c.model_acceptance.get(i).copied().unwrap_or(0.0);
     // expected[j]: the expected tokens of the model's first j tokens and the bonus; reach[j]: the
     // estimated probability that they are all accepted.
-    let (mut reach, mut expected) = (vec![1.0; k + 1], vec![1.0; k + 1]);
-    for i in 0..k {
+    let (mut reach, mut expected) = (vec![1.0; planned + 1], vec![1.0; planned + 1]);
+    for i in 0..planned {
         reach[i + 1] = reach[i] * acceptance(i);
         expected[i + 1] = expected[i] + reach[i + 1];
     }
-    let whole = expected[k] / c.r(k + 1);
+    let whole = expected[planned] / c.r(planned + 1);
     let mut best: Option<(usize, Proposal)> = None;
     let mut best_rate = whole;
     let mut context = req.context.to_vec();
@@ -283,6 +296,9 @@ pub fn continue_by_lookup(
                 kept.truncate(l + 1);
                 best = Some((j, kept));
             }
+        }
+        if first && best.is_some() {
+            break;
         }
     }
     let Some((j, cont)) = best else {
@@ -500,6 +516,81 @@ mod tests {
             &mut draft
         ));
         assert!(draft.confidence.is_empty());
+    }
+
+    #[test]
+    fn a_sampled_model_draft_keeps_a_drawn_token_by_the_tokens_before_it_alone() {
+        // Verification of a sampled model token against its q is exact only if whether the token
+        // stays in the draft does not depend on the token itself (or on any drawn after it): two
+        // drafts that agree on their first p tokens must keep the same number of them, up to p + 1
+        // (the (p + 1)-th is kept by both or by neither), and continue them alike where both cut
+        // within the first p. Greedy drafts are a function of the context, free of this.
+        let sampled = SamplingParams {
+            temperature: 1.0,
+            ..SamplingParams::default()
+        };
+        let mut state: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = |n: u64| {
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            (state >> 33) % n
+        };
+        let (mut checked, mut cut) = (0, 0);
+        for _ in 0..3000 {
+            let prompt: Vec<TokenId> = (0..40).map(|_| next(5) as TokenId).collect();
+            let slope = 0.01 + next(30) as f64 / 100.0;
+            let costs = RoundCosts {
+                r: (1..=17).map(|m| 1.0 + slope * (m - 1) as f64).collect(),
+                model_len: 3,
+                model_acceptance: (0..3).map(|_| 0.2 + next(80) as f64 / 100.0).collect(),
+                ..RoundCosts::default()
+            };
+            let seq = SeqId(0);
+            let mut lookup = LookupDrafter::default();
+            let Ok(()) = lookup.prefill(seq, &prompt);
+            let a: Vec<TokenId> = (0..3).map(|_| next(5) as TokenId).collect();
+            let p = next(3) as usize;
+            let mut b = a.clone();
+            b[p] = (b[p] + 1 + next(4) as TokenId) % 5;
+            let mut run = |tokens: &[TokenId]| {
+                let mut draft = Proposal::default();
+                for &t in tokens {
+                    draft.push(t, Probs::Dense(vec![0.2; 5]));
+                }
+                let req = DraftRequest {
+                    seq,
+                    context: &prompt,
+                    max_len: 12,
+                    sampling: &sampled,
+                    rng: CounterRng::new(0),
+                    min_confidence: 0.0,
+                    costs: Some(&costs),
+                    stop_tokens: &[],
+                };
+                let continued = continue_by_lookup(&mut lookup, &req, &mut draft);
+                let kept = if continued {
+                    draft.prefix
+                } else {
+                    tokens.len()
+                };
+                (kept, draft.tokens)
+            };
+            let (ka, da) = run(&a);
+            let (kb, db) = run(&b);
+            cut += usize::from(ka < 3) + usize::from(kb < 3);
+            assert_eq!(
+                ka.min(p + 1),
+                kb.min(p + 1),
+                "drafts {a:?} and {b:?} (same first {p}) keep {ka} and {kb} tokens"
+            );
+            if ka <= p {
+                assert_eq!(da, db, "drafts {a:?} and {b:?}");
+            }
+            checked += 1;
+        }
+        // The property was exercised: many drafts were cut.
+        assert!(cut > checked / 10, "{cut} cuts in {checked} pairs");
     }
 
     #[test]

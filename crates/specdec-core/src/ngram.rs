@@ -448,7 +448,7 @@ impl<D: Draft> Draft for HybridDrafter<D> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{CounterRng, RoundCosts, SamplingParams};
+    use crate::{CounterRng, RoundCosts, SamplingParams, Stream};
 
     #[test]
     fn a_model_draft_that_starts_a_known_span_is_continued_by_the_lookup() {
@@ -529,12 +529,10 @@ mod tests {
             temperature: 1.0,
             ..SamplingParams::default()
         };
-        let mut state: u64 = 0x9e37_79b9_7f4a_7c15;
+        let (rng, mut drawn) = (CounterRng::new(46), 0);
         let mut next = |n: u64| {
-            state = state
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1_442_695_040_888_963_407);
-            (state >> 33) % n
+            drawn += 1;
+            u64::from(rng.bits(drawn, Stream::Target)[0]) % n
         };
         let (mut checked, mut cut) = (0, 0);
         for _ in 0..3000 {

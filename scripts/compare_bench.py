@@ -14,26 +14,33 @@ mode, and the median of one run can jump between prompts.
 import argparse
 import json
 import math
+import statistics
 import sys
 from collections import defaultdict
 
 
 def speedups(path, mode):
-    """{prompt id: (category, speedup over ar)} for `mode` in the bench JSON at `path`."""
+    """{prompt id: (category, speedup over ar)} for `mode` in the bench JSON at `path`.
+
+    With `bench --repeat N` a prompt's runs carry their repetition (`repeat`): each run is measured
+    against the plain run of its own repetition, and the prompt's speedup is the median of them.
+    """
     with open(path, encoding="utf-8") as f:
         run = json.load(f)
-    ar, other = {}, {}
+    ar, other = {}, defaultdict(list)
     for record in run["records"]:
+        key = (record["id"], record.get("repeat", 0))
         rate = record["decode_tokens_per_s"]
         if record["mode"] == "ar":
-            ar[record["id"]] = rate
+            ar[key] = rate
         elif record["mode"] == mode:
-            other[record["id"]] = (record["category"], rate)
-    return {
-        pid: (category, rate / ar[pid])
-        for pid, (category, rate) in other.items()
-        if pid in ar and ar[pid] > 0
-    }
+            other[record["id"]].append((record["category"], key, rate))
+    result = {}
+    for pid, runs in other.items():
+        ratios = [rate / ar[key] for _, key, rate in runs if ar.get(key, 0) > 0]
+        if ratios:
+            result[pid] = (runs[0][0], statistics.median(ratios))
+    return result
 
 
 def compare(base, new):

@@ -65,3 +65,32 @@ def test_a_mode_missing_from_either_run_is_an_error(tmp_path):
     out = compare(base, base, "--mode", "hybrid")
     assert out.returncode == 1
     assert "no prompt has mode 'hybrid'" in out.stderr
+
+
+def test_repeated_runs_pair_within_their_repetition_and_take_the_median(tmp_path):
+    # `bench --repeat 3`: prompt a's hybrid runs 2x, 3x, 4x its own repetition's plain run (the
+    # plain runs' speeds differ), so its speedup is 3x; against the base's 2x that is 1.5x. Paired
+    # with the wrong plain run, or averaged over the runs' tokens/s, it would not be.
+    def repeated(name, runs):
+        records = [
+            {"id": "a", "category": "qa", "mode": mode, "repeat": i, "decode_tokens_per_s": rate}
+            for i, modes in enumerate(runs)
+            for mode, rate in modes.items()
+        ]
+        path = tmp_path / name
+        path.write_text(json.dumps({"records": records}), encoding="utf-8")
+        return path
+
+    base = repeated("base.json", [{"ar": 20.0, "hybrid": 40.0}])
+    new = repeated(
+        "new.json",
+        [
+            {"ar": 10.0, "hybrid": 20.0},
+            {"ar": 30.0, "hybrid": 90.0},
+            {"ar": 5.0, "hybrid": 20.0},
+        ],
+    )
+    out = compare(base, new)
+    assert out.returncode == 0, out.stderr
+    lines = {line.split()[0]: line.split() for line in out.stdout.splitlines()[1:]}
+    assert lines["all"] == ["all", "1", "1.500x", "1/1"]

@@ -7,7 +7,9 @@ use std::path::Path;
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
-use specdec_core::{DraftLenPolicy, GenerateConfig, SamplingParams, Target, VerifyMode};
+use specdec_core::{
+    DraftLenPolicy, GenerateConfig, LookupDrafter, SamplingParams, Target, VerifyMode,
+};
 use specdec_runtime::fetch::{home, wheel_member, FetchOptions};
 
 use crate::calibration::Calibration;
@@ -147,6 +149,8 @@ struct Record {
     id: String,
     category: String,
     mode: String,
+    /// Which repetition of the prompt (`--repeat`), from 0.
+    repeat: usize,
     generated_tokens: usize,
     decode_tokens_per_s: f64,
     acceptance_rate: f64,
@@ -245,100 +249,144 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
     // The calibration as the runs teach it: each speculative run's blocks are folded in before the
     // next run starts from it (`Calibration::learn`), the next mode's on the same prompt included.
     let mut learned = cal.clone();
+    let repeats = args.repeat.max(1) as usize;
     for (pi, p) in prompts.iter().enumerate() {
         let ids = loaded.prompt(&p.prompt, p.chat, None, false)?;
-        let mut reference: Option<(Vec<u32>, f64)> = None;
-        for (kind, drafter) in modes.iter().zip(drafters.iter_mut()) {
-            let config = GenerateConfig {
-                max_new_tokens: args.max_tokens,
-                stop_tokens: loaded.tokenizer.stop_tokens().to_vec(),
-                sampling: sampling.clone(),
-                seed: args.seed.wrapping_add(pi as u64),
-                verify_mode: VerifyMode::Rejection,
-                min_confidence: args.min_confidence,
-                draft_len: if *kind == DrafterKind::None {
-                    DraftLenPolicy::default()
-                } else {
-                    policy.clone()
-                },
-            };
-            // Start each run with the target's cache holding nothing of this prompt.
-            target.commit(specdec_core::SeqId(0), &[])?;
-            let g = run(
-                &mut target,
-                drafter,
-                &loaded.tokenizer,
-                &ids,
-                &config,
-                &[],
-                None,
-            )?;
-            if let Some(e) = g.error {
-                bail!("prompt {}: mode {}: {e}", p.id, mode_name(*kind));
-            }
-            let m = &g.output.metrics;
-            if learned.learn(m) {
-                learned.set_prior(&mut policy);
-            }
-            let tps = m.decode_tokens_per_s();
-            let (matches, speedup) = match &reference {
-                None => {
-                    reference = Some((g.output.tokens.clone(), tps));
-                    (true, 1.0)
+        // The greedy output of the first plain run, which every other run must reproduce.
+        let mut reference: Option<Vec<u32>> = None;
+        // What the lookup drafters knew before the prompt's first run: every repetition starts
+        // from it, so that none finds the prompt's own output of an earlier repetition in the
+        // history of earlier outputs.
+        let before: Vec<Option<LookupDrafter>> = if repeats > 1 {
+            drafters
+                .iter_mut()
+                .map(|d| d.lookup_mut().map(|l| l.clone()))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        for repeat in 0..repeats {
+            for (d, saved) in drafters.iter_mut().zip(&before) {
+                if let (Some(l), Some(saved)) = (d.lookup_mut(), saved) {
+                    l.clone_from(saved);
                 }
-                // Sampled outputs differ between modes (each follows the target's distribution).
-                Some((r, ar_tps)) => (!sampling.is_greedy() || *r == g.output.tokens, tps / ar_tps),
-            };
-            if !matches {
-                divergences += 1;
+            }
+            let first_record = records.len();
+            // Every other repetition runs the modes in reverse, so that plain decoding is not always
+            // the first run of a prompt (the first repetition's plain run gives the reference output).
+            let mut order: Vec<usize> = (0..modes.len()).collect();
+            if repeat % 2 == 1 {
+                order.reverse();
+            }
+            for mi in order {
+                let (kind, drafter) = (&modes[mi], &mut drafters[mi]);
+                let config = GenerateConfig {
+                    max_new_tokens: args.max_tokens,
+                    stop_tokens: loaded.tokenizer.stop_tokens().to_vec(),
+                    sampling: sampling.clone(),
+                    seed: args.seed.wrapping_add(pi as u64),
+                    verify_mode: VerifyMode::Rejection,
+                    min_confidence: args.min_confidence,
+                    draft_len: if *kind == DrafterKind::None {
+                        DraftLenPolicy::default()
+                    } else {
+                        policy.clone()
+                    },
+                };
+                // Start each run with the target's cache holding nothing of this prompt.
+                target.commit(specdec_core::SeqId(0), &[])?;
+                let g = run(
+                    &mut target,
+                    drafter,
+                    &loaded.tokenizer,
+                    &ids,
+                    &config,
+                    &[],
+                    None,
+                )?;
+                if let Some(e) = g.error {
+                    bail!("prompt {}: mode {}: {e}", p.id, mode_name(*kind));
+                }
+                let m = &g.output.metrics;
+                if learned.learn(m) {
+                    learned.set_prior(&mut policy);
+                }
+                let tps = m.decode_tokens_per_s();
+                let matches = match &reference {
+                    None => {
+                        reference = Some(g.output.tokens.clone());
+                        true
+                    }
+                    // Sampled outputs differ between modes (each follows the target's distribution).
+                    Some(r) => !sampling.is_greedy() || *r == g.output.tokens,
+                };
+                if !matches {
+                    divergences += 1;
+                    eprintln!(
+                        "DIVERGENCE: prompt {} mode {}: greedy output differs from ar",
+                        p.id,
+                        mode_name(*kind)
+                    );
+                }
+                records.push(Record {
+                    id: p.id.clone(),
+                    category: p.category.clone(),
+                    mode: mode_name(*kind).into(),
+                    repeat,
+                    generated_tokens: g.output.tokens.len(),
+                    decode_tokens_per_s: tps,
+                    acceptance_rate: m.acceptance_rate(),
+                    mean_accepted_len: m.mean_accepted_len(),
+                    rounds: m.rounds,
+                    extended_rounds: m.extended_rounds,
+                    drafted: m.drafted,
+                    accepted: m.accepted,
+                    per_position: m
+                        .per_position
+                        .iter()
+                        .map(|s| (s.reached, s.accepted))
+                        .collect(),
+                    matches_ar: matches,
+                    // Set below, once this repetition's plain run is done.
+                    speedup_vs_ar: f64::NAN,
+                    end_to_end_s: m.prefill_secs + m.decode_secs,
+                    predicted_speedup: m.predicted_speedup_with(
+                        crate::generate::calibration_at_run(&config, m)
+                            .as_ref()
+                            .map(|p| p.r.as_slice()),
+                    ),
+                    metrics: m.clone(),
+                    prompt_tokens: (*kind == DrafterKind::None).then(|| ids.clone()),
+                    output_tokens: (*kind == DrafterKind::None).then(|| g.output.tokens.clone()),
+                });
+            }
+            let runs = &mut records[first_record..];
+            let ar_tps = runs
+                .iter()
+                .find(|r| r.mode == "ar")
+                .map_or(f64::NAN, |r| r.decode_tokens_per_s);
+            for r in runs.iter_mut() {
+                r.speedup_vs_ar = r.decode_tokens_per_s / ar_tps;
+            }
+            runs.sort_by_key(|r| modes.iter().position(|&k| mode_name(k) == r.mode));
+            if !ui.quiet {
+                let line: Vec<String> = runs
+                    .iter()
+                    .map(|r| format!("{} {:.1} tok/s", r.mode, r.decode_tokens_per_s))
+                    .collect();
+                let run = if repeats > 1 {
+                    format!(" (run {}/{repeats})", repeat + 1)
+                } else {
+                    String::new()
+                };
                 eprintln!(
-                    "DIVERGENCE: prompt {} mode {}: greedy output differs from ar",
+                    "[{}/{}] {}{run}: {}",
+                    pi + 1,
+                    prompts.len(),
                     p.id,
-                    mode_name(*kind)
+                    line.join(", ")
                 );
             }
-            records.push(Record {
-                id: p.id.clone(),
-                category: p.category.clone(),
-                mode: mode_name(*kind).into(),
-                generated_tokens: g.output.tokens.len(),
-                decode_tokens_per_s: tps,
-                acceptance_rate: m.acceptance_rate(),
-                mean_accepted_len: m.mean_accepted_len(),
-                rounds: m.rounds,
-                extended_rounds: m.extended_rounds,
-                drafted: m.drafted,
-                accepted: m.accepted,
-                per_position: m
-                    .per_position
-                    .iter()
-                    .map(|s| (s.reached, s.accepted))
-                    .collect(),
-                matches_ar: matches,
-                speedup_vs_ar: speedup,
-                end_to_end_s: m.prefill_secs + m.decode_secs,
-                predicted_speedup: m.predicted_speedup_with(
-                    crate::generate::calibration_at_run(&config, m)
-                        .as_ref()
-                        .map(|p| p.r.as_slice()),
-                ),
-                metrics: m.clone(),
-                prompt_tokens: (*kind == DrafterKind::None).then(|| ids.clone()),
-                output_tokens: (*kind == DrafterKind::None).then(|| g.output.tokens.clone()),
-            });
-        }
-        if !ui.quiet {
-            let line: Vec<String> = records[records.len() - modes.len()..]
-                .iter()
-                .map(|r| format!("{} {:.1} tok/s", r.mode, r.decode_tokens_per_s))
-                .collect();
-            eprintln!(
-                "[{}/{}] {}: {}",
-                pi + 1,
-                prompts.len(),
-                p.id,
-                line.join(", ")
-            );
         }
     }
     if learned.learned_blocks > 0 {
@@ -359,7 +407,7 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
         }
     }
     let summary = summarize(
-        &records,
+        &per_prompt(&records),
         &modes.iter().map(|&k| mode_name(k)).collect::<Vec<_>>(),
         &cal,
     );
@@ -424,6 +472,43 @@ pub struct Row {
 struct Summary {
     table: String,
     rows: Vec<Row>,
+}
+
+/// One record per prompt and mode: with `--repeat`, the median over a prompt's runs of the tokens/s,
+/// the speedup (each against its own repetition's plain run), the prediction and the end-to-end
+/// time, and the counts summed.
+fn per_prompt(records: &[Record]) -> Vec<Record> {
+    let mut groups: Vec<Vec<&Record>> = Vec::new();
+    for r in records {
+        match groups
+            .iter_mut()
+            .find(|g| g[0].id == r.id && g[0].mode == r.mode)
+        {
+            Some(g) => g.push(r),
+            None => groups.push(vec![r]),
+        }
+    }
+    groups
+        .into_iter()
+        .map(|g| {
+            let mut merged = g[0].clone();
+            if g.len() == 1 {
+                return merged;
+            }
+            let med = |f: &dyn Fn(&Record) -> f64| {
+                median(&mut g.iter().map(|r| f(r)).collect::<Vec<_>>())
+            };
+            merged.decode_tokens_per_s = med(&|r| r.decode_tokens_per_s);
+            merged.speedup_vs_ar = med(&|r| r.speedup_vs_ar);
+            merged.end_to_end_s = med(&|r| r.end_to_end_s);
+            let mut predicted: Vec<f64> = g.iter().filter_map(|r| r.predicted_speedup).collect();
+            merged.predicted_speedup = (!predicted.is_empty()).then(|| median(&mut predicted));
+            merged.drafted = g.iter().map(|r| r.drafted).sum();
+            merged.accepted = g.iter().map(|r| r.accepted).sum();
+            merged.rounds = g.iter().map(|r| r.rounds).sum();
+            merged
+        })
+        .collect()
 }
 
 fn summarize(records: &[Record], modes: &[&str], cal: &Calibration) -> Summary {
@@ -526,4 +611,84 @@ fn summarize(records: &[Record], modes: &[&str], cal: &Calibration) -> Summary {
         ));
     }
     Summary { table, rows }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(id: &str, mode: &str, repeat: usize, tps: f64, speedup: f64) -> Record {
+        Record {
+            id: id.into(),
+            category: "qa".into(),
+            mode: mode.into(),
+            repeat,
+            generated_tokens: 10,
+            decode_tokens_per_s: tps,
+            acceptance_rate: 0.5,
+            mean_accepted_len: 2.0,
+            rounds: 5,
+            extended_rounds: 0,
+            drafted: 10,
+            accepted: 5,
+            per_position: Vec::new(),
+            matches_ar: true,
+            speedup_vs_ar: speedup,
+            end_to_end_s: tps / 10.0,
+            predicted_speedup: (mode != "ar").then_some(speedup * 0.9),
+            metrics: specdec_core::Metrics::default(),
+            prompt_tokens: None,
+            output_tokens: None,
+        }
+    }
+
+    #[test]
+    fn repeated_runs_become_one_record_per_prompt_and_mode_with_medians() {
+        let records = vec![
+            record("a", "ar", 0, 30.0, 1.0),
+            record("a", "hybrid", 0, 60.0, 2.0),
+            record("b", "ar", 0, 20.0, 1.0),
+            record("a", "ar", 1, 20.0, 1.0),
+            record("a", "hybrid", 1, 70.0, 3.5),
+            record("a", "ar", 2, 40.0, 1.0),
+            record("a", "hybrid", 2, 100.0, 2.5),
+        ];
+        let merged = per_prompt(&records);
+        let keys: Vec<(&str, &str)> = merged
+            .iter()
+            .map(|r| (r.id.as_str(), r.mode.as_str()))
+            .collect();
+        assert_eq!(keys, [("a", "ar"), ("a", "hybrid"), ("b", "ar")]);
+        let hybrid = &merged[1];
+        // The median speedup of the runs (each against its own repetition's plain run), not the
+        // ratio of the median tokens/s (70 / 30).
+        assert_eq!(hybrid.speedup_vs_ar, 2.5);
+        assert_eq!(hybrid.decode_tokens_per_s, 70.0);
+        assert_eq!(hybrid.end_to_end_s, 7.0);
+        assert_eq!(hybrid.predicted_speedup, Some(2.5 * 0.9));
+        assert_eq!(
+            (hybrid.drafted, hybrid.accepted, hybrid.rounds),
+            (30, 15, 15)
+        );
+        assert_eq!(merged[0].decode_tokens_per_s, 30.0);
+        // A prompt run once is left as it was.
+        assert_eq!(merged[2].decode_tokens_per_s, 20.0);
+        let cal = Calibration {
+            target_step_s: 0.03,
+            draft_step_s: None,
+            c: None,
+            r: vec![1.0; 16],
+            context: None,
+            long_context: None,
+            weights: Vec::new(),
+            learned_blocks: 0,
+        };
+        let summary = summarize(&merged, &["ar", "hybrid"], &cal);
+        let row = summary
+            .rows
+            .iter()
+            .find(|r| r.category == "all" && r.mode == "hybrid")
+            .expect("a hybrid row");
+        assert_eq!((row.prompts, row.median_speedup), (1, 2.5));
+    }
 }

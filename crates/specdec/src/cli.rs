@@ -294,6 +294,12 @@ pub struct BenchArgs {
     /// less than this probability (as `generate --min-confidence`; 0 = never).
     #[arg(long, default_value_t = 0.0)]
     pub min_confidence: f32,
+    /// Run every prompt N times in each mode, the modes' order reversed every other time (plain
+    /// decoding first, then last), and report per prompt the median of its runs: each run's speedup
+    /// is measured against the plain run of the same repetition, so a change in the machine's speed
+    /// between a prompt's runs weighs less. Sampled runs repeat the same seeds.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub repeat: u32,
     /// Write every measurement and the summary as JSON.
     #[arg(long)]
     pub json: Option<PathBuf>,

@@ -301,6 +301,18 @@ pub enum Drafter {
     Hybrid(Box<HybridDrafter<ModelDrafter<Session>>>),
 }
 
+impl Drafter {
+    /// The lookup drafter, for the drafters that have one: its history of earlier outputs and its
+    /// acceptance estimates are what a drafter keeps from one sequence to the next.
+    pub fn lookup_mut(&mut self) -> Option<&mut LookupDrafter> {
+        match self {
+            Drafter::Ngram(d) => Some(d),
+            Drafter::Hybrid(d) => Some(&mut d.lookup),
+            Drafter::None(_) | Drafter::Model(_) => None,
+        }
+    }
+}
+
 type DrafterError = DraftError<specdec_runtime::Error>;
 
 impl Draft for Drafter {

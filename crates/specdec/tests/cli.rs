@@ -722,3 +722,74 @@ fn stop_strings_end_generate_before_them() {
     assert!(out.status.success());
     assert_eq!(String::from_utf8_lossy(&out.stdout), format!("{want}\n"));
 }
+
+/// `bench --repeat 2` on the tiny pair: a record per run with its repetition, every greedy run
+/// equal to plain decoding, the summary one row per mode over the prompts (not the runs), and
+/// each run's speedup taken against its own repetition's plain run.
+#[test]
+fn bench_repeats_each_prompt_and_reports_one_figure_per_prompt() {
+    let f = fixture();
+    let prompts = f.home.with_extension("prompts.jsonl");
+    std::fs::write(
+        &prompts,
+        concat!(
+            r#"{"id": "a", "category": "qa", "chat": false, "prompt": "hello hello hello"}"#,
+            "\n",
+            r#"{"id": "b", "category": "qa", "chat": false, "prompt": "one two one two one"}"#,
+            "\n",
+        ),
+    )
+    .unwrap();
+    let json = f.home.with_extension("bench.json");
+    let out = specdec(
+        &f,
+        &[
+            "bench",
+            "--target",
+            s(&f.target),
+            "--draft",
+            s(&f.draft),
+            "--threads",
+            "1",
+            "--prompts",
+            s(&prompts),
+            "--modes",
+            "ar,ngram,hybrid",
+            "--max-tokens",
+            "6",
+            "--repeat",
+            "2",
+            "--json",
+            s(&json),
+        ],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let records = v["records"].as_array().unwrap();
+    assert_eq!(records.len(), 2 * 3 * 2, "{v}");
+    for id in ["a", "b"] {
+        for repeat in 0..2u64 {
+            let runs: Vec<&Value> = records
+                .iter()
+                .filter(|r| r["id"] == id && r["repeat"].as_u64() == Some(repeat))
+                .collect();
+            assert_eq!(runs.len(), 3, "{id} {repeat}: {v}");
+            let ar = runs.iter().find(|r| r["mode"] == "ar").unwrap();
+            let ar_tps = ar["decode_tokens_per_s"].as_f64().unwrap();
+            for r in &runs {
+                assert_eq!(r["matches_ar"], true, "{r}");
+                let want = r["decode_tokens_per_s"].as_f64().unwrap() / ar_tps;
+                let got = r["speedup_vs_ar"].as_f64().unwrap();
+                assert!((got - want).abs() <= 1e-9 * want, "{r}");
+            }
+        }
+    }
+    let summary = v["summary"].as_array().unwrap();
+    assert_eq!(summary.len(), 6, "{v}");
+    assert!(summary.iter().all(|row| row["prompts"] == 2), "{v}");
+    assert_eq!(v["divergences"], 0);
+}

@@ -15,7 +15,7 @@ use crate::error::{Error, Result, Side};
 use crate::kernels;
 use crate::metrics::{Metrics, Round};
 use crate::model::{Draft, DraftRequest, Logits, Proposal, Score, SeqId, Target};
-use crate::policy::Controller;
+use crate::policy::{best_batch_draft_cap, Controller, RoundCosts};
 use crate::rng::{CounterRng, Stream};
 use crate::sampling::{Probs, Sampler};
 use crate::verify::{
@@ -137,12 +137,56 @@ impl<T: Target, D: Draft> Batch<T, D> {
     }
 
     /// While more than one sequence is decoding, draft at most `cap` tokens per sequence and round
-    /// (`None`: no cap). Drafted rows add to every step of a batch, where the target's cost per row
-    /// no longer stays flat; on a small CPU plain batching can beat speculation once several
-    /// sequences share a step. Greedy output does not change; sampled output keeps its distribution,
-    /// though a seed then fixes the tokens only for the same schedule of draft lengths.
+    /// (`None`: no cap beyond the batch's own). Drafted rows add to every step of a batch, where the
+    /// target's cost per row no longer stays flat. Without a cap of 0, sequences whose cost model
+    /// chose their draft are also capped where the step as a whole pays best
+    /// ([`best_batch_draft_cap`]): on a CPU whose cost per row climbs steeply plain batching beats
+    /// speculation, on one where it stays flat for a few rows speculation pays in a batch too.
+    /// Greedy output does not change; sampled output keeps its distribution, though a seed then
+    /// fixes the tokens only for the same schedule of draft lengths.
     pub fn set_batch_draft_cap(&mut self, cap: Option<usize>) {
         self.batch_draft_cap = cap;
+    }
+
+    /// The draft cap that pays best for this step as a whole ([`best_batch_draft_cap`]) and the
+    /// longest model draft the decoding sequences planned; `None` where a decoding sequence that
+    /// drafts has no costs yet (a cost model warming up, or another policy), or the drafts cost
+    /// nothing to make (lookup alone: each sequence cuts its own draft where it stops paying).
+    fn planned_batch_cap(&self) -> Option<(usize, usize)> {
+        let mut plans: Vec<(usize, &[f64])> = Vec::new();
+        let (mut curve, mut other_rows) = (None, 0);
+        for s in &self.seqs {
+            match s.phase {
+                Phase::Decode => match s.controller.costs() {
+                    Some(costs) => {
+                        plans.push((costs.model_len.min(s.k), &costs.model_acceptance));
+                        curve.get_or_insert(costs);
+                    }
+                    None if s.k == 0 => plans.push((0, &[])),
+                    None => return None,
+                },
+                Phase::Prefill => {
+                    other_rows += s
+                        .partial
+                        .unwrap_or(s.tokens.len())
+                        .saturating_sub(s.prefilled);
+                }
+                Phase::Done(_) => {}
+            }
+        }
+        let costs: &RoundCosts = curve?;
+        if costs.draft_per_token <= 0.0 {
+            return None;
+        }
+        let longest = plans.iter().map(|p| p.0).max().unwrap_or(0);
+        let cap = best_batch_draft_cap(
+            &plans,
+            other_rows,
+            costs.draft_fixed,
+            costs.draft_per_token,
+            |m| costs.r(m),
+        );
+        Some((cap, longest))
     }
 
     /// The target.
@@ -347,6 +391,19 @@ impl<T: Target, D: Draft> Batch<T, D> {
                         s.k = s.k.min(room - 1);
                         if let Some(cap) = cap {
                             s.k = s.k.min(cap);
+                        }
+                    }
+                }
+            }
+        }
+        // Several sequences share the step: cap their model drafts where the step as a whole pays
+        // best (a lookup draft, free to make, keeps the length its own cost model gives it).
+        if decoding > 1 && cap != Some(0) {
+            if let Some((k, longest)) = self.planned_batch_cap() {
+                if k < longest {
+                    for s in &mut self.seqs {
+                        if matches!(s.phase, Phase::Decode) {
+                            s.controller.cap_model_len(k);
                         }
                     }
                 }

@@ -84,8 +84,8 @@ pub use ngram::{
     NGramDrafter,
 };
 pub use policy::{
-    best_draft_len, best_draft_len_with, isotonic_curve, ContextCost, Controller, DraftLenPolicy,
-    FixedCost, RoundCosts,
+    best_batch_draft_cap, best_draft_len, best_draft_len_with, isotonic_curve, ContextCost,
+    Controller, DraftLenPolicy, FixedCost, RoundCosts,
 };
 pub use rng::{CounterRng, Stream};
 pub use sampling::{Probs, Sampler, SamplingParams};

@@ -661,6 +661,14 @@ impl Controller {
         }
     }
 
+    /// Caps the model draft the cost model planned for this round at `k` tokens (a batch's cap,
+    /// [`crate::best_batch_draft_cap`]), repricing it; a lookup draft keeps its own length.
+    pub fn cap_model_len(&mut self, k: usize) {
+        if let Some(costs) = &mut self.costs {
+            costs.cap_model_len(k);
+        }
+    }
+
     /// The cost model's view of the round [`Controller::next_draft_len`] just planned; `None` for the
     /// other policies and while the cost model is warming up without a prior.
     pub fn costs(&self) -> Option<&RoundCosts> {
@@ -1087,6 +1095,24 @@ impl RoundCosts {
         curve_r(&self.r, m)
     }
 
+    /// Caps [`RoundCosts::model_len`] at `k`, with [`RoundCosts::model_rate`] and
+    /// [`RoundCosts::model_steps`] priced for the shorter draft (the realised factor kept).
+    pub fn cap_model_len(&mut self, k: usize) {
+        if k >= self.model_len {
+            return;
+        }
+        self.model_len = k;
+        if k == 0 {
+            self.model_steps = self.r(1);
+            self.model_rate = 1.0 / self.r(1);
+            self.model_factor = 1.0;
+            return;
+        }
+        let acceptance = &self.model_acceptance[..k.min(self.model_acceptance.len())];
+        self.model_steps = self.draft_fixed + k as f64 * self.draft_per_token + self.r(k + 1);
+        self.model_rate = expected_tokens(acceptance) / self.model_steps * self.model_factor;
+    }
+
     /// For a draft that costs nothing to make (lookup) whose tokens have conditional acceptance
     /// `confidence`, the prefix length with the most expected tokens per target step, and that rate.
     /// Length 0 (plain decoding) scores `1 / r(1)`, and a draft must beat it by [`PAY_MARGIN`]. With
@@ -1234,6 +1260,59 @@ pub fn best_draft_len_with(
         }
     }
     best
+}
+
+/// The cap on every sequence's model draft with the most expected tokens per unit of time for a
+/// batch step, where the target scores all sequences' rows in one pass and the draft model drafts
+/// all sequences' tokens together. Each sequence `i` plans a model draft of `plans[i].0` tokens with
+/// conditional acceptance `plans[i].1` (its cost model's [`RoundCosts::model_len`] and
+/// [`RoundCosts::model_acceptance`]); `other_rows` are rows the same pass scores for sequences that
+/// are not decoding (a prompt's prefill chunk). A cap `K` drafts `min(k_i, K)` tokens for each:
+/// the step yields `Σ E_i` tokens for `fixed` per drafting sequence, one draft step per position
+/// whose `n` rows cost `c · r(n)` (the draft model runs the target's kernels, so its blocks are
+/// priced by the same curve), and `r(rows)` for the target. A cap above 0 must beat none by
+/// [`PAY_MARGIN`]. Each sequence's own cost model prices its rows as if it decoded alone, which on a
+/// CPU where the target's cost per row stays flat for a few rows and then climbs misjudges a batch
+/// both ways: stop 47 measured the server with two concurrent requests at 55–60 tok/s with no
+/// drafting in batches and 121–128 with this cap.
+pub fn best_batch_draft_cap(
+    plans: &[(usize, &[f64])],
+    other_rows: usize,
+    fixed: f64,
+    c: f64,
+    r: impl Fn(usize) -> f64,
+) -> usize {
+    let longest = plans.iter().map(|p| p.0).max().unwrap_or(0);
+    let rate = |cap: usize| {
+        let (mut tokens, mut rows, mut draft) = (0.0, other_rows, 0.0);
+        for &(k, acceptance) in plans {
+            let k = k.min(cap).min(acceptance.len());
+            tokens += expected_tokens(&acceptance[..k]);
+            rows += k + 1;
+            if k > 0 {
+                draft += fixed;
+            }
+        }
+        for position in 1..=cap.min(longest) {
+            let n = plans
+                .iter()
+                .filter(|p| p.0.min(p.1.len()) >= position)
+                .count();
+            if n > 0 {
+                draft += c * r(n);
+            }
+        }
+        tokens / (draft + r(rows))
+    };
+    let plain = rate(0);
+    let mut best = (0, plain * (1.0 + PAY_MARGIN));
+    for cap in 1..=longest {
+        let x = rate(cap);
+        if x > best.1 {
+            best = (cap, x);
+        }
+    }
+    best.0
 }
 
 #[cfg(test)]
@@ -1787,6 +1866,54 @@ mod tests {
             assert!(c.costs().is_some(), "round {i}");
             c.observe(&rejected(2, false));
         }
+    }
+
+    #[test]
+    fn a_batch_drafts_where_rows_stay_cheap_and_decodes_plainly_where_they_climb() {
+        let acceptance = [0.9; 4];
+        let plans: Vec<(usize, &[f64])> = vec![(4, &acceptance), (4, &acceptance)];
+        // Flat for 10 rows (this project's Zen 4 in a slow stretch, roughly): both drafts whole.
+        let flat = |m: usize| 1.0 + 0.05 * m as f64;
+        assert_eq!(best_batch_draft_cap(&plans, 0, 0.0, 0.1, flat), 4);
+        // Every row as dear as a step (a CPU bound by its multiply-adds): plain batching.
+        let steep = |m: usize| m as f64;
+        assert_eq!(best_batch_draft_cap(&plans, 0, 0.0, 0.2, steep), 0);
+        // Cheap rows but a dear draft model: no drafting either.
+        assert_eq!(best_batch_draft_cap(&plans, 0, 0.0, 2.0, flat), 0);
+        // Flat for 6 rows, then each row 0.6 of a step: the first two tokens of each draft pay.
+        let knee = |m: usize| 1.0 + 0.05 * (m.min(6) - 1) as f64 + 0.6 * m.saturating_sub(6) as f64;
+        assert_eq!(best_batch_draft_cap(&plans, 0, 0.0, 0.1, knee), 2);
+        // A prompt's prefill chunk in the same pass takes the flat part.
+        assert_eq!(best_batch_draft_cap(&plans, 4, 0.0, 0.1, knee), 0);
+        // No sequence planned a model draft: nothing to cap.
+        let none: Vec<(usize, &[f64])> = vec![(0, &[]), (0, &[])];
+        assert_eq!(best_batch_draft_cap(&none, 0, 0.0, 0.2, flat), 0);
+    }
+
+    #[test]
+    fn a_capped_model_draft_is_repriced() {
+        let mut costs = RoundCosts {
+            r: vec![1.0, 1.1, 1.2, 1.3, 1.4],
+            draft_per_token: 0.2,
+            model_len: 4,
+            model_rate: 9.0,
+            model_factor: 0.5,
+            model_steps: 9.0,
+            model_acceptance: vec![0.5; 4],
+            ..RoundCosts::default()
+        };
+        costs.cap_model_len(6);
+        assert_eq!((costs.model_len, costs.model_rate), (4, 9.0));
+        costs.cap_model_len(2);
+        assert_eq!(costs.model_len, 2);
+        assert!((costs.model_steps - (0.4 + 1.2)).abs() < 1e-12, "{costs:?}");
+        let want = (1.0 + 0.5 + 0.25) / 1.6 * 0.5;
+        assert!((costs.model_rate - want).abs() < 1e-12, "{costs:?}");
+        costs.cap_model_len(0);
+        assert_eq!(
+            (costs.model_len, costs.model_steps, costs.model_rate),
+            (0, 1.0, 1.0)
+        );
     }
 
     #[test]

@@ -341,3 +341,129 @@ fn a_long_prompt_is_prefilled_in_chunks_while_others_keep_decoding() {
     .unwrap();
     assert_eq!(outs[&SeqId(1)].tokens, alone.tokens);
 }
+
+/// Records the model draft length of every request of every `propose` call.
+struct Recording<D> {
+    inner: D,
+    calls: Vec<Vec<usize>>,
+}
+
+impl<D: Draft> Draft for Recording<D> {
+    type Error = D::Error;
+
+    fn vocab_size(&self) -> Option<usize> {
+        self.inner.vocab_size()
+    }
+
+    fn propose(
+        &mut self,
+        batch: &[specdec_core::DraftRequest<'_>],
+        out: &mut [specdec_core::Proposal],
+    ) -> Result<(), Self::Error> {
+        self.calls
+            .push(batch.iter().map(|r| r.model_len()).collect());
+        self.inner.propose(batch, out)
+    }
+
+    fn commit(&mut self, seq: SeqId, committed: &[TokenId]) -> Result<(), Self::Error> {
+        self.inner.commit(seq, committed)
+    }
+
+    fn prefill(&mut self, seq: SeqId, context: &[TokenId]) -> Result<(), Self::Error> {
+        self.inner.prefill(seq, context)
+    }
+
+    fn release(&mut self, seq: SeqId) {
+        self.inner.release(seq);
+    }
+}
+
+/// Two greedy sequences decoded together under cost models given `r`: the model draft lengths of
+/// the draft calls that served both, and of those that served one.
+fn batch_draft_lens(r: Vec<f64>) -> (Vec<usize>, Vec<usize>) {
+    let policy = DraftLenPolicy::CostModel {
+        max: 4,
+        cost: Some(specdec_core::FixedCost {
+            c: 0.05,
+            draft_fixed: 0.0,
+            r,
+            context: None,
+        }),
+        probe_every: 1000,
+        prior: None,
+    };
+    let reqs: Vec<(Vec<TokenId>, GenerateConfig)> = (0..2u32)
+        .map(|i| {
+            let prompt: Vec<TokenId> = (0..4).map(|j| (i * 11 + j * 5) % VOCAB as u32).collect();
+            let config = GenerateConfig {
+                // The second sequence decodes alone once the first is done.
+                max_new_tokens: 20 + 40 * i as usize,
+                sampling: SamplingParams::greedy(),
+                draft_len: policy.clone(),
+                ..GenerateConfig::default()
+            };
+            (prompt, config)
+        })
+        .collect();
+    let mut batch = Batch::new(
+        target(),
+        Recording {
+            inner: draft_model(),
+            calls: Vec::new(),
+        },
+    );
+    for (i, (p, c)) in reqs.iter().cloned().enumerate() {
+        batch.add(SeqId(i as u64), p, c, None).unwrap();
+    }
+    let mut outs = HashMap::new();
+    while !batch.is_empty() {
+        for f in batch.step(&mut |_, _| ControlFlow::Continue(())) {
+            outs.insert(f.seq, f.result.unwrap());
+            batch.release(f.seq);
+        }
+    }
+    for (i, (p, c)) in reqs.iter().enumerate() {
+        let alone = generate(&mut target(), &mut NoDraft, p, c, &mut |_| {
+            ControlFlow::Continue(())
+        })
+        .unwrap();
+        assert_eq!(outs[&SeqId(i as u64)].tokens, alone.tokens, "sequence {i}");
+    }
+    let calls = &batch.drafter().calls;
+    let lens = |n: usize| -> Vec<usize> {
+        calls
+            .iter()
+            .filter(|c| c.len() == n)
+            .flatten()
+            .copied()
+            .collect()
+    };
+    (lens(2), lens(1))
+}
+
+#[test]
+fn a_batch_caps_model_drafts_where_its_rows_stop_being_cheap() {
+    // Four rows cost about one step, more cost one step each: two sequences together draft 1 token
+    // each (4 rows in all), the one left alone drafts longer at times (its cost model's choice from
+    // the mock draft's acceptance).
+    let knee: Vec<f64> = (1..=17)
+        .map(|m| {
+            if m <= 4 {
+                1.0 + 0.02 * (m - 1) as f64
+            } else {
+                m as f64 - 2.94
+            }
+        })
+        .collect();
+    let (together, alone) = batch_draft_lens(knee);
+    assert!(
+        !together.is_empty() && together.iter().all(|&k| k == 1),
+        "{together:?}"
+    );
+    assert!(alone.iter().any(|&k| k >= 2), "{alone:?}");
+    // Rows that stay cheap: two sequences draft as either would alone (the lengths their cost
+    // models choose, longer than 1 at times).
+    let flat: Vec<f64> = (1..=17).map(|m| 1.0 + 0.02 * (m - 1) as f64).collect();
+    let (together, _) = batch_draft_lens(flat);
+    assert!(together.iter().any(|&k| k >= 2), "{together:?}");
+}

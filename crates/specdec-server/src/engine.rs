@@ -468,7 +468,8 @@ pub struct EngineOptions {
     /// Requests that may wait beyond those.
     pub queue: usize,
     /// While more than one sequence is decoding, draft at most this many tokens per sequence and
-    /// round (`None`: no cap); see [`specdec_core::Batch::set_batch_draft_cap`].
+    /// round (`None`: only the batch's own cap from the cost model); see
+    /// [`specdec_core::Batch::set_batch_draft_cap`].
     pub batch_draft_len: Option<usize>,
     /// Prompt tokens scored per step for a new request (`None`: all at once); see
     /// [`specdec_core::Batch::set_prefill_chunk`].

@@ -333,12 +333,13 @@ pub struct ServeArgs {
     /// Sequences decoded together (continuous batching).
     #[arg(long, default_value_t = 4)]
     pub parallel: usize,
-    /// While two or more sequences are decoding, draft at most N tokens per sequence and round. On 2
-    /// CPU cores the target's cost per extra row grows once a step holds several sequences, and plain
-    /// batching measured faster than speculation (see the README), so the default drafts only for a
-    /// lone sequence. Greedy text is the same either way; 64 lifts the cap.
-    #[arg(long, default_value_t = 0)]
-    pub batch_draft_len: usize,
+    /// While two or more sequences are decoding, draft at most N tokens per sequence and round (0:
+    /// draft only for a lone sequence), or `auto`: each step caps the drafts where the batch as a
+    /// whole is expected to yield the most tokens per unit of time, from the cost model's acceptance
+    /// estimates, draft cost and r(m) (on a CPU whose cost per row climbs steeply that is plain
+    /// batching). Greedy text is the same either way.
+    #[arg(long, default_value = "auto", value_parser = parse_batch_draft_len)]
+    pub batch_draft_len: BatchDraftLen,
     /// Prompt tokens scored per engine step for a new request, so a long prompt holds up the other
     /// sequences' tokens for one chunk at a time, not for its whole prefill.
     #[arg(long, default_value_t = 64)]
@@ -358,4 +359,18 @@ pub struct ServeArgs {
     /// On SIGINT/SIGTERM, seconds in-flight requests get to finish before they are cancelled.
     #[arg(long, default_value_t = 10.0)]
     pub shutdown_grace: f64,
+}
+
+/// `serve --batch-draft-len`: a cap in tokens, or `None` for `auto` (the batch's own).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BatchDraftLen(pub Option<usize>);
+
+fn parse_batch_draft_len(s: &str) -> Result<BatchDraftLen, String> {
+    match s {
+        "auto" => Ok(BatchDraftLen(None)),
+        n => n
+            .parse()
+            .map(|n| BatchDraftLen(Some(n)))
+            .map_err(|_| format!("`{n}`: a number of tokens or `auto`")),
+    }
 }

@@ -84,7 +84,7 @@ pub fn command(args: &ServeArgs, ui: Ui) -> Result<()> {
         &EngineOptions {
             parallel,
             queue: args.queue,
-            batch_draft_len: Some(args.batch_draft_len),
+            batch_draft_len: args.batch_draft_len.0,
             prefill_chunk: Some(args.prefill_chunk),
         },
         move || {

@@ -333,11 +333,11 @@ pub struct ServeArgs {
     /// Sequences decoded together (continuous batching).
     #[arg(long, default_value_t = 4)]
     pub parallel: usize,
-    /// While two or more sequences are decoding, draft at most N tokens per sequence and round (0:
-    /// draft only for a lone sequence), or `auto`: each step caps the drafts where the batch as a
-    /// whole is expected to yield the most tokens per unit of time, from the cost model's acceptance
-    /// estimates, draft cost and r(m) (on a CPU whose cost per row climbs steeply that is plain
-    /// batching). Greedy text is the same either way.
+    /// While two or more sequences are decoding, each step caps the model drafts where the batch as
+    /// a whole is expected to yield the most tokens per unit of time, from the cost model's
+    /// acceptance estimates, draft cost and r(m) (on a CPU whose cost per row climbs steeply that is
+    /// plain batching): `auto`, or that and at most N tokens per sequence and round (0: draft only
+    /// for a lone sequence). Greedy text is the same either way.
     #[arg(long, default_value = "auto", value_parser = parse_batch_draft_len)]
     pub batch_draft_len: BatchDraftLen,
     /// Prompt tokens scored per engine step for a new request, so a long prompt holds up the other

@@ -16,8 +16,9 @@ use common::{chi_square, target_probs};
 use specdec_core::mock::{MockLogits, MockModel};
 use specdec_core::verify::{verify_onehot, verify_rejection, Verdict};
 use specdec_core::{
-    generate, CounterRng, Draft, DraftLenPolicy, FixedCost, GenerateConfig, HybridDrafter,
-    LookupDrafter, ModelDrafter, NGramDrafter, Probs, SamplingParams, Stream, TokenId, VerifyMode,
+    generate, Batch, CounterRng, Draft, DraftLenPolicy, Emitted, FixedCost, GenerateConfig,
+    HybridDrafter, LookupDrafter, ModelDrafter, NGramDrafter, Probs, SamplingParams, SeqId, Stream,
+    TokenId, VerifyMode,
 };
 
 /// The false-failure rate of every test here.
@@ -399,6 +400,103 @@ fn rejection_mode_is_exact_for_every_drafter_option() {
             );
         }
     }
+}
+
+/// Two sampled sequences decoded together in a [`Batch`] whose step caps their model drafts
+/// (`best_batch_draft_cap`: given costs under which four rows cost about one step and each further
+/// row a step): each sequence's draft length then depends on the other's history as well, still
+/// decided before drafting, so each sequence's first three tokens follow the target. Also checks
+/// that the cap binds: the batch drafts fewer tokens per round than the same sequence alone.
+#[test]
+fn a_batch_draft_cap_keeps_sampled_output_on_the_target_distribution() {
+    let params = SamplingParams {
+        temperature: 0.9,
+        ..SamplingParams::default()
+    };
+    let knee: Vec<f64> = (1..=8)
+        .map(|m| {
+            if m <= 4 {
+                1.0 + 0.02 * (m - 1) as f64
+            } else {
+                m as f64 - 2.94
+            }
+        })
+        .collect();
+    let config = GenerateConfig {
+        sampling: params.clone(),
+        verify_mode: VerifyMode::Rejection,
+        draft_len: DraftLenPolicy::CostModel {
+            max: 3,
+            cost: Some(FixedCost {
+                c: 0.05,
+                draft_fixed: 0.0,
+                r: knee,
+                context: None,
+            }),
+            probe_every: 1000,
+            prior: None,
+        },
+        max_new_tokens: 16,
+        ..GenerateConfig::default()
+    };
+    let n = 20_000u64;
+    let (mut counts, mut drafted, mut rounds) = (vec![0u64; VOCAB.pow(3)], 0, 0);
+    for seed in 0..n {
+        let mut batch = Batch::new(
+            MockModel::new(target_logits()),
+            ModelDrafter::new(MockModel::new(draft_logits())),
+        );
+        for (id, seed) in [(0, seed), (1, seed + n)] {
+            let config = GenerateConfig {
+                seed,
+                ..config.clone()
+            };
+            batch.add(SeqId(id), PROMPT.to_vec(), config, None).unwrap();
+        }
+        let mut got: [Vec<TokenId>; 2] = Default::default();
+        while !batch.is_empty() {
+            let done = batch.step(&mut |seq, e: &Emitted| {
+                let mine = &mut got[seq.0 as usize];
+                mine.push(e.token);
+                if mine.len() == 3 {
+                    ControlFlow::Break(())
+                } else {
+                    ControlFlow::Continue(())
+                }
+            });
+            for f in done {
+                let out = f.result.unwrap();
+                if f.seq == SeqId(0) {
+                    drafted += out.metrics.drafted;
+                    rounds += out.metrics.rounds;
+                }
+                batch.release(f.seq);
+            }
+        }
+        let [a, b, c] = got[0][..] else {
+            panic!("expected 3 tokens, got {:?}", got[0])
+        };
+        counts[(a as usize * VOCAB + b as usize) * VOCAB + c as usize] += 1;
+    }
+    let (_, alone_drafted, alone_rounds) = sample_joint_counted(
+        &target_logits(),
+        &mut ModelDrafter::new(MockModel::new(draft_logits())),
+        &config,
+        2_000,
+    );
+    let together = drafted as f64 / rounds as f64;
+    let alone = alone_drafted as f64 / alone_rounds as f64;
+    eprintln!("batch cap: {together:.2} drafted per round together, {alone:.2} alone");
+    assert!(
+        together > 0.5 && together < alone - 0.5,
+        "{together:.2} drafted per round together, {alone:.2} alone"
+    );
+    let (stat, df, p) = chi_square(&counts, &exact_joint(&params));
+    eprintln!("batch cap: chi2 {stat:.1} on {df} df, p = {p:.3}");
+    assert!(
+        p >= ALPHA,
+        "batch cap: chi2 {stat:.1} on {df} df, p = {p:.3e}"
+    );
 }
 
 /// The case of the review that found the bias: q = (0.9, 0.1), p = (0.5, 0.5), threshold 0.5. Deciding

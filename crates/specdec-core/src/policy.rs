@@ -1282,25 +1282,23 @@ pub fn best_batch_draft_cap(
     c: f64,
     r: impl Fn(usize) -> f64,
 ) -> usize {
-    let longest = plans.iter().map(|p| p.0).max().unwrap_or(0);
+    // Each plan's length, at most its acceptance estimates'.
+    let lens: Vec<usize> = plans.iter().map(|&(k, a)| k.min(a.len())).collect();
+    let longest = lens.iter().copied().max().unwrap_or(0);
     let rate = |cap: usize| {
         let (mut tokens, mut rows, mut draft) = (0.0, other_rows, 0.0);
-        for &(k, acceptance) in plans {
-            let k = k.min(cap).min(acceptance.len());
+        for (&(_, acceptance), &k) in plans.iter().zip(&lens) {
+            let k = k.min(cap);
             tokens += expected_tokens(&acceptance[..k]);
             rows += k + 1;
             if k > 0 {
                 draft += fixed;
             }
         }
+        // One draft step per position, over the sequences still drafting there.
         for position in 1..=cap.min(longest) {
-            let n = plans
-                .iter()
-                .filter(|p| p.0.min(p.1.len()) >= position)
-                .count();
-            if n > 0 {
-                draft += c * r(n);
-            }
+            let n = lens.iter().filter(|&&k| k >= position).count();
+            draft += c * r(n);
         }
         tokens / (draft + r(rows))
     };

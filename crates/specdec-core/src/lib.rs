@@ -85,7 +85,7 @@ pub use ngram::{
 };
 pub use policy::{
     best_batch_draft_cap, best_draft_len, best_draft_len_with, isotonic_curve, ContextCost,
-    Controller, DraftLenPolicy, FixedCost, RoundCosts,
+    Controller, DraftLenPolicy, FixedCost, RoundCosts, PRIOR_ACCEPTANCE,
 };
 pub use rng::{CounterRng, Stream};
 pub use sampling::{Probs, Sampler, SamplingParams};

@@ -70,6 +70,11 @@ pub struct Metrics {
     pub emitted: u64,
     /// Acceptance by draft position (index 0 is the first drafted token of a round).
     pub per_position: Vec<PositionStats>,
+    /// [`Metrics::per_position`] of the model's drafts alone, as the cost model counts them: a
+    /// lookup draft's positions count only where it continued a model draft, up to the model's
+    /// last token.
+    #[serde(default)]
+    pub model_per_position: Vec<PositionStats>,
     /// Rounds by the number of tokens drafted (index = draft length).
     pub rounds_by_draft_len: Vec<u64>,
     /// Target calls by block length (index `m - 1`), decode only.
@@ -112,6 +117,13 @@ impl Metrics {
             if i > r.accepted {
                 break;
             }
+            s.reached += 1;
+            s.accepted += u64::from(i < r.accepted);
+        }
+        let model_drafted = if r.lookup { r.prefix } else { r.drafted };
+        grow(&mut self.model_per_position, model_drafted);
+        let model = self.model_per_position.iter_mut().take(model_drafted);
+        for (i, s) in model.take(r.accepted + 1).enumerate() {
             s.reached += 1;
             s.accepted += u64::from(i < r.accepted);
         }
@@ -383,6 +395,40 @@ mod tests {
         assert_eq!(m.per_position_acceptance(), [1.0, 0.5, 1.0, 1.0]);
         assert_eq!(m.mean_accepted_len(), 1.0 + 5.0 / 2.0);
         assert_eq!(m.acceptance_rate(), 5.0 / 8.0);
+    }
+
+    /// The model's positions count as the cost model counts them: a lookup draft not at all, a
+    /// model draft the lookup continued up to the model's last token.
+    #[test]
+    fn model_positions_leave_out_the_lookups_tokens() {
+        let mut m = Metrics::default();
+        let rounds = [
+            // A model draft: 3 tokens, 1 accepted.
+            (3, 1, false, 0),
+            // A lookup draft: 4 tokens, all accepted.
+            (4, 4, true, 0),
+            // 2 tokens of the model continued by 3 of the lookup, 3 accepted.
+            (5, 3, true, 2),
+        ];
+        for (drafted, accepted, lookup, prefix) in rounds {
+            m.record(&Round {
+                drafted,
+                accepted,
+                emitted: accepted + 1,
+                verified: drafted + 1,
+                lookup,
+                prefix,
+                ..Default::default()
+            });
+        }
+        let counts = |v: &[PositionStats]| -> Vec<(u64, u64)> {
+            v.iter().map(|s| (s.reached, s.accepted)).collect()
+        };
+        assert_eq!(counts(&m.model_per_position), [(2, 2), (2, 1), (0, 0)]);
+        assert_eq!(
+            counts(&m.per_position),
+            [(3, 3), (3, 2), (2, 2), (2, 1), (0, 0)]
+        );
     }
 
     #[test]

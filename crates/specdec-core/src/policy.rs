@@ -79,6 +79,22 @@ pub struct FixedCost {
     /// hold at [`ContextCost::at`] tokens of context, and [`FixedCost::at_context`] moves them.
     #[serde(default)]
     pub context: Option<ContextCost>,
+    /// Seconds of a single-token target step at the curve's context as timed lately (by an earlier
+    /// generation of the same process), where known. A measuring cost model that has not timed a
+    /// step itself divides its timed blocks by this one instead of inferring the step from them
+    /// through `r`: on machines whose memory speeds up and slows down, `r`'s proportions hold in
+    /// one kind of stretch only (see [`PLAIN_PROBE_EVERY`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step_secs: Option<f64>,
+    /// Conditional acceptance of model drafts at positions `1..` as seen lately (by earlier
+    /// generations of the same process), where known: as the prior of a measuring cost model
+    /// ([`DraftLenPolicy::CostModel`]'s `prior`), the estimates start from it instead of
+    /// [`PRIOR_ACCEPTANCE`]. An answer of a few rounds (a question on a given passage) ends before
+    /// its own counts outweigh the prior, and the model's acceptance differs by kind of text far
+    /// more than a fixed prior allows (stop 48: 46% of a short answer's model tokens accepted where
+    /// the prior expected 70%, which made its model drafts look better than the lookup's).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub acceptance: Vec<f64>,
 }
 
 /// The target's attention cost as a function of context: scoring `m` tokens after `n` tokens of
@@ -107,6 +123,12 @@ impl ContextCost {
         let d = n - self.at as f64;
         let unit = 1.0 + (self.shared + self.per_row) * d;
         (unit > 0.0).then_some((unit, d))
+    }
+
+    /// A single step after `n` tokens of context in single steps at [`ContextCost::at`] (1 where
+    /// that is not a positive number).
+    pub fn step_at(&self, n: f64) -> f64 {
+        self.unit(n).map_or(1.0, |(unit, _)| unit)
     }
 
     /// The inverse of [`FixedCost::at_context`] for one length: `r_n`, the cost of scoring `m`
@@ -165,8 +187,9 @@ impl FixedCost {
     /// The costs after `n` tokens of context, in single-token steps at `n`: `r(m)` is
     /// `(r_at(m) + (shared + m per_row) d) / (1 + (shared + per_row) d)` with `d = n - at` (negative
     /// below `at`), and `c` and the fixed draft cost scale by the same denominator (the draft's own
-    /// growth is not modelled; online measurement replaces it). Unchanged without a
-    /// [`ContextCost`]; the result carries none (its unit is a step at `n`).
+    /// growth is not modelled; online measurement replaces it), while [`FixedCost::step_secs`]
+    /// grows by it. Unchanged without a [`ContextCost`]; the result carries none (its unit is a step
+    /// at `n`).
     pub fn at_context(&self, n: usize) -> FixedCost {
         let Some(cc) = self.context else {
             return self.clone();
@@ -181,6 +204,8 @@ impl FixedCost {
                 .map(|m| (self.r(m) + (cc.shared + m as f64 * cc.per_row) * d) / unit)
                 .collect(),
             context: None,
+            step_secs: self.step_secs.map(|s| s * unit),
+            acceptance: self.acceptance.clone(),
         }
     }
 }
@@ -272,6 +297,8 @@ impl DraftLenPolicy {
                         && cost.draft_fixed >= 0.0
                         && !cost.r.is_empty()
                         && cost.r.iter().all(|v| v.is_finite() && *v > 0.0)
+                        && cost.step_secs.is_none_or(|s| s.is_finite() && s > 0.0)
+                        && cost.acceptance.iter().all(|a| (0.0..=1.0).contains(a))
                         && cost.context.is_none_or(|cc| {
                             cc.shared.is_finite()
                                 && cc.shared >= 0.0
@@ -282,7 +309,8 @@ impl DraftLenPolicy {
                         return Err(Error::config(
                             "cost",
                             format!("c {} r {:?}", cost.c, cost.r),
-                            "c >= 0, a non-empty r of positive finite numbers, context costs >= 0",
+                            "c >= 0, a non-empty r of positive finite numbers, context costs >= 0, a positive step, \
+                             acceptance in [0, 1]",
                         ));
                     }
                 }
@@ -424,8 +452,9 @@ pub struct Choice {
     pub tokens_per_step: f64,
 }
 
-/// Acceptance assumed at a position before any round has reached it.
-const PRIOR_ACCEPTANCE: f64 = 0.7;
+/// Acceptance assumed at a position before any round has reached it (without
+/// [`FixedCost::acceptance`]).
+pub const PRIOR_ACCEPTANCE: f64 = 0.7;
 /// Speculation is chosen only when it is predicted at least this much faster than plain decoding:
 /// the estimates are noisy, and a round that drafts for a predicted 1% gain loses more often than
 /// not once the overheads the model does not see are paid.
@@ -678,7 +707,7 @@ impl Controller {
     /// The cost profile from the recent rounds' median timings, completed by the prior where this run
     /// has no sample; `None` until the target was timed.
     fn measured_profile(&self, prior: Option<&FixedCost>) -> Option<Profile> {
-        let verify: Vec<VerifyTiming> = self
+        let mut verify: Vec<VerifyTiming> = self
             .verify_times
             .iter()
             .enumerate()
@@ -690,13 +719,35 @@ impl Controller {
                 })
             })
             .collect();
+        // Until this run times a step itself, the step an earlier generation timed lately is the
+        // unit: the blocks' proportions to the calibration's curve then show as they do after a
+        // plain probe (short answers end before their first one).
+        let seeded = match prior.and_then(|p| p.step_secs) {
+            Some(secs) if verify.first().is_some_and(|t| t.m > 1) => {
+                verify.insert(
+                    0,
+                    VerifyTiming {
+                        m: 1,
+                        calls: 1,
+                        secs,
+                    },
+                );
+                true
+            }
+            _ => false,
+        };
         let fit = CostProfile::fit_with(0.0, &verify, prior.map(|p| p.r.as_slice()))?;
         let t1 = fit.target_step_secs;
         let (fixed, c) = match fit_draft_cost(&self.draft_costs) {
             Some((a, b)) => (a / t1, b / t1),
             None => prior.map_or((0.0, 0.0), |p| (p.draft_fixed, p.c)),
         };
-        let samples = |m: usize| self.verify_times.get(m - 1).map_or(1.0, |t| t.len() as f64);
+        let samples = |m: usize| {
+            if m == 1 && seeded {
+                return 1.0;
+            }
+            self.verify_times.get(m - 1).map_or(1.0, |t| t.len() as f64)
+        };
         // Where this run timed the step itself, the blocks it timed tell how the machine compares
         // with the calibration now (in a fast stretch of memory a step gets much cheaper and a
         // block, bound more by its multiply-adds, far less): the calibration's lengths this run has
@@ -736,8 +787,19 @@ impl Controller {
         self.last_choice
     }
 
-    /// Estimated conditional acceptance at positions `1..=max`.
+    /// Estimated conditional acceptance at positions `1..=max`: this sequence's counts behind a
+    /// prior of two rounds, the acceptance seen lately ([`FixedCost::acceptance`])
+    /// where the calibration carries it, else [`PRIOR_ACCEPTANCE`] at the first position and the
+    /// estimate of the position before at the others.
     pub fn acceptance(&self, max: usize) -> Vec<f64> {
+        let seen: &[f64] = match &self.policy {
+            DraftLenPolicy::CostModel {
+                prior: Some(p),
+                cost: None,
+                ..
+            } => &p.acceptance,
+            _ => &[],
+        };
         let mut out = Vec::with_capacity(max);
         let mut last = PRIOR_ACCEPTANCE;
         for i in 0..max {
@@ -745,7 +807,11 @@ impl Controller {
                 self.reached.get(i).copied().unwrap_or(0.0),
                 self.accepted.get(i).copied().unwrap_or(0.0),
             );
-            let prior = if i == 0 { PRIOR_ACCEPTANCE } else { last };
+            let prior = match seen.get(i) {
+                Some(&p) => p,
+                None if i == 0 => PRIOR_ACCEPTANCE,
+                None => last,
+            };
             last = (a + PRIOR_WEIGHT * prior) / (r + PRIOR_WEIGHT);
             out.push(last);
         }
@@ -1422,6 +1488,8 @@ mod tests {
                 shared: 1e-5,
                 per_row: 5e-5,
             }),
+            step_secs: None,
+            acceptance: Vec::new(),
         };
         // At the calibrated context nothing moves.
         let same = cost.at_context(64);
@@ -1446,6 +1514,8 @@ mod tests {
         // Without a context cost, no change.
         let flat = FixedCost {
             context: None,
+            step_secs: None,
+            acceptance: Vec::new(),
             ..cost.clone()
         };
         assert_eq!(flat.at_context(4064), flat);
@@ -1516,6 +1586,8 @@ mod tests {
                 draft_fixed: 0.0,
                 r: vec![1.0, 1.1, 1.2, 1.3],
                 context: None,
+                step_secs: None,
+                acceptance: Vec::new(),
             }),
             probe_every: 1000,
             prior: None,
@@ -1587,6 +1659,8 @@ mod tests {
             draft_fixed: 0.0,
             r: (1..=17).map(|m| 1.0 + 0.1 * (m - 1) as f64).collect(),
             context: None,
+            step_secs: None,
+            acceptance: Vec::new(),
         };
         let p = DraftLenPolicy::CostModel {
             max: 4,
@@ -1642,6 +1716,8 @@ mod tests {
                 draft_fixed: 0.0,
                 r: vec![1.0, 1.1, 1.2, 1.3, 1.4],
                 context: None,
+                step_secs: None,
+                acceptance: Vec::new(),
             }),
             probe_every: 1000,
             prior: None,
@@ -1796,6 +1872,8 @@ mod tests {
             draft_fixed: 0.0,
             r: (1..=17).map(|m| 1.0 + 0.05 * (m - 1) as f64).collect(),
             context: None,
+            step_secs: None,
+            acceptance: Vec::new(),
         };
         let p = DraftLenPolicy::auto(Some(prior));
         p.validate().unwrap();
@@ -1853,6 +1931,130 @@ mod tests {
                 PLAIN_PROBE_FIRST + 2 * PLAIN_PROBE_EVERY
             ]
         );
+    }
+
+    /// A step timed lately by an earlier generation ([`FixedCost::step_secs`]) is the unit of a
+    /// measuring cost model that has not timed one itself: where the machine's blocks cost far more
+    /// steps than the calibration says (a fast stretch of memory), drafting stops as soon as the
+    /// blocks are timed, not at the first plain probe; without it the same rounds keep drafting at
+    /// the calibration's proportions. Afterwards the sequence's own steps take over.
+    #[test]
+    fn a_recent_step_prices_the_first_blocks_before_the_run_times_one() {
+        // Each drafted token costs 0.3 steps to draft and 0.3 to score, where the calibration has
+        // 0.03: at about half of the drafted tokens accepted, no draft pays on this curve.
+        let r_true = |m: usize| 1.0 + 0.3 * (m as f64 - 1.0);
+        let run = |step_secs: Option<f64>| {
+            let prior = FixedCost {
+                c: 0.3,
+                draft_fixed: 0.0,
+                r: (1..=17).map(|m| 1.0 + 0.03 * (m - 1) as f64).collect(),
+                context: None,
+                step_secs,
+                acceptance: Vec::new(),
+            };
+            let p = DraftLenPolicy::auto(Some(prior));
+            p.validate().unwrap();
+            let mut c = p.controller();
+            let mut lens = Vec::new();
+            for i in 0..PLAIN_PROBE_FIRST {
+                let k = c.next_draft_len();
+                lens.push(k);
+                let accepted = (0..k)
+                    .take_while(|j| (i as usize * 7 + j * 13) % 20 < 10)
+                    .count();
+                c.observe(&Round {
+                    drafted: k,
+                    accepted,
+                    emitted: accepted + 1,
+                    draft_secs: 0.3 * k as f64,
+                    verify_secs: r_true(k + 1),
+                    verified: k + 1,
+                    ..Default::default()
+                });
+            }
+            lens
+        };
+        // The step is 1 second, as the blocks' timings assume.
+        let seeded = run(Some(1.0));
+        let unseeded = run(None);
+        // Two rounds after the warm-up the timed blocks have outweighed the prior's estimates.
+        let after_warmup = WARMUP_ROUNDS as usize + 2;
+        assert!(
+            unseeded[after_warmup..].iter().all(|&k| k > 0),
+            "{unseeded:?}"
+        );
+        assert!(seeded[after_warmup..].iter().all(|&k| k == 0), "{seeded:?}");
+        // A step as the calibration's curve infers it changes nothing.
+        let r_flat = |m: usize| 1.0 + 0.02 * (m as f64 - 1.0);
+        let prior = |step_secs| FixedCost {
+            c: 0.2,
+            draft_fixed: 0.0,
+            r: (1..=17).map(r_flat).collect(),
+            context: None,
+            step_secs,
+            acceptance: Vec::new(),
+        };
+        let mut a = DraftLenPolicy::auto(Some(prior(Some(1.0)))).controller();
+        let mut b = DraftLenPolicy::auto(Some(prior(None))).controller();
+        for i in 0..PLAIN_PROBE_FIRST {
+            let (ka, kb) = (a.next_draft_len(), b.next_draft_len());
+            assert_eq!(ka, kb, "round {i}");
+            if let (Some(x), Some(y)) = (a.costs(), b.costs()) {
+                assert!((x.r(ka + 1) - y.r(ka + 1)).abs() < 1e-9, "round {i}");
+            }
+            let round = Round {
+                drafted: ka,
+                accepted: ka,
+                emitted: ka + 1,
+                draft_secs: 0.2 * ka as f64,
+                verify_secs: r_flat(ka + 1),
+                verified: ka + 1,
+                ..Default::default()
+            };
+            a.observe(&round);
+            b.observe(&round);
+        }
+    }
+
+    /// The acceptance seen lately ([`FixedCost::acceptance`]) is where a sequence's estimates
+    /// start: a model whose drafts were mostly rejected lately is not drafted with at first where
+    /// the fixed prior would draft, and the sequence's own rounds still move the estimates.
+    #[test]
+    fn the_acceptance_seen_lately_is_the_prior_of_the_estimates() {
+        let prior = |acceptance: Vec<f64>| FixedCost {
+            c: 0.25,
+            draft_fixed: 0.0,
+            r: (1..=17).map(|m| 1.0 + 0.1 * (m - 1) as f64).collect(),
+            context: None,
+            step_secs: None,
+            acceptance,
+        };
+        let fresh = DraftLenPolicy::auto(Some(prior(Vec::new())));
+        let seen = DraftLenPolicy::auto(Some(prior(vec![0.3, 0.2])));
+        seen.validate().unwrap();
+        let (mut a, mut b) = (fresh.controller(), seen.controller());
+        assert_eq!(a.acceptance(3), [PRIOR_ACCEPTANCE; 3]);
+        // Positions past the seen ones continue from the last estimate.
+        assert_eq!(b.acceptance(3), [0.3, 0.2, 0.2]);
+        assert!(a.next_draft_len() > 0);
+        assert_eq!(b.next_draft_len(), 0);
+        assert_eq!(b.last_choice().map(|c| c.draft_len), Some(0));
+        // Rounds whose drafts were all accepted raise it.
+        for _ in 0..4 {
+            b.observe(&Round {
+                drafted: 2,
+                accepted: 2,
+                emitted: 3,
+                verified: 3,
+                ..Default::default()
+            });
+        }
+        let est = b.acceptance(2);
+        assert!(est[0] > 0.7 && est[1] > 0.7, "{est:?}");
+        // Out of range, it is refused.
+        assert!(DraftLenPolicy::auto(Some(prior(vec![1.5])))
+            .validate()
+            .is_err());
     }
 
     /// Given costs are not measured, so there is nothing to probe for.
@@ -1941,6 +2143,8 @@ mod tests {
                 draft_fixed: 0.0,
                 r: vec![1.0],
                 context: None,
+                step_secs: None,
+                acceptance: Vec::new(),
             }),
             probe_every: 8,
             prior: None,

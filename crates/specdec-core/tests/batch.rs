@@ -388,6 +388,8 @@ fn batch_draft_lens(r: Vec<f64>) -> (Vec<usize>, Vec<usize>) {
             draft_fixed: 0.0,
             r,
             context: None,
+            step_secs: None,
+            acceptance: Vec::new(),
         }),
         probe_every: 1000,
         prior: None,

@@ -235,6 +235,8 @@ fn rejection_mode_is_exact_for_every_drafter_option() {
                     draft_fixed: 0.1,
                     r: vec![1.0, 1.05, 1.1, 1.15, 1.2],
                     context: None,
+                    step_secs: None,
+                    acceptance: Vec::new(),
                 }),
             },
             ..config(min_confidence)
@@ -432,6 +434,8 @@ fn a_batch_draft_cap_keeps_sampled_output_on_the_target_distribution() {
                 draft_fixed: 0.0,
                 r: knee,
                 context: None,
+                step_secs: None,
+                acceptance: Vec::new(),
             }),
             probe_every: 1000,
             prior: None,

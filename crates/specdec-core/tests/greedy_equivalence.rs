@@ -52,6 +52,8 @@ fn policies(k: usize) -> Vec<DraftLenPolicy> {
                 draft_fixed: 0.0,
                 r: vec![1.0, 1.1, 1.2, 1.3, 1.4],
                 context: None,
+                step_secs: None,
+                acceptance: Vec::new(),
             }),
             probe_every: 3,
             prior: None,
@@ -71,6 +73,8 @@ fn policies(k: usize) -> Vec<DraftLenPolicy> {
                 draft_fixed: 0.3,
                 r: vec![1.0, 1.05, 1.1],
                 context: None,
+                step_secs: None,
+                acceptance: Vec::new(),
             }),
         },
     ]

@@ -682,6 +682,8 @@ mod tests {
             long_context: None,
             weights: Vec::new(),
             learned_blocks: 0,
+            recent_step_s: None,
+            recent_positions: Vec::new(),
         };
         let summary = summarize(&merged, &["ar", "hybrid"], &cal);
         let row = summary

@@ -10,7 +10,9 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
-use specdec_core::{isotonic_curve, ContextCost, DraftLenPolicy, FixedCost, Metrics};
+use specdec_core::{
+    isotonic_curve, ContextCost, DraftLenPolicy, FixedCost, Metrics, PRIOR_ACCEPTANCE,
+};
 use specdec_runtime::fetch::home;
 use specdec_runtime::Session;
 
@@ -42,7 +44,23 @@ pub struct Calibration {
     /// Timed target blocks of generations folded into `r` since it was measured.
     #[serde(default)]
     pub learned_blocks: u64,
+    /// The last learning generation's single step, moved to the calibration's context
+    /// ([`Calibration::learn`]): what a step costs on the machine now, which the next generation
+    /// of the same process prices its first blocks against ([`FixedCost::step_secs`]). Never
+    /// saved: a later process may find the machine in another stretch.
+    #[serde(skip)]
+    pub recent_step_s: Option<f64>,
+    /// The model's drafts in the generations learned lately: by position, `(reached, accepted)`
+    /// counts, each run's weighing [`RECENT_RUN_DECAY`] times the one after it; what
+    /// [`Calibration::recent_acceptance`] reads. Never saved, like `recent_step_s`.
+    #[serde(skip)]
+    pub recent_positions: Vec<(f64, f64)>,
 }
+
+/// The weight of a run's model-draft counts in [`Calibration::recent_positions`] against the next
+/// run's: the acceptance seen lately follows the last two or three runs (in a benchmark, the last
+/// prompt or two, mostly of the same kind).
+pub const RECENT_RUN_DECAY: f64 = 0.5;
 
 /// Timed calls a measured `r(m)` counts as when a run's blocks are folded in: the calibration's
 /// medians are steady, but blocks timed in isolation cost less than blocks in a generation (stop
@@ -65,8 +83,50 @@ impl Calibration {
     /// [`MAX_LEARNED_WEIGHT`]). A run that timed fewer than [`MIN_SINGLE_STEPS`] single steps has
     /// no unit and teaches nothing. The timings must be the run's own: a sequence batched with
     /// others shares its calls' time (the CLI's runs are single sequences; `serve` does not
-    /// learn). Returns whether `r` changed.
+    /// learn). The run's single step, moved to the calibration's context, becomes
+    /// [`Calibration::recent_step_s`]; its model drafts' acceptance by position, timed or not,
+    /// goes to [`Calibration::recent_positions`]. Returns whether any of them changed.
     pub fn learn(&mut self, m: &Metrics) -> bool {
+        let positions = self.learn_positions(m);
+        self.learn_costs(m) || positions
+    }
+
+    /// The model-draft counts of `m` into [`Calibration::recent_positions`]; whether it had any.
+    fn learn_positions(&mut self, m: &Metrics) -> bool {
+        let run = &m.model_per_position;
+        if run.iter().all(|p| p.reached == 0) {
+            return false;
+        }
+        for p in &mut self.recent_positions {
+            p.0 *= RECENT_RUN_DECAY;
+            p.1 *= RECENT_RUN_DECAY;
+        }
+        if self.recent_positions.len() < run.len() {
+            self.recent_positions.resize(run.len(), (0.0, 0.0));
+        }
+        for (p, s) in self.recent_positions.iter_mut().zip(run) {
+            p.0 += s.reached as f64;
+            p.1 += s.accepted as f64;
+        }
+        true
+    }
+
+    /// Conditional acceptance of the model's drafts by position in the runs learned lately: each
+    /// position's counts behind one pseudo-round of the position before (of
+    /// [`PRIOR_ACCEPTANCE`] at the first), up to the last position a run reached.
+    pub fn recent_acceptance(&self) -> Vec<f64> {
+        let mut last = PRIOR_ACCEPTANCE;
+        self.recent_positions
+            .iter()
+            .take_while(|p| p.0 > 0.0)
+            .map(|&(reached, accepted)| {
+                last = (accepted + last) / (reached + 1.0);
+                last
+            })
+            .collect()
+    }
+
+    fn learn_costs(&mut self, m: &Metrics) -> bool {
         let Some(single) = m
             .verify_by_len
             .first()
@@ -76,10 +136,14 @@ impl Calibration {
         };
         let t1 = single.secs / single.calls as f64;
         let n = m.prompt_tokens as f64 + m.emitted as f64 / 2.0;
+        let step = t1 / self.context.map_or(1.0, |cc| cc.step_at(n));
+        let mut changed = step.is_finite() && step > 0.0 && self.recent_step_s != Some(step);
+        if changed {
+            self.recent_step_s = Some(step);
+        }
         if self.weights.len() != self.r.len() {
             self.weights = vec![MEASURED_WEIGHT; self.r.len()];
         }
-        let mut changed = false;
         for t in &m.verify_by_len {
             if t.m < 2 || t.m > self.r.len() || t.calls == 0 || t.secs <= 0.0 {
                 continue;
@@ -222,6 +286,8 @@ pub fn measure(loaded: &Loaded, context: &[u32]) -> Result<Calibration> {
         long_context: (long + 16 <= loaded.ctx).then_some(long),
         weights: Vec::new(),
         learned_blocks: 0,
+        recent_step_s: None,
+        recent_positions: Vec::new(),
     })
 }
 
@@ -318,9 +384,19 @@ pub fn load_path(path: &Path) -> Option<FixedCost> {
 
 /// Folds a finished generation of `loaded` into its saved calibration ([`Calibration::learn`]), if
 /// there is one, and returns it where it changed; a failure to write it is reported, never fatal
-/// (the run's output is complete).
-pub fn learn_saved(loaded: &Loaded, m: &Metrics, ui: Ui) -> Option<Calibration> {
+/// (the run's output is complete). `recent`, the calibration an earlier generation of this process
+/// returned, carries what was seen lately (never saved) into it.
+pub fn learn_saved(
+    loaded: &Loaded,
+    m: &Metrics,
+    recent: Option<&Calibration>,
+    ui: Ui,
+) -> Option<Calibration> {
     let mut cal = read(&saved_path(loaded))?;
+    if let Some(r) = recent {
+        cal.recent_step_s = r.recent_step_s;
+        cal.recent_positions.clone_from(&r.recent_positions);
+    }
     if !cal.learn(m) {
         return None;
     }
@@ -345,6 +421,8 @@ fn as_prior(cal: &Calibration) -> Option<FixedCost> {
         draft_fixed: 0.0,
         r: isotonic_curve(&cal.r, &[]),
         context: cal.context,
+        step_secs: cal.recent_step_s,
+        acceptance: cal.recent_acceptance(),
     };
     let policy = DraftLenPolicy::auto(Some(cost.clone()));
     policy.validate().ok()?;
@@ -403,7 +481,7 @@ pub fn apply(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use specdec_core::metrics::VerifyTiming;
+    use specdec_core::metrics::{PositionStats, VerifyTiming};
 
     fn calibration(context: Option<ContextCost>) -> Calibration {
         Calibration {
@@ -415,6 +493,8 @@ mod tests {
             long_context: None,
             weights: Vec::new(),
             learned_blocks: 0,
+            recent_step_s: None,
+            recent_positions: Vec::new(),
         }
     }
 
@@ -460,10 +540,10 @@ mod tests {
         assert!(fewer.learn(&run(50, MIN_SINGLE_STEPS, &[(2, 10, 2.0)])));
         let w = MIN_SINGLE_STEPS as f64;
         assert!((fewer.r[1] - (26.0 * before + w * 2.0) / (26.0 + w)).abs() < 1e-12);
-        // Without enough single steps a run has no unit and teaches nothing; nor does plain
-        // decoding (no blocks).
+        // Without enough single steps a run has no unit and teaches nothing; plain decoding (no
+        // blocks) teaches only its step, here the one already known.
         assert!(!cal.learn(&run(50, MIN_SINGLE_STEPS - 1, &[(2, 10, 2.0)])));
-        assert!(!cal.learn(&run(50, 40, &[])));
+        cal.learn(&run(50, 40, &[]));
         assert_eq!(cal.r[1], before);
         // The weight is capped, so that later runs still count.
         for _ in 0..100 {
@@ -499,6 +579,73 @@ mod tests {
             blocks.iter().map(|&(m, c, r)| (m, c, 1.05 * r)).collect();
         assert!(cal.learn(&run(550, 20, &dearer)));
         assert!((2..=16).all(|m| cal.r[m - 1] > prior.r(m)));
+    }
+
+    /// Every run that timed enough single steps leaves its step, moved to the calibration's
+    /// context, for the next run's cost model; it is never saved.
+    #[test]
+    fn a_runs_step_is_the_next_runs_unit() {
+        let cc = ContextCost {
+            at: 64,
+            shared: 2e-4,
+            per_row: 4e-5,
+        };
+        let mut cal = calibration(Some(cc));
+        let mut policy = DraftLenPolicy::auto(None);
+        cal.set_prior(&mut policy);
+        assert_eq!(policy.calibration().and_then(|p| p.step_secs), None);
+        // Plain decoding (no blocks) teaches the step: 0.05 s at context 550 + 100 / 2.
+        assert!(cal.learn(&run(550, 40, &[])));
+        let want = 0.05 / cc.step_at(600.0);
+        assert!((cal.recent_step_s.unwrap() - want).abs() < 1e-12);
+        assert!(want < 0.05);
+        cal.set_prior(&mut policy);
+        let prior = policy.calibration().expect("a prior");
+        assert_eq!(prior.step_secs, Some(want));
+        // Moved to the context of the run's next round, it is that run's single step again.
+        let there = prior.at_context(600).step_secs.unwrap();
+        assert!((there - 0.05).abs() < 1e-12, "{there}");
+        // Too few single steps leave it.
+        assert!(!cal.learn(&run(50, MIN_SINGLE_STEPS - 1, &[])));
+        assert_eq!(cal.recent_step_s, Some(want));
+        // The saved form has none.
+        let text = serde_json::to_string(&cal).unwrap();
+        let back: Calibration = serde_json::from_str(&text).unwrap();
+        assert_eq!(back.recent_step_s, None);
+        assert!(!text.contains("recent_step"));
+    }
+
+    /// The model's acceptance by position in the runs learned lately, the latest weighing most;
+    /// a run without model drafts leaves it.
+    #[test]
+    fn the_runs_model_acceptance_is_the_next_runs_prior() {
+        let positions = |v: &[(u64, u64)]| -> Metrics {
+            Metrics {
+                model_per_position: v
+                    .iter()
+                    .map(|&(reached, accepted)| PositionStats { reached, accepted })
+                    .collect(),
+                ..Metrics::default()
+            }
+        };
+        let mut cal = calibration(None);
+        assert!(cal.recent_acceptance().is_empty());
+        // Untimed runs teach it too: 9 of 10 first tokens accepted, 3 of 9 second ones.
+        assert!(cal.learn(&positions(&[(10, 9), (9, 3), (0, 0)])));
+        let want0 = (9.0 + PRIOR_ACCEPTANCE) / 11.0;
+        let want1 = (3.0 + want0) / 10.0;
+        let got = cal.recent_acceptance();
+        assert_eq!(got.len(), 2, "{got:?}");
+        assert!((got[0] - want0).abs() < 1e-12 && (got[1] - want1).abs() < 1e-12);
+        // The next run, all rejected, counts twice as much as the first.
+        assert!(cal.learn(&positions(&[(10, 0)])));
+        let first = (9.0 * RECENT_RUN_DECAY + PRIOR_ACCEPTANCE) / (10.0 * RECENT_RUN_DECAY + 11.0);
+        assert!((cal.recent_acceptance()[0] - first).abs() < 1e-12);
+        assert!(!cal.learn(&positions(&[])));
+        let mut policy = DraftLenPolicy::auto(None);
+        cal.set_prior(&mut policy);
+        let prior = policy.calibration().expect("a prior");
+        assert_eq!(prior.acceptance, cal.recent_acceptance());
     }
 
     #[test]

@@ -28,6 +28,8 @@ pub fn command(args: &ChatArgs, ui: Ui) -> Result<()> {
         .map(|s| Message::new("system", s.clone()))
         .collect();
     let mut history = system.clone();
+    // What the turns so far saw lately (their steps and the model's acceptance), for the next.
+    let mut learned = None;
     let budget = prompt_budget(loaded.ctx, config.max_new_tokens);
     ui.note(
         "chat: type a message and press Enter; /reset clears the history, /exit or Ctrl-D quits",
@@ -98,8 +100,10 @@ pub fn command(args: &ChatArgs, ui: Ui) -> Result<()> {
         )?;
         ui.note(stats_line(&g, &config));
         // The next turn starts from the calibration this one taught.
-        if let Some(cal) = crate::calibration::learn_saved(&loaded, &g.output.metrics, ui) {
+        let metrics = &g.output.metrics;
+        if let Some(cal) = crate::calibration::learn_saved(&loaded, metrics, learned.as_ref(), ui) {
             cal.set_prior(&mut config.draft_len);
+            learned = Some(cal);
         }
         if let Some(e) = &g.error {
             eprintln!("error: {e}");

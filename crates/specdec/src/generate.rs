@@ -253,7 +253,7 @@ pub fn command(args: &GenerateArgs, ui: Ui) -> Result<()> {
         )?
     };
     // The next run starts from what this one's blocks cost.
-    let _ = crate::calibration::learn_saved(&loaded, &g.output.metrics, ui);
+    let _ = crate::calibration::learn_saved(&loaded, &g.output.metrics, None, ui);
     if args.json {
         let obj = json!({
             "text": g.text,

@@ -187,8 +187,8 @@ impl FixedCost {
     /// The costs after `n` tokens of context, in single-token steps at `n`: `r(m)` is
     /// `(r_at(m) + (shared + m per_row) d) / (1 + (shared + per_row) d)` with `d = n - at` (negative
     /// below `at`), and `c` and the fixed draft cost scale by the same denominator (the draft's own
-    /// growth is not modelled; online measurement replaces it), while [`FixedCost::step_secs`]
-    /// grows by it. Unchanged without a [`ContextCost`]; the result carries none (its unit is a step
+    /// growth is not modelled; online measurement replaces it), while [`FixedCost::step_secs`] is
+    /// multiplied by it. Unchanged without a [`ContextCost`]; the result carries none (its unit is a step
     /// at `n`).
     pub fn at_context(&self, n: usize) -> FixedCost {
         let Some(cc) = self.context else {
@@ -308,9 +308,12 @@ impl DraftLenPolicy {
                     if !ok {
                         return Err(Error::config(
                             "cost",
-                            format!("c {} r {:?}", cost.c, cost.r),
-                            "c >= 0, a non-empty r of positive finite numbers, context costs >= 0, a positive step, \
-                             acceptance in [0, 1]",
+                            format!(
+                                "c {} r {:?} step {:?} acceptance {:?}",
+                                cost.c, cost.r, cost.step_secs, cost.acceptance
+                            ),
+                            "c >= 0, a non-empty r of positive finite numbers, context costs \
+                             >= 0, a positive step, acceptance in [0, 1]",
                         ));
                     }
                 }
@@ -748,7 +751,7 @@ impl Controller {
             }
             self.verify_times.get(m - 1).map_or(1.0, |t| t.len() as f64)
         };
-        // Where this run timed the step itself, the blocks it timed tell how the machine compares
+        // Where this run timed the step itself (or has one timed lately), the blocks it timed tell how the machine compares
         // with the calibration now (in a fast stretch of memory a step gets much cheaper and a
         // block, bound more by its multiply-adds, far less): the calibration's lengths this run has
         // not timed are scaled by the timed lengths' mean ratio to it, weighted by their samples.
@@ -1937,7 +1940,7 @@ mod tests {
     /// measuring cost model that has not timed one itself: where the machine's blocks cost far more
     /// steps than the calibration says (a fast stretch of memory), drafting stops as soon as the
     /// blocks are timed, not at the first plain probe; without it the same rounds keep drafting at
-    /// the calibration's proportions. Afterwards the sequence's own steps take over.
+    /// the calibration's proportions.
     #[test]
     fn a_recent_step_prices_the_first_blocks_before_the_run_times_one() {
         // Each drafted token costs 0.3 steps to draft and 0.3 to score, where the calibration has

@@ -247,7 +247,8 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
     let mut records: Vec<Record> = Vec::new();
     let mut divergences = 0;
     // The calibration as the runs teach it: each speculative run's blocks are folded in before the
-    // next run starts from it (`Calibration::learn`), the next mode's on the same prompt included.
+    // next run starts from it (`Calibration::learn`), the next mode's on the same prompt included,
+    // with the step and the model's acceptance the runs saw lately (never saved).
     let mut learned = cal.clone();
     let repeats = args.repeat.max(1) as usize;
     for (pi, p) in prompts.iter().enumerate() {
@@ -308,9 +309,8 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
                     bail!("prompt {}: mode {}: {e}", p.id, mode_name(*kind));
                 }
                 let m = &g.output.metrics;
-                if learned.learn(m) {
-                    learned.set_prior(&mut policy);
-                }
+                learned.learn(m);
+                learned.set_prior(&mut policy);
                 let tps = m.decode_tokens_per_s();
                 let matches = match &reference {
                     None => {
@@ -682,7 +682,7 @@ mod tests {
             long_context: None,
             weights: Vec::new(),
             learned_blocks: 0,
-            recent_step_s: None,
+            recent_step: None,
             recent_positions: Vec::new(),
         };
         let summary = summarize(&merged, &["ar", "hybrid"], &cal);

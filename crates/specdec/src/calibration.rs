@@ -6,7 +6,7 @@
 //! blocks cost.
 
 use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
@@ -44,15 +44,16 @@ pub struct Calibration {
     /// Timed target blocks of generations folded into `r` since it was measured.
     #[serde(default)]
     pub learned_blocks: u64,
-    /// The last learning generation's single step, moved to the calibration's context
-    /// ([`Calibration::learn`]): what a step costs on the machine now, which the next generation
-    /// of the same process prices its first blocks against ([`FixedCost::step_secs`]). Never
+    /// The mean single step of the last generation that timed enough of them, moved to the
+    /// calibration's context, and when it was learned ([`Calibration::learn`]): what a step costs
+    /// on the machine now, which the next generation of the same process prices its first blocks
+    /// against ([`FixedCost::step_secs`]) while it is at most [`RECENT_STEP_MAX_AGE`] old. Never
     /// saved: a later process may find the machine in another stretch.
     #[serde(skip)]
-    pub recent_step_s: Option<f64>,
+    pub recent_step: Option<(f64, Instant)>,
     /// The model's drafts in the generations learned lately: by position, `(reached, accepted)`
     /// counts, each run's weighing [`RECENT_RUN_DECAY`] times the one after it; what
-    /// [`Calibration::recent_acceptance`] reads. Never saved, like `recent_step_s`.
+    /// [`Calibration::recent_acceptance`] reads. Never saved, like `recent_step`.
     #[serde(skip)]
     pub recent_positions: Vec<(f64, f64)>,
 }
@@ -61,6 +62,11 @@ pub struct Calibration {
 /// run's: the acceptance seen lately follows the last two or three runs (in a benchmark, the last
 /// prompt or two, mostly of the same kind).
 pub const RECENT_RUN_DECAY: f64 = 0.5;
+
+/// How long [`Calibration::recent_step`] is the next generation's unit: these machines' memory
+/// switches between slow and fast stretches within minutes, so a step timed longer ago (a chat
+/// turn after a pause) may belong to the other kind.
+pub const RECENT_STEP_MAX_AGE: Duration = Duration::from_secs(60);
 
 /// Timed calls a measured `r(m)` counts as when a run's blocks are folded in: the calibration's
 /// medians are steady, but blocks timed in isolation cost less than blocks in a generation (stop
@@ -81,21 +87,24 @@ impl Calibration {
     /// [`FixedCost::at_context`]); `r(m)` becomes the weighted mean of the two, the run counting
     /// `min(calls, single steps)` calls and the curve its [`Calibration::weights`] (at most
     /// [`MAX_LEARNED_WEIGHT`]). A run that timed fewer than [`MIN_SINGLE_STEPS`] single steps has
-    /// no unit and teaches nothing. The timings must be the run's own: a sequence batched with
-    /// others shares its calls' time (the CLI's runs are single sequences; `serve` does not
-    /// learn). The run's single step, moved to the calibration's context, becomes
-    /// [`Calibration::recent_step_s`]; its model drafts' acceptance by position, timed or not,
-    /// goes to [`Calibration::recent_positions`]. Returns whether any of them changed.
+    /// no unit and teaches the curve nothing. The timings must be the run's own: a sequence batched
+    /// with others shares its calls' time (the CLI's runs are single sequences; `serve` does not
+    /// learn). Returns whether `r` changed (what is saved).
+    ///
+    /// What the run saw is also kept for the next run of the process, never saved: its mean single
+    /// step, moved to the calibration's context, as [`Calibration::recent_step`] (where it timed
+    /// [`MIN_SINGLE_STEPS`]), and its model drafts' acceptance by position, timed or not, in
+    /// [`Calibration::recent_positions`].
     pub fn learn(&mut self, m: &Metrics) -> bool {
-        let positions = self.learn_positions(m);
-        self.learn_costs(m) || positions
+        self.learn_positions(m);
+        self.learn_costs(m)
     }
 
-    /// The model-draft counts of `m` into [`Calibration::recent_positions`]; whether it had any.
-    fn learn_positions(&mut self, m: &Metrics) -> bool {
+    /// The model-draft counts of `m` into [`Calibration::recent_positions`].
+    fn learn_positions(&mut self, m: &Metrics) {
         let run = &m.model_per_position;
         if run.iter().all(|p| p.reached == 0) {
-            return false;
+            return;
         }
         for p in &mut self.recent_positions {
             p.0 *= RECENT_RUN_DECAY;
@@ -108,7 +117,6 @@ impl Calibration {
             p.0 += s.reached as f64;
             p.1 += s.accepted as f64;
         }
-        true
     }
 
     /// Conditional acceptance of the model's drafts by position in the runs learned lately: each
@@ -126,6 +134,7 @@ impl Calibration {
             .collect()
     }
 
+    /// The curve's part of [`Calibration::learn`], and the recent step.
     fn learn_costs(&mut self, m: &Metrics) -> bool {
         let Some(single) = m
             .verify_by_len
@@ -137,10 +146,10 @@ impl Calibration {
         let t1 = single.secs / single.calls as f64;
         let n = m.prompt_tokens as f64 + m.emitted as f64 / 2.0;
         let step = t1 / self.context.map_or(1.0, |cc| cc.step_at(n));
-        let mut changed = step.is_finite() && step > 0.0 && self.recent_step_s != Some(step);
-        if changed {
-            self.recent_step_s = Some(step);
+        if step.is_finite() && step > 0.0 {
+            self.recent_step = Some((step, Instant::now()));
         }
+        let mut changed = false;
         if self.weights.len() != self.r.len() {
             self.weights = vec![MEASURED_WEIGHT; self.r.len()];
         }
@@ -286,7 +295,7 @@ pub fn measure(loaded: &Loaded, context: &[u32]) -> Result<Calibration> {
         long_context: (long + 16 <= loaded.ctx).then_some(long),
         weights: Vec::new(),
         learned_blocks: 0,
-        recent_step_s: None,
+        recent_step: None,
         recent_positions: Vec::new(),
     })
 }
@@ -383,9 +392,9 @@ pub fn load_path(path: &Path) -> Option<FixedCost> {
 }
 
 /// Folds a finished generation of `loaded` into its saved calibration ([`Calibration::learn`]), if
-/// there is one, and returns it where it changed; a failure to write it is reported, never fatal
-/// (the run's output is complete). `recent`, the calibration an earlier generation of this process
-/// returned, carries what was seen lately (never saved) into it.
+/// there is one, saves it where its curve changed and returns it; a failure to write it is
+/// reported, never fatal (the run's output is complete). `recent`, the calibration an earlier
+/// generation of this process returned, carries what was seen lately (never saved) into it.
 pub fn learn_saved(
     loaded: &Loaded,
     m: &Metrics,
@@ -394,14 +403,13 @@ pub fn learn_saved(
 ) -> Option<Calibration> {
     let mut cal = read(&saved_path(loaded))?;
     if let Some(r) = recent {
-        cal.recent_step_s = r.recent_step_s;
+        cal.recent_step = r.recent_step;
         cal.recent_positions.clone_from(&r.recent_positions);
     }
-    if !cal.learn(m) {
-        return None;
-    }
-    if let Err(e) = save(loaded, &cal) {
-        ui.note(format!("cost model: calibration not updated: {e:#}"));
+    if cal.learn(m) {
+        if let Err(e) = save(loaded, &cal) {
+            ui.note(format!("cost model: calibration not updated: {e:#}"));
+        }
     }
     Some(cal)
 }
@@ -421,7 +429,10 @@ fn as_prior(cal: &Calibration) -> Option<FixedCost> {
         draft_fixed: 0.0,
         r: isotonic_curve(&cal.r, &[]),
         context: cal.context,
-        step_secs: cal.recent_step_s,
+        step_secs: cal
+            .recent_step
+            .filter(|(_, at)| at.elapsed() <= RECENT_STEP_MAX_AGE)
+            .map(|(secs, _)| secs),
         acceptance: cal.recent_acceptance(),
     };
     let policy = DraftLenPolicy::auto(Some(cost.clone()));
@@ -493,7 +504,7 @@ mod tests {
             long_context: None,
             weights: Vec::new(),
             learned_blocks: 0,
-            recent_step_s: None,
+            recent_step: None,
             recent_positions: Vec::new(),
         }
     }
@@ -540,10 +551,10 @@ mod tests {
         assert!(fewer.learn(&run(50, MIN_SINGLE_STEPS, &[(2, 10, 2.0)])));
         let w = MIN_SINGLE_STEPS as f64;
         assert!((fewer.r[1] - (26.0 * before + w * 2.0) / (26.0 + w)).abs() < 1e-12);
-        // Without enough single steps a run has no unit and teaches nothing; plain decoding (no
-        // blocks) teaches only its step, here the one already known.
+        // Without enough single steps a run has no unit and teaches the curve nothing; nor does
+        // plain decoding (no blocks).
         assert!(!cal.learn(&run(50, MIN_SINGLE_STEPS - 1, &[(2, 10, 2.0)])));
-        cal.learn(&run(50, 40, &[]));
+        assert!(!cal.learn(&run(50, 40, &[])));
         assert_eq!(cal.r[1], before);
         // The weight is capped, so that later runs still count.
         for _ in 0..100 {
@@ -594,25 +605,34 @@ mod tests {
         let mut policy = DraftLenPolicy::auto(None);
         cal.set_prior(&mut policy);
         assert_eq!(policy.calibration().and_then(|p| p.step_secs), None);
-        // Plain decoding (no blocks) teaches the step: 0.05 s at context 550 + 100 / 2.
-        assert!(cal.learn(&run(550, 40, &[])));
+        // Plain decoding (no blocks) teaches the step, not the curve: 0.05 s at context 550 +
+        // 100 / 2.
+        assert!(!cal.learn(&run(550, 40, &[])));
         let want = 0.05 / cc.step_at(600.0);
-        assert!((cal.recent_step_s.unwrap() - want).abs() < 1e-12);
+        let (step, _) = cal.recent_step.unwrap();
+        assert!((step - want).abs() < 1e-12, "{step}");
         assert!(want < 0.05);
         cal.set_prior(&mut policy);
         let prior = policy.calibration().expect("a prior");
-        assert_eq!(prior.step_secs, Some(want));
+        assert_eq!(prior.step_secs, Some(step));
         // Moved to the context of the run's next round, it is that run's single step again.
         let there = prior.at_context(600).step_secs.unwrap();
         assert!((there - 0.05).abs() < 1e-12, "{there}");
         // Too few single steps leave it.
-        assert!(!cal.learn(&run(50, MIN_SINGLE_STEPS - 1, &[])));
-        assert_eq!(cal.recent_step_s, Some(want));
+        cal.learn(&run(50, MIN_SINGLE_STEPS - 1, &[]));
+        assert_eq!(cal.recent_step.map(|(s, _)| s), Some(step));
+        // Older than RECENT_STEP_MAX_AGE, it is no unit.
+        let then = Instant::now().checked_sub(RECENT_STEP_MAX_AGE + Duration::from_secs(1));
+        if let Some(then) = then {
+            cal.recent_step = Some((step, then));
+            cal.set_prior(&mut policy);
+            assert_eq!(policy.calibration().and_then(|p| p.step_secs), None);
+        }
         // The saved form has none.
         let text = serde_json::to_string(&cal).unwrap();
         let back: Calibration = serde_json::from_str(&text).unwrap();
-        assert_eq!(back.recent_step_s, None);
-        assert!(!text.contains("recent_step"));
+        assert!(back.recent_step.is_none());
+        assert!(!text.contains("recent"));
     }
 
     /// The model's acceptance by position in the runs learned lately, the latest weighing most;
@@ -631,17 +651,19 @@ mod tests {
         let mut cal = calibration(None);
         assert!(cal.recent_acceptance().is_empty());
         // Untimed runs teach it too: 9 of 10 first tokens accepted, 3 of 9 second ones.
-        assert!(cal.learn(&positions(&[(10, 9), (9, 3), (0, 0)])));
+        cal.learn(&positions(&[(10, 9), (9, 3), (0, 0)]));
         let want0 = (9.0 + PRIOR_ACCEPTANCE) / 11.0;
         let want1 = (3.0 + want0) / 10.0;
         let got = cal.recent_acceptance();
         assert_eq!(got.len(), 2, "{got:?}");
         assert!((got[0] - want0).abs() < 1e-12 && (got[1] - want1).abs() < 1e-12);
         // The next run, all rejected, counts twice as much as the first.
-        assert!(cal.learn(&positions(&[(10, 0)])));
+        cal.learn(&positions(&[(10, 0)]));
         let first = (9.0 * RECENT_RUN_DECAY + PRIOR_ACCEPTANCE) / (10.0 * RECENT_RUN_DECAY + 11.0);
         assert!((cal.recent_acceptance()[0] - first).abs() < 1e-12);
-        assert!(!cal.learn(&positions(&[])));
+        let before = cal.recent_acceptance();
+        cal.learn(&positions(&[]));
+        assert_eq!(cal.recent_acceptance(), before);
         let mut policy = DraftLenPolicy::auto(None);
         cal.set_prior(&mut policy);
         let prior = policy.calibration().expect("a prior");

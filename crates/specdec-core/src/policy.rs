@@ -91,8 +91,9 @@ pub struct FixedCost {
     /// ([`DraftLenPolicy::CostModel`]'s `prior`), the estimates start from it instead of
     /// [`PRIOR_ACCEPTANCE`]. An answer of a few rounds (a question on a given passage) ends before
     /// its own counts outweigh the prior, and the model's acceptance differs by kind of text far
-    /// more than a fixed prior allows (stop 48: 46% of a short answer's model tokens accepted where
-    /// the prior expected 70%, which made its model drafts look better than the lookup's).
+    /// more than a fixed prior allows (stop 48: a short answer on a passage whose drafts, mostly the
+    /// model's, were accepted at 46% where the prior expected 70%, which made its model drafts look
+    /// better than the lookup's).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub acceptance: Vec<f64>,
 }

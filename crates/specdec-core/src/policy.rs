@@ -189,8 +189,8 @@ impl FixedCost {
     /// `(r_at(m) + (shared + m per_row) d) / (1 + (shared + per_row) d)` with `d = n - at` (negative
     /// below `at`), and `c` and the fixed draft cost scale by the same denominator (the draft's own
     /// growth is not modelled; online measurement replaces it), while [`FixedCost::step_secs`] is
-    /// multiplied by it. Unchanged without a [`ContextCost`]; the result carries none (its unit is a step
-    /// at `n`).
+    /// multiplied by it. Unchanged without a [`ContextCost`]; the result carries none (its unit is
+    /// a step at `n`).
     pub fn at_context(&self, n: usize) -> FixedCost {
         let Some(cc) = self.context else {
             return self.clone();
@@ -752,10 +752,11 @@ impl Controller {
             }
             self.verify_times.get(m - 1).map_or(1.0, |t| t.len() as f64)
         };
-        // Where this run timed the step itself (or has one timed lately), the blocks it timed tell how the machine compares
-        // with the calibration now (in a fast stretch of memory a step gets much cheaper and a
-        // block, bound more by its multiply-adds, far less): the calibration's lengths this run has
-        // not timed are scaled by the timed lengths' mean ratio to it, weighted by their samples.
+        // Where this run timed the step itself (or has one timed lately), the blocks it timed tell
+        // how the machine compares with the calibration now (in a fast stretch of memory a step gets
+        // much cheaper and a block, bound more by its multiply-adds, far less): the calibration's
+        // lengths this run has not timed are scaled by the timed lengths' mean ratio to it,
+        // weighted by their samples.
         let scale = match prior {
             Some(p) if fit.measured.first().is_some_and(|&(m, _)| m == 1) => {
                 let (mut num, mut den) = (0.0, 0.0);

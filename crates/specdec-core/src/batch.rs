@@ -104,6 +104,10 @@ struct Sequence {
     partial: Option<usize>,
     /// Seconds spent in partial prefill steps.
     prefill_secs: f64,
+    /// Whether the drafter has read the prompt ([`Draft::prefill`]): it does so in the sequence's
+    /// first decode step, after the target's prefill has emitted the first token, so that the time
+    /// to the first token is the target's alone.
+    draft_read: bool,
     decode_start: Option<Instant>,
 }
 
@@ -314,6 +318,7 @@ impl<T: Target, D: Draft> Batch<T, D> {
             prefilled: 0,
             partial: None,
             prefill_secs: 0.0,
+            draft_read: false,
             decode_start: None,
             config,
         });
@@ -349,7 +354,6 @@ impl<T: Target, D: Draft> Batch<T, D> {
         let mut failed: Vec<(usize, Error)> = Vec::new();
 
         // Plan: the prompt's prefill, or this round's draft length.
-        let mut prefill_secs = vec![0.0; self.seqs.len()];
         let decoding = self
             .seqs
             .iter()
@@ -365,13 +369,6 @@ impl<T: Target, D: Draft> Batch<T, D> {
                         .prefill_chunk
                         .map(|c| s.prefilled + c)
                         .filter(|&n| n < s.tokens.len());
-                    if s.partial.is_none() {
-                        let t = Instant::now();
-                        if let Err(e) = self.drafter.prefill(s.id, &s.tokens) {
-                            failed.push((i, Error::model(Side::Draft, e)));
-                        }
-                        prefill_secs[i] = t.elapsed().as_secs_f64();
-                    }
                 }
                 Phase::Decode => {
                     let room = (s.config.max_new_tokens - s.output.tokens.len())
@@ -379,6 +376,22 @@ impl<T: Target, D: Draft> Batch<T, D> {
                     if room == 0 {
                         s.phase = Phase::Done(StopReason::ContextFull);
                     } else {
+                        if !s.draft_read {
+                            // The drafter reads the prompt now that the first token is out, then
+                            // is told of the tokens committed since, as it would have been had it
+                            // read the prompt first: prompt processing, not drafting.
+                            let t = Instant::now();
+                            let prompt = &s.tokens[..s.tokens.len() - s.output.tokens.len()];
+                            let read = self
+                                .drafter
+                                .prefill(s.id, prompt)
+                                .and_then(|()| self.drafter.commit(s.id, &s.tokens));
+                            s.read_by_drafter(t.elapsed());
+                            if let Err(e) = read {
+                                failed.push((i, Error::model(Side::Draft, e)));
+                                continue;
+                            }
+                        }
                         // Emitting at most k + 1 tokens must fit both the token limit and the
                         // context.
                         s.controller.set_context(s.tokens.len());
@@ -515,7 +528,7 @@ impl<T: Target, D: Draft> Batch<T, D> {
             }
             let r = match s.phase {
                 Phase::Prefill => {
-                    let secs = s.prefill_secs + prefill_secs[i] + verify_secs;
+                    let secs = s.prefill_secs + verify_secs;
                     s.finish_prefill(secs, on_token)
                 }
                 _ => s.finish_round(draft_secs, verify_secs, timed, on_token),
@@ -608,6 +621,7 @@ impl Sequence {
         let pos = self.tokens.len();
         let first = self.target_probs[0].sample(self.rng.uniform(pos, Stream::Target));
         self.output.metrics.prefill_secs = secs + t.elapsed().as_secs_f64();
+        self.output.metrics.first_token_secs = self.output.metrics.prefill_secs;
         self.phase = Phase::Decode;
         let stop = self.emit(&[first], 0, on_token);
         if stop.is_none() {
@@ -730,9 +744,23 @@ impl Sequence {
         target
             .commit(self.id, &self.tokens)
             .map_err(|e| Error::model(Side::Target, e))?;
+        if !self.draft_read {
+            // It reads the whole context when it first drafts.
+            return Ok(());
+        }
         drafter
             .commit(self.id, &self.tokens)
             .map_err(|e| Error::model(Side::Draft, e))
+    }
+
+    /// Counts the drafter's reading of the prompt, `took`, as prompt processing: added to
+    /// [`Metrics::prefill_secs`] and left out of the decode time.
+    fn read_by_drafter(&mut self, took: std::time::Duration) {
+        self.draft_read = true;
+        self.output.metrics.prefill_secs += took.as_secs_f64();
+        if let Some(t) = &mut self.decode_start {
+            *t += took;
+        }
     }
 }
 

@@ -79,8 +79,13 @@ pub struct Metrics {
     pub rounds_by_draft_len: Vec<u64>,
     /// Target calls by block length (index `m - 1`), decode only.
     pub verify_by_len: Vec<VerifyTiming>,
-    /// Seconds of prompt processing, draft and target, and the first token.
+    /// Seconds of prompt processing, target and draft, and the first token: the time to the first
+    /// token ([`Metrics::first_token_secs`]) and the drafter's reading of the prompt after it.
     pub prefill_secs: f64,
+    /// Seconds from the start of prefill to the first token: the target's prefill and sampling
+    /// (the drafter reads the prompt after the first token is out).
+    #[serde(default)]
+    pub first_token_secs: f64,
     /// Seconds of drafting.
     pub draft_secs: f64,
     /// Seconds of target scoring during decode.

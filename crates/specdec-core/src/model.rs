@@ -250,8 +250,10 @@ pub trait Draft {
     /// `committed` is the sequence's whole committed context.
     fn commit(&mut self, seq: SeqId, committed: &[TokenId]) -> Result<(), Self::Error>;
 
-    /// Called once with the prompt before the first round, so prompt processing is not charged to
-    /// drafting. The default does nothing.
+    /// Called once with the prompt before the first round (after the target's prefill has emitted
+    /// the first token, which [`Draft::commit`] then reports), so that prompt processing is not
+    /// charged to drafting and the time to the first token is the target's alone. Until then
+    /// [`Draft::commit`] is not called for the sequence. The default does nothing.
     fn prefill(&mut self, _seq: SeqId, _context: &[TokenId]) -> Result<(), Self::Error> {
         Ok(())
     }

@@ -469,3 +469,124 @@ fn a_batch_caps_model_drafts_where_its_rows_stop_being_cheap() {
     let (together, _) = batch_draft_lens(flat);
     assert!(together.iter().any(|&k| k >= 2), "{together:?}");
 }
+
+/// What a drafter was asked, and when: `Prefill(context length)`, `Commit(context length)`,
+/// `Propose`, and `Token` for each token the batch emitted, in order.
+#[derive(Clone, Debug, PartialEq)]
+enum Event {
+    Prefill(usize),
+    Commit(usize),
+    Propose,
+    Token,
+}
+
+/// Records the calls to the inner drafter, and fails its prefill when `fail_prefill` is set.
+struct Logged<D> {
+    inner: D,
+    events: std::rc::Rc<std::cell::RefCell<Vec<Event>>>,
+    fail_prefill: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("the drafter's prefill failed")]
+struct PrefillFailed;
+
+impl<D: Draft> Draft for Logged<D> {
+    type Error = PrefillFailed;
+
+    fn vocab_size(&self) -> Option<usize> {
+        self.inner.vocab_size()
+    }
+
+    fn propose(
+        &mut self,
+        batch: &[specdec_core::DraftRequest<'_>],
+        out: &mut [specdec_core::Proposal],
+    ) -> Result<(), Self::Error> {
+        self.events.borrow_mut().push(Event::Propose);
+        self.inner.propose(batch, out).map_err(|_| PrefillFailed)
+    }
+
+    fn commit(&mut self, seq: SeqId, committed: &[TokenId]) -> Result<(), Self::Error> {
+        self.events
+            .borrow_mut()
+            .push(Event::Commit(committed.len()));
+        self.inner.commit(seq, committed).map_err(|_| PrefillFailed)
+    }
+
+    fn prefill(&mut self, seq: SeqId, context: &[TokenId]) -> Result<(), Self::Error> {
+        self.events.borrow_mut().push(Event::Prefill(context.len()));
+        if self.fail_prefill {
+            return Err(PrefillFailed);
+        }
+        self.inner.prefill(seq, context).map_err(|_| PrefillFailed)
+    }
+}
+
+/// The first token comes from the target's prefill alone: the drafter reads the prompt after it is
+/// out (and is then told of it by a commit), so the time to the first token does not include the
+/// draft model's prefill; the output is the same as plain decoding's, and the metrics keep the
+/// drafter's reading as prompt processing. A drafter whose prefill fails ends the sequence with
+/// the first token kept.
+#[test]
+fn the_first_token_comes_before_the_drafter_reads_the_prompt() {
+    let prompt: Vec<TokenId> = vec![3, 1, 4, 1, 5];
+    let config = GenerateConfig {
+        max_new_tokens: 12,
+        sampling: SamplingParams::greedy(),
+        draft_len: DraftLenPolicy::Fixed { draft_len: 3 },
+        ..GenerateConfig::default()
+    };
+    let events = std::rc::Rc::new(std::cell::RefCell::new(Vec::new()));
+    let mut drafter = Logged {
+        inner: draft_model(),
+        events: events.clone(),
+        fail_prefill: false,
+    };
+    let out = generate(&mut target(), &mut drafter, &prompt, &config, &mut |_| {
+        events.borrow_mut().push(Event::Token);
+        ControlFlow::Continue(())
+    })
+    .unwrap();
+    let plain = generate(&mut target(), &mut NoDraft, &prompt, &config, &mut |_| {
+        ControlFlow::Continue(())
+    })
+    .unwrap();
+    assert_eq!(out.tokens, plain.tokens);
+    let events = events.borrow();
+    assert_eq!(
+        events[..4],
+        [
+            Event::Token,
+            Event::Prefill(prompt.len()),
+            Event::Commit(prompt.len() + 1),
+            Event::Propose
+        ],
+        "{events:?}"
+    );
+    assert_eq!(
+        events
+            .iter()
+            .filter(|e| matches!(e, Event::Prefill(_)))
+            .count(),
+        1
+    );
+    let m = &out.metrics;
+    assert!(
+        m.first_token_secs > 0.0 && m.first_token_secs <= m.prefill_secs,
+        "{m:?}"
+    );
+
+    // The drafter fails to read the prompt: the first token stays.
+    let mut failing = Logged {
+        inner: draft_model(),
+        events: std::rc::Rc::new(std::cell::RefCell::new(Vec::new())),
+        fail_prefill: true,
+    };
+    let e = generate(&mut target(), &mut failing, &prompt, &config, &mut |_| {
+        ControlFlow::Continue(())
+    })
+    .unwrap_err();
+    assert_eq!(e.output.tokens, plain.tokens[..1]);
+    assert!(e.to_string().contains("prefill failed"), "{e}");
+}

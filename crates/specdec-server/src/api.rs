@@ -520,6 +520,7 @@ pub fn speculative(s: &Summary) -> Value {
         "acceptance_rate": m.acceptance_rate(),
         "mean_accepted_len": m.mean_accepted_len(),
         "prefill_secs": m.prefill_secs,
+        "first_token_secs": m.first_token_secs,
         "decode_secs": m.decode_secs,
         "decode_tokens_per_s": m.decode_tokens_per_s(),
     })

@@ -165,6 +165,8 @@ struct Record {
     speedup_vs_ar: f64,
     /// Prefill and decoding, seconds.
     end_to_end_s: f64,
+    /// Seconds to the first token (the target's prefill; the drafter reads the prompt after it).
+    first_token_s: f64,
     /// The cost model's prediction from this run's own acceptance and timings.
     predicted_speedup: Option<f64>,
     /// The run's counters and timings, for offline analysis of the cost model.
@@ -350,6 +352,7 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
                     // Set below, once this repetition's plain run is done.
                     speedup_vs_ar: f64::NAN,
                     end_to_end_s: m.prefill_secs + m.decode_secs,
+                    first_token_s: m.first_token_secs,
                     predicted_speedup: m.predicted_speedup_with(
                         crate::generate::calibration_at_run(&config, m)
                             .as_ref()
@@ -467,6 +470,8 @@ pub struct Row {
     pub median_prediction_ratio: Option<f64>,
     /// Median seconds per prompt, prefill included.
     pub median_end_to_end_s: f64,
+    /// Median seconds to the first token.
+    pub median_first_token_s: f64,
 }
 
 struct Summary {
@@ -501,6 +506,7 @@ fn per_prompt(records: &[Record]) -> Vec<Record> {
             merged.decode_tokens_per_s = med(&|r| r.decode_tokens_per_s);
             merged.speedup_vs_ar = med(&|r| r.speedup_vs_ar);
             merged.end_to_end_s = med(&|r| r.end_to_end_s);
+            merged.first_token_s = med(&|r| r.first_token_s);
             let mut predicted: Vec<f64> = g.iter().filter_map(|r| r.predicted_speedup).collect();
             merged.predicted_speedup = (!predicted.is_empty()).then(|| median(&mut predicted));
             merged.drafted = g.iter().map(|r| r.drafted).sum();
@@ -520,7 +526,7 @@ fn summarize(records: &[Record], modes: &[&str], cal: &Calibration) -> Summary {
     let mut rows = Vec::new();
     let mut table = String::new();
     table.push_str(&format!(
-        "{:<10} {:<7} {:>7} {:>8} {:>8} {:>8} {:>9} {:>10} {:>10} {:>10}\n",
+        "{:<10} {:<7} {:>7} {:>8} {:>8} {:>8} {:>9} {:>10} {:>10} {:>7} {:>7}\n",
         "category",
         "mode",
         "prompts",
@@ -530,7 +536,8 @@ fn summarize(records: &[Record], modes: &[&str], cal: &Calibration) -> Summary {
         "mean len",
         "predicted",
         "pred/meas",
-        "e2e s"
+        "e2e s",
+        "ttft s"
     ));
     for (cat, rs) in &cats {
         for mode in modes {
@@ -554,6 +561,7 @@ fn summarize(records: &[Record], modes: &[&str], cal: &Calibration) -> Summary {
                 .collect();
             let ratio = (!ratios.is_empty()).then(|| median(&mut ratios));
             let mut e2e: Vec<f64> = mine.iter().map(|r| r.end_to_end_s).collect();
+            let mut ttft: Vec<f64> = mine.iter().map(|r| r.first_token_s).collect();
             let row = Row {
                 category: cat.clone(),
                 mode: (*mode).into(),
@@ -573,9 +581,10 @@ fn summarize(records: &[Record], modes: &[&str], cal: &Calibration) -> Summary {
                 predicted_speedup: predicted,
                 median_prediction_ratio: ratio,
                 median_end_to_end_s: median(&mut e2e),
+                median_first_token_s: median(&mut ttft),
             };
             table.push_str(&format!(
-                "{:<10} {:<7} {:>7} {:>8.2} {:>7.2}x {:>7.1}% {:>9.2} {:>10} {:>10} {:>10.2}\n",
+                "{:<10} {:<7} {:>7} {:>8.2} {:>7.2}x {:>7.1}% {:>9.2} {:>10} {:>10} {:>7.2} {:>7.2}\n",
                 row.category,
                 row.mode,
                 row.prompts,
@@ -588,6 +597,7 @@ fn summarize(records: &[Record], modes: &[&str], cal: &Calibration) -> Summary {
                 row.median_prediction_ratio
                     .map_or("-".into(), |p| format!("{p:.2}")),
                 row.median_end_to_end_s,
+                row.median_first_token_s,
             ));
             rows.push(row);
         }
@@ -635,6 +645,7 @@ mod tests {
             matches_ar: true,
             speedup_vs_ar: speedup,
             end_to_end_s: tps / 10.0,
+            first_token_s: tps / 100.0,
             predicted_speedup: (mode != "ar").then_some(speedup * 0.9),
             metrics: specdec_core::Metrics::default(),
             prompt_tokens: None,
@@ -665,6 +676,7 @@ mod tests {
         assert_eq!(hybrid.speedup_vs_ar, 2.5);
         assert_eq!(hybrid.decode_tokens_per_s, 70.0);
         assert_eq!(hybrid.end_to_end_s, 7.0);
+        assert_eq!(hybrid.first_token_s, 0.7);
         assert_eq!(hybrid.predicted_speedup, Some(2.5 * 0.9));
         assert_eq!(
             (hybrid.drafted, hybrid.accepted, hybrid.rounds),

@@ -168,6 +168,7 @@ pub fn stats_json(g: &Generation, config: &GenerateConfig, drafter: &str) -> ser
         "prompt_tokens": m.prompt_tokens,
         "generated_tokens": g.output.tokens.len(),
         "prefill_s": m.prefill_secs,
+        "first_token_s": m.first_token_secs,
         "decode_s": m.decode_secs,
         "decode_tokens_per_s": m.decode_tokens_per_s(),
         "rounds": m.rounds,

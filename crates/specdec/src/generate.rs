@@ -191,11 +191,12 @@ pub fn stats_json(g: &Generation, config: &GenerateConfig, drafter: &str) -> ser
 pub fn stats_line(g: &Generation, config: &GenerateConfig) -> String {
     let m = &g.output.metrics;
     let mut s = format!(
-        "{} tokens, {:.1} tok/s decode, prefill {:.2}s ({} prompt tokens)",
+        "{} tokens, {:.1} tok/s decode, prefill {:.2}s ({} prompt tokens), first token {:.2}s",
         g.output.tokens.len(),
         m.decode_tokens_per_s(),
         m.prefill_secs,
-        m.prompt_tokens
+        m.prompt_tokens,
+        m.first_token_secs
     );
     if m.drafted > 0 {
         s.push_str(&format!(

@@ -458,6 +458,24 @@ pub struct Loaded<M: Target, T: Target> {
     pub codec: Arc<dyn Codec>,
     /// The model's name.
     pub model: String,
+    /// What the cost model learns across requests, if anything ([`Learner`]).
+    pub learner: Option<Box<dyn Learner>>,
+}
+
+/// A cost model that learns across requests: the engine hands it every finished request's
+/// metrics, and lets it set the prior of every new request's cost model
+/// ([`DraftLenPolicy::CostModel`]), so that a request starts from what the requests before it
+/// saw (the step's time, the draft model's acceptance, the verification curve) instead of only
+/// the calibration it started with. The `specdec` binary's calibration is one.
+pub trait Learner: Send {
+    /// A request ended after `metrics`. `alone`: no other sequence shared any of its steps, so
+    /// its timings are its own (a shared step's time is not one sequence's cost); its acceptance
+    /// counts either way.
+    fn learn(&mut self, metrics: &Metrics, alone: bool);
+
+    /// Sets the prior of a new request's draft-length policy, where it is a cost model that
+    /// measures (a policy with given costs, or another policy, is left as it is).
+    fn prime(&self, policy: &mut DraftLenPolicy);
 }
 
 /// Engine settings.
@@ -512,6 +530,7 @@ where
                 drafter,
                 codec,
                 model,
+                learner,
             } = loaded;
             let info = Info {
                 model,
@@ -534,6 +553,7 @@ where
                 shared,
                 parallel,
                 next_id: 0,
+                learner,
             }
             .run(&rx);
         });
@@ -560,6 +580,8 @@ struct Active {
     submitted: Instant,
     last_token: Option<Instant>,
     prompt_tokens: usize,
+    /// No other sequence has shared a step with this one ([`Learner::learn`]).
+    alone: bool,
 }
 
 struct Engine<M: Target, T: Target> {
@@ -569,6 +591,7 @@ struct Engine<M: Target, T: Target> {
     shared: Arc<Shared>,
     parallel: usize,
     next_id: u64,
+    learner: Option<Box<dyn Learner>>,
 }
 
 impl<M: Target, T: Target> Engine<M, T> {
@@ -615,9 +638,12 @@ impl<M: Target, T: Target> Engine<M, T> {
         }
     }
 
-    fn admit(&mut self, job: Job) {
+    fn admit(&mut self, mut job: Job) {
         if job.events.is_closed() {
             return;
+        }
+        if let Some(l) = &self.learner {
+            l.prime(&mut job.config.draft_len);
         }
         let id = SeqId(self.next_id);
         self.next_id += 1;
@@ -649,6 +675,7 @@ impl<M: Target, T: Target> Engine<M, T> {
                 submitted: job.submitted,
                 last_token: None,
                 prompt_tokens,
+                alone: true,
             },
         );
         if let Ok(mut m) = self.shared.metrics.lock() {
@@ -664,6 +691,11 @@ impl<M: Target, T: Target> Engine<M, T> {
             shared,
             ..
         } = self;
+        if batch.len() > 1 {
+            for a in jobs.values_mut() {
+                a.alone = false;
+            }
+        }
         let codec = &**codec;
         let mut latencies: Vec<(bool, f64)> = Vec::new();
         let finished = batch.step(&mut |seq, e: &Emitted| {
@@ -720,6 +752,9 @@ impl<M: Target, T: Target> Engine<M, T> {
         };
         if let Ok(mut m) = self.shared.metrics.lock() {
             m.record_output(&output.metrics, output.tokens.len());
+        }
+        if let Some(l) = &mut self.learner {
+            l.learn(&output.metrics, a.alone);
         }
         if !a.stopped_by_text {
             // The text still held back: an incomplete character, or the start of a stop string

@@ -38,7 +38,8 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 pub use api::{Defaults, Kind};
 pub use engine::{
-    start, Codec, DrafterKind, EngineHandle, EngineOptions, Event, Loaded, MultiDrafter, Shared,
+    start, Codec, DrafterKind, EngineHandle, EngineOptions, Event, Learner, Loaded, MultiDrafter,
+    Shared,
 };
 pub use error::ApiError;
 

@@ -16,8 +16,8 @@ use serde_json::{json, Value};
 use specdec_core::mock::{MockLogits, MockModel};
 use specdec_core::{Logits, ModelDrafter, Score, SeqId, Target, TokenId};
 use specdec_server::{
-    router, start, Codec, Defaults, DrafterKind, EngineHandle, EngineOptions, Loaded, MultiDrafter,
-    ServerOptions,
+    router, start, Codec, Defaults, DrafterKind, EngineHandle, EngineOptions, Learner, Loaded,
+    MultiDrafter, ServerOptions,
 };
 use tower::ServiceExt;
 
@@ -98,6 +98,16 @@ fn engine_capped(
     delay: Duration,
     cap: Option<usize>,
 ) -> EngineHandle {
+    engine_learning(parallel, queue, delay, cap, None)
+}
+
+fn engine_learning(
+    parallel: usize,
+    queue: usize,
+    delay: Duration,
+    cap: Option<usize>,
+    learner: Option<Box<dyn Learner>>,
+) -> EngineHandle {
     let options = EngineOptions {
         parallel,
         queue,
@@ -115,6 +125,7 @@ fn engine_capped(
             drafter: MultiDrafter::new(Some(ModelDrafter::new(draft))),
             codec: Arc::new(ByteCodec),
             model: "mock".into(),
+            learner,
         })
     });
     wait(|| h.shared.info.get().is_some());
@@ -258,6 +269,7 @@ async fn health_is_503_until_the_models_are_loaded() {
                 drafter: MultiDrafter::<MockModel>::new(None),
                 codec: Arc::new(ByteCodec),
                 model: "mock".into(),
+                learner: None,
             })
         },
     );
@@ -727,4 +739,96 @@ async fn logprobs_carry_each_tokens_own_bytes() {
     }
     // Together the tokens spell the text (the end-of-turn token has no bytes).
     assert_eq!(String::from_utf8_lossy(&raw), text);
+}
+
+/// Records what the engine tells a [`Learner`]: per finished request its rounds and whether it
+/// decoded alone; and gives every cost model it primes a prior whose acceptance counts the
+/// requests learned so far.
+#[derive(Default)]
+struct Recorded {
+    learned: Vec<(u64, bool)>,
+    primed: Vec<usize>,
+}
+
+struct Counting(Arc<std::sync::Mutex<Recorded>>);
+
+impl Learner for Counting {
+    fn learn(&mut self, metrics: &specdec_core::Metrics, alone: bool) {
+        self.0.lock().unwrap().learned.push((metrics.rounds, alone));
+    }
+
+    fn prime(&self, policy: &mut specdec_core::DraftLenPolicy) {
+        let mut r = self.0.lock().unwrap();
+        let n = r.learned.len();
+        r.primed.push(n);
+        if let specdec_core::DraftLenPolicy::CostModel { prior, .. } = policy {
+            *prior = Some(specdec_core::FixedCost {
+                c: 0.3,
+                draft_fixed: 0.0,
+                r: vec![1.0, 1.1, 1.2, 1.3],
+                context: None,
+                step_secs: None,
+                acceptance: vec![0.5; n + 1],
+            });
+        }
+    }
+}
+
+/// The engine hands every finished request to the learner (alone, or sharing steps with another)
+/// and lets it prime every new request's cost model, in order: the second request starts from
+/// what the first taught.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_learner_sees_every_request_and_primes_the_next() {
+    let recorded = Arc::new(std::sync::Mutex::new(Recorded::default()));
+    let h = engine_learning(
+        2,
+        8,
+        Duration::from_millis(2),
+        None,
+        Some(Box::new(Counting(recorded.clone()))),
+    );
+    let options = ServerOptions {
+        defaults: Defaults {
+            drafter: DrafterKind::Model,
+            draft_len: specdec_core::DraftLenPolicy::auto(None),
+            ..Defaults::default()
+        },
+        ..ServerOptions::default()
+    };
+    let app = router(h, options);
+    let body = |i: usize| {
+        json!({
+            "messages": [{"role": "user", "content": format!("request {i}")}],
+            "max_tokens": 24,
+            "temperature": 0.0,
+        })
+    };
+    for i in 0..2 {
+        let (s, _) = post(&app, "/v1/chat/completions", body(i)).await;
+        assert_eq!(s, StatusCode::OK);
+    }
+    {
+        let r = recorded.lock().unwrap();
+        assert_eq!(
+            r.primed,
+            [0, 1],
+            "each request primed after the ones before it"
+        );
+        assert_eq!(r.learned.len(), 2);
+        assert!(r.learned.iter().all(|&(rounds, alone)| rounds > 0 && alone));
+    }
+    // Two at once share their steps: learned, but not as timed alone.
+    let together = futures_util::future::join_all((2..4).map(|i| {
+        let app = app.clone();
+        async move { post(&app, "/v1/chat/completions", body(i)).await }
+    }))
+    .await;
+    assert!(together.iter().all(|(s, _)| *s == StatusCode::OK));
+    let r = recorded.lock().unwrap();
+    assert_eq!(r.learned.len(), 4);
+    assert!(
+        r.learned[2..].iter().any(|&(_, alone)| !alone),
+        "{:?}",
+        r.learned
+    );
 }

@@ -134,21 +134,28 @@ impl Calibration {
             .collect()
     }
 
-    /// The curve's part of [`Calibration::learn`], and the recent step.
-    fn learn_costs(&mut self, m: &Metrics) -> bool {
-        let Some(single) = m
+    /// The run's mean single step into [`Calibration::recent_step`] (moved to the calibration's
+    /// context), where it timed at least [`MIN_SINGLE_STEPS`]: that step, its count and the run's
+    /// mean context.
+    fn learn_step(&mut self, m: &Metrics) -> Option<(f64, u64, f64)> {
+        let single = m
             .verify_by_len
             .first()
-            .filter(|t| t.m == 1 && t.calls >= MIN_SINGLE_STEPS && t.secs > 0.0)
-        else {
-            return false;
-        };
+            .filter(|t| t.m == 1 && t.calls >= MIN_SINGLE_STEPS && t.secs > 0.0)?;
         let t1 = single.secs / single.calls as f64;
         let n = m.prompt_tokens as f64 + m.emitted as f64 / 2.0;
         let step = t1 / self.context.map_or(1.0, |cc| cc.step_at(n));
         if step.is_finite() && step > 0.0 {
             self.recent_step = Some((step, Instant::now()));
         }
+        Some((t1, single.calls, n))
+    }
+
+    /// The curve's part of [`Calibration::learn`], and the recent step.
+    fn learn_costs(&mut self, m: &Metrics) -> bool {
+        let Some((t1, singles, n)) = self.learn_step(m) else {
+            return false;
+        };
         let mut changed = false;
         if self.weights.len() != self.r.len() {
             self.weights = vec![MEASURED_WEIGHT; self.r.len()];
@@ -164,7 +171,7 @@ impl Calibration {
             if !r_at.is_finite() || r_at <= 0.0 {
                 continue;
             }
-            let (i, calls) = (t.m - 1, t.calls.min(single.calls) as f64);
+            let (i, calls) = (t.m - 1, t.calls.min(singles) as f64);
             let w = self.weights[i];
             self.r[i] = (w * self.r[i] + calls * r_at) / (w + calls);
             self.weights[i] = (w + calls).min(MAX_LEARNED_WEIGHT);
@@ -391,6 +398,33 @@ pub fn load_path(path: &Path) -> Option<FixedCost> {
     read(path).and_then(|cal| as_prior(&cal))
 }
 
+/// The saved calibration at `path`; `None` if there is none or it is unreadable.
+pub fn load(path: &Path) -> Option<Calibration> {
+    read(path)
+}
+
+/// A calibration that learns across a server's requests ([`specdec_server::Learner`]): each
+/// finished request's model-draft acceptance, and its single step where it decoded alone, become
+/// what the next request's cost model starts from ([`Calibration::recent_acceptance`],
+/// [`Calibration::recent_step`]). Not the curve: stop 49 measured a server that also folded the
+/// requests' blocks into `r` 1.5% slower end to end. In memory only: the saved file is
+/// `generate`'s and `bench`'s to update.
+#[derive(Debug)]
+pub struct Learning(pub Calibration);
+
+impl specdec_server::Learner for Learning {
+    fn learn(&mut self, metrics: &Metrics, alone: bool) {
+        self.0.learn_positions(metrics);
+        if alone {
+            self.0.learn_step(metrics);
+        }
+    }
+
+    fn prime(&self, policy: &mut DraftLenPolicy) {
+        self.0.set_prior(policy);
+    }
+}
+
 /// Folds a finished generation of `loaded` into its saved calibration ([`Calibration::learn`]), if
 /// there is one, saves it where its curve changed and returns it; a failure to write it is
 /// reported, never fatal (the run's output is complete). `recent`, the calibration an earlier
@@ -422,7 +456,7 @@ fn read(path: &Path) -> Option<Calibration> {
 }
 
 /// A calibration as a cost-model prior; `None` if it is not a valid one.
-fn as_prior(cal: &Calibration) -> Option<FixedCost> {
+pub fn as_prior(cal: &Calibration) -> Option<FixedCost> {
     // The file keeps the medians as measured; the cost model reads them as a non-decreasing curve.
     let cost = FixedCost {
         c: cal.c.unwrap_or(0.0),
@@ -668,6 +702,45 @@ mod tests {
         cal.set_prior(&mut policy);
         let prior = policy.calibration().expect("a prior");
         assert_eq!(prior.acceptance, cal.recent_acceptance());
+    }
+
+    /// The server's learner keeps a request's model-draft acceptance, and its single step where
+    /// it decoded alone (not where it shared its steps), never its blocks; and primes a new
+    /// request's cost model with them.
+    #[test]
+    fn the_servers_learner_times_only_requests_that_decoded_alone() {
+        use specdec_server::Learner;
+        let mut shared = run(50, 12, &[(2, 10, 1.3)]);
+        shared.model_per_position = vec![PositionStats {
+            reached: 10,
+            accepted: 2,
+        }];
+        let mut l = Learning(calibration(None));
+        l.learn(&shared, false);
+        assert_eq!(
+            l.0.r,
+            calibration(None).r,
+            "a shared step's time is no sequence's cost"
+        );
+        assert!(l.0.recent_step.is_none());
+        assert_eq!(l.0.learned_blocks, 0);
+        let low = (2.0 + PRIOR_ACCEPTANCE) / 11.0;
+        assert!((l.0.recent_acceptance()[0] - low).abs() < 1e-12);
+        l.learn(&shared, true);
+        assert_eq!(
+            l.0.r,
+            calibration(None).r,
+            "the curve stays the calibration's"
+        );
+        let (step, _) =
+            l.0.recent_step
+                .expect("the step of a request that decoded alone");
+        assert!((step - 0.05).abs() < 1e-12, "{step}");
+        let mut policy = DraftLenPolicy::auto(None);
+        l.prime(&mut policy);
+        let prior = policy.calibration().expect("a prior");
+        assert_eq!(prior.acceptance, l.0.recent_acceptance());
+        assert!(prior.step_secs.is_some());
     }
 
     #[test]

@@ -45,13 +45,19 @@ pub fn command(args: &ServeArgs, ui: Ui) -> Result<()> {
         draft_path.as_deref().map(|p| (p, variant.as_str())),
         threads,
     );
-    let prior = crate::calibration::load_path(&calibration);
+    // The engine's cost models learn from every finished request in memory (`Learning`), so a
+    // request starts from what the ones before it saw; the file is left as it was.
+    let saved = crate::calibration::load(&calibration);
+    let prior = saved.as_ref().and_then(crate::calibration::as_prior);
     if prior.is_some() {
         ui.note(format!(
-            "cost model: calibration from {}",
+            "cost model: calibration from {}, learning across requests",
             calibration.display()
         ));
     }
+    let learner = saved
+        .filter(|_| prior.is_some())
+        .map(crate::calibration::Learning);
     // The alias when the target is a known model, else the file name without `.gguf`.
     let model_name = if specdec_runtime::fetch::known(&args.model.target).is_some() {
         args.model.target.clone()
@@ -104,6 +110,7 @@ pub fn command(args: &ServeArgs, ui: Ui) -> Result<()> {
                 drafter: MultiDrafter::new(draft),
                 codec: Arc::new(loaded.tokenizer),
                 model: model_name,
+                learner: learner.map(|l| Box::new(l) as Box<dyn specdec_server::Learner>),
             })
         },
     );

@@ -745,7 +745,7 @@ impl Sequence {
             .commit(self.id, &self.tokens)
             .map_err(|e| Error::model(Side::Target, e))?;
         if !self.draft_read {
-            // It reads the whole context when it first drafts.
+            // It reads the prompt, and hears of the first token, in the first decode step.
             return Ok(());
         }
         drafter

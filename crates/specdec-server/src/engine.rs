@@ -465,8 +465,8 @@ pub struct Loaded<M: Target, T: Target> {
 /// A cost model that learns across requests: the engine hands it every finished request's
 /// metrics, and lets it set the prior of every new request's cost model
 /// ([`DraftLenPolicy::CostModel`]), so that a request starts from what the requests before it
-/// saw (the step's time, the draft model's acceptance, the verification curve) instead of only
-/// the calibration it started with. The `specdec` binary's calibration is one.
+/// saw (the `specdec` binary's: the step's time and the draft model's acceptance) instead of only
+/// the calibration the server started with.
 pub trait Learner: Send {
     /// A request ended after `metrics`. `alone`: no other sequence shared any of its steps, so
     /// its timings are its own (a shared step's time is not one sequence's cost); its acceptance

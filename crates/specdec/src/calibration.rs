@@ -528,6 +528,15 @@ mod tests {
     use super::*;
     use specdec_core::metrics::{PositionStats, VerifyTiming};
 
+    /// Attention costs of the size stop 30 calibrated on the default pair.
+    fn context_cost() -> ContextCost {
+        ContextCost {
+            at: 64,
+            shared: 2e-4,
+            per_row: 4e-5,
+        }
+    }
+
     fn calibration(context: Option<ContextCost>) -> Calibration {
         Calibration {
             target_step_s: 0.04,
@@ -600,11 +609,7 @@ mod tests {
 
     #[test]
     fn blocks_after_a_longer_context_are_moved_back_to_the_calibrations() {
-        let cc = ContextCost {
-            at: 64,
-            shared: 2e-4,
-            per_row: 4e-5,
-        };
+        let cc = context_cost();
         let mut cal = calibration(Some(cc));
         let prior = as_prior(&cal).expect("a valid calibration");
         // A run whose blocks cost exactly what the calibration predicts at its context (prompt 550
@@ -630,11 +635,7 @@ mod tests {
     /// context, for the next run's cost model; it is never saved.
     #[test]
     fn a_runs_step_is_the_next_runs_unit() {
-        let cc = ContextCost {
-            at: 64,
-            shared: 2e-4,
-            per_row: 4e-5,
-        };
+        let cc = context_cost();
         let mut cal = calibration(Some(cc));
         let mut policy = DraftLenPolicy::auto(None);
         cal.set_prior(&mut policy);

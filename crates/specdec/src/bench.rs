@@ -296,8 +296,10 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
                         policy.clone()
                     },
                 };
-                // Start each run with the target's cache holding nothing of this prompt.
+                // Start each run with the target's and the draft model's caches holding nothing of
+                // this prompt (nor of the chat template's opening, which every prompt shares).
                 target.commit(specdec_core::SeqId(0), &[])?;
+                drafter.forget(specdec_core::SeqId(0))?;
                 let g = run(
                     &mut target,
                     drafter,

@@ -10,7 +10,7 @@ use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use specdec_core::{
     Draft, DraftError, DraftLenPolicy, DraftRequest, GenerateConfig, HybridDrafter, LookupDrafter,
-    ModelDrafter, NoDraft, Proposal, SamplingParams, SeqId, TokenId, VerifyMode,
+    ModelDrafter, NoDraft, Proposal, SamplingParams, SeqId, Target, TokenId, VerifyMode,
 };
 use specdec_runtime::fetch::{FetchOptions, ModelRef, Progress};
 
@@ -311,6 +311,19 @@ impl Drafter {
             Drafter::None(_) | Drafter::Model(_) => None,
         }
     }
+
+    /// Empties the draft model's cache of sequence `seq`, so that its next prompt is read in full,
+    /// shared prefix included. A drafter kept across `bench`'s runs would otherwise find a prompt it
+    /// read in an earlier run (or repetition) of the same prompt in its cache and read it for nothing,
+    /// where a fresh process pays for it.
+    pub fn forget(&mut self, seq: SeqId) -> Result<(), DrafterError> {
+        let model = match self {
+            Drafter::Model(d) => d.model_mut(),
+            Drafter::Hybrid(d) => d.model.model_mut(),
+            Drafter::None(_) | Drafter::Ngram(_) => return Ok(()),
+        };
+        model.commit(seq, &[]).map_err(DraftError::Model)
+    }
 }
 
 type DrafterError = DraftError<specdec_runtime::Error>;
@@ -421,4 +434,47 @@ pub fn generate_config(args: &DecodeArgs, tokenizer: &Tokenizer) -> Result<Gener
     };
     config.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
     Ok(config)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
+    use super::*;
+    use specdec_runtime::testing::TinySpec;
+    use specdec_runtime::Arch;
+
+    #[test]
+    fn a_forgotten_draft_model_reads_the_next_prompt_in_full() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("draft.gguf");
+        TinySpec::new(Arch::Qwen2, GgmlDType::Q8_0)
+            .write(&path)
+            .unwrap();
+        let model = Arc::new(Model::load(&path, &LoadOptions::default()).unwrap());
+        let drafter = || ModelDrafter::new(Session::new(model.clone(), 64));
+        let prompt: Vec<TokenId> = vec![1, 2, 3, 4, 5];
+        let seq = SeqId(0);
+        let cached = |d: &Drafter| match d {
+            Drafter::Model(d) => d.model().tokens().len(),
+            Drafter::Hybrid(d) => d.model.model().tokens().len(),
+            Drafter::None(_) | Drafter::Ngram(_) => 0,
+        };
+        for mut d in [
+            Drafter::Model(Box::new(drafter())),
+            Drafter::Hybrid(Box::new(HybridDrafter::new(
+                LookupDrafter::default(),
+                drafter(),
+            ))),
+        ] {
+            d.prefill(seq, &prompt).unwrap();
+            assert_eq!(cached(&d), prompt.len());
+            d.forget(seq).unwrap();
+            assert_eq!(cached(&d), 0);
+        }
+        // Nothing to forget without a draft model.
+        for mut d in [Drafter::None(NoDraft), Drafter::Ngram(Box::default())] {
+            d.forget(seq).unwrap();
+        }
+    }
 }

@@ -3,12 +3,72 @@
 //! (`STEP_TIME_CONTEXT=N` sets the context before the timed steps, default 64; `STEP_TIME_STEPS=N`
 //! the number of timed steps, default 64; `STEP_TIME_THREADS=N` the kernel threads; `STEP_TIME_BLOCK=M`
 //! times verification-shaped steps instead: M tokens scored in one pass with M logits rows, then rolled
-//! back; `STEP_TIME_QUANT=q4_0|q4_k|q8_0` re-quantises every matrix at load, as `--draft-quant` does).
+//! back; `STEP_TIME_QUANT=q4_0|q4_k|q8_0` re-quantises every matrix at load, as `--draft-quant` does;
+//! `STEP_TIME_PROFILE=1` also prints the milliseconds per timed step of each stage of the forward
+//! pass, from the model's trace spans: `qkv` (norm, q/k/v, rope), `attention` (cache write and
+//! attention), `wo` (output projection and residual), `gate_up` (norm, gate/up, SwiGLU), `down`, and
+//! `logits` (final norm and output matrix)).
 
-use std::sync::Arc;
-use std::time::Instant;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use specdec_runtime::{LoadOptions, Model, Session};
+use tracing::span::{Attributes, Id, Record};
+use tracing::{Event, Metadata, Subscriber};
+
+/// Wall time spent in each of the forward pass's stage spans (every span but `layer`), summed.
+#[derive(Default)]
+struct Stages {
+    /// Per span name, in order of first appearance: the name, its total, and when it was entered.
+    stages: Mutex<Vec<(&'static str, Duration, Option<Instant>)>>,
+}
+
+impl Stages {
+    fn with<T>(
+        &self,
+        f: impl FnOnce(&mut Vec<(&'static str, Duration, Option<Instant>)>) -> T,
+    ) -> T {
+        f(&mut self.stages.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+}
+
+/// One id per stage name: the forward pass never nests a stage in itself.
+impl Subscriber for &'static Stages {
+    fn enabled(&self, metadata: &Metadata<'_>) -> bool {
+        metadata.is_span() && metadata.name() != "layer"
+    }
+
+    fn new_span(&self, span: &Attributes<'_>) -> Id {
+        let name = span.metadata().name();
+        let i = self.with(|s| {
+            s.iter().position(|(n, ..)| *n == name).unwrap_or_else(|| {
+                s.push((name, Duration::ZERO, None));
+                s.len() - 1
+            })
+        });
+        Id::from_u64(i as u64 + 1)
+    }
+
+    fn record(&self, _: &Id, _: &Record<'_>) {}
+
+    fn record_follows_from(&self, _: &Id, _: &Id) {}
+
+    fn event(&self, _: &Event<'_>) {}
+
+    fn enter(&self, span: &Id) {
+        let i = span.into_u64() as usize - 1;
+        self.with(|s| s[i].2 = Some(Instant::now()));
+    }
+
+    fn exit(&self, span: &Id) {
+        let i = span.into_u64() as usize - 1;
+        self.with(|s| {
+            if let Some(t) = s[i].2.take() {
+                s[i].1 += t.elapsed();
+            }
+        });
+    }
+}
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);
@@ -33,6 +93,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         requantize,
         ..LoadOptions::default()
     };
+    let stages: Option<&'static Stages> = std::env::var_os("STEP_TIME_PROFILE")
+        .map(|_| -> Result<_, Box<dyn std::error::Error>> {
+            let stages: &'static Stages = Box::leak(Box::default());
+            tracing::subscriber::set_global_default(stages)?;
+            Ok(stages)
+        })
+        .transpose()?;
     let model = Arc::new(Model::load(&path, &options)?);
     // Token ids within any vocabulary, tiny test models' included.
     let vocab = model.config().vocab as u32;
@@ -46,6 +113,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let start = Instant::now();
     s.feed(&ctx, 1)?;
     let prefill = start.elapsed().as_secs_f64();
+    if let Some(stages) = stages {
+        stages.with(|s| s.iter_mut().for_each(|stage| stage.1 = Duration::ZERO));
+    }
     let mut times = Vec::new();
     for i in 0..steps {
         let tokens: Vec<u32> = (0..block as u32)
@@ -59,6 +129,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let keep = s.tokens().len() - block + 1;
             s.rollback(keep)?;
         }
+    }
+    if let Some(stages) = stages {
+        let total: f64 = times.iter().sum::<f64>() * 1e3 / f64::from(steps);
+        println!("per timed step (mean), {total:.2} ms in all:");
+        stages.with(|s| {
+            for (name, spent, _) in s.iter() {
+                let ms = spent.as_secs_f64() * 1e3 / f64::from(steps);
+                println!("  {name:10} {ms:7.3} ms  {:5.1}%", 100.0 * ms / total);
+            }
+        });
     }
     times.sort_by(f64::total_cmp);
     println!(

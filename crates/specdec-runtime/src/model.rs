@@ -404,8 +404,12 @@ impl Model {
         }
         let pool = &*self.pool;
         let (q_dim, kv_dim) = (c.q_dim(), c.kv_dim());
+        // The spans below (one per stage of a layer, and the logits) cost nothing unless a
+        // subscriber listens at trace level: `examples/step_time.rs` times them with
+        // `STEP_TIME_PROFILE=1`.
         for (li, l) in self.layers.iter().enumerate() {
             let _span = tracing::trace_span!("layer", li).entered();
+            let stage = tracing::trace_span!("qkv").entered();
             rms_norm(x, &l.attn_norm, c.rms_eps, h);
             let mut hq = Activations::new(h, m, acts);
             QWeight::matmul_many(&mut hq, [(&l.wq, &mut **q), (&l.wk, k), (&l.wv, v)], pool)?;
@@ -416,6 +420,8 @@ impl Model {
             }
             self.apply_rope(q, c.n_head, cos, sin);
             self.apply_rope(k, c.n_head_kv, cos, sin);
+            drop(stage);
+            let stage = tracing::trace_span!("attention").entered();
             let mut row = 0;
             for p in parts.iter_mut() {
                 let (pos, n) = (p.cache.len(), p.tokens.len());
@@ -438,16 +444,23 @@ impl Model {
                 );
                 row = b;
             }
+            drop(stage);
+            let stage = tracing::trace_span!("wo").entered();
             l.wo.matmul(&mut Activations::new(attn, m, acts), o, pool)?;
             add(x, o);
+            drop(stage);
+            let stage = tracing::trace_span!("gate_up").entered();
             rms_norm(x, &l.ffn_norm, c.rms_eps, h);
             let mut hq = Activations::new(h, m, acts);
             QWeight::matmul_many(&mut hq, [(&l.w_gate, &mut **gate), (&l.w_up, up)], pool)?;
             swiglu(gate, up, pool);
+            drop(stage);
+            let _stage = tracing::trace_span!("down").entered();
             l.w_down
                 .matmul(&mut Activations::new(gate, m, acts), o, pool)?;
             add(x, o);
         }
+        let _stage = tracing::trace_span!("logits").entered();
         // The final norm of the rows whose logits are asked, into `h` (free now).
         let mut row = 0;
         let mut at = 0;

@@ -16,18 +16,22 @@ use specdec_runtime::{LoadOptions, Model, Session};
 use tracing::span::{Attributes, Id, Record};
 use tracing::{Event, Metadata, Subscriber};
 
-/// Wall time spent in each of the forward pass's stage spans (every span but `layer`), summed.
+/// One stage span of the forward pass: its wall time summed, and when it was last entered.
+struct Stage {
+    name: &'static str,
+    spent: Duration,
+    entered: Option<Instant>,
+}
+
+/// Wall time spent in each of the forward pass's stage spans (every span but `layer`), in order of
+/// first appearance.
 #[derive(Default)]
 struct Stages {
-    /// Per span name, in order of first appearance: the name, its total, and when it was entered.
-    stages: Mutex<Vec<(&'static str, Duration, Option<Instant>)>>,
+    stages: Mutex<Vec<Stage>>,
 }
 
 impl Stages {
-    fn with<T>(
-        &self,
-        f: impl FnOnce(&mut Vec<(&'static str, Duration, Option<Instant>)>) -> T,
-    ) -> T {
+    fn with<T>(&self, f: impl FnOnce(&mut Vec<Stage>) -> T) -> T {
         f(&mut self.stages.lock().unwrap_or_else(PoisonError::into_inner))
     }
 }
@@ -41,10 +45,16 @@ impl Subscriber for &'static Stages {
     fn new_span(&self, span: &Attributes<'_>) -> Id {
         let name = span.metadata().name();
         let i = self.with(|s| {
-            s.iter().position(|(n, ..)| *n == name).unwrap_or_else(|| {
-                s.push((name, Duration::ZERO, None));
-                s.len() - 1
-            })
+            s.iter()
+                .position(|stage| stage.name == name)
+                .unwrap_or_else(|| {
+                    s.push(Stage {
+                        name,
+                        spent: Duration::ZERO,
+                        entered: None,
+                    });
+                    s.len() - 1
+                })
         });
         Id::from_u64(i as u64 + 1)
     }
@@ -57,14 +67,14 @@ impl Subscriber for &'static Stages {
 
     fn enter(&self, span: &Id) {
         let i = span.into_u64() as usize - 1;
-        self.with(|s| s[i].2 = Some(Instant::now()));
+        self.with(|s| s[i].entered = Some(Instant::now()));
     }
 
     fn exit(&self, span: &Id) {
         let i = span.into_u64() as usize - 1;
         self.with(|s| {
-            if let Some(t) = s[i].2.take() {
-                s[i].1 += t.elapsed();
+            if let Some(t) = s[i].entered.take() {
+                s[i].spent += t.elapsed();
             }
         });
     }
@@ -114,7 +124,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     s.feed(&ctx, 1)?;
     let prefill = start.elapsed().as_secs_f64();
     if let Some(stages) = stages {
-        stages.with(|s| s.iter_mut().for_each(|stage| stage.1 = Duration::ZERO));
+        stages.with(|s| s.iter_mut().for_each(|stage| stage.spent = Duration::ZERO));
     }
     let mut times = Vec::new();
     for i in 0..steps {
@@ -134,9 +144,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let total: f64 = times.iter().sum::<f64>() * 1e3 / f64::from(steps);
         println!("per timed step (mean), {total:.2} ms in all:");
         stages.with(|s| {
-            for (name, spent, _) in s.iter() {
-                let ms = spent.as_secs_f64() * 1e3 / f64::from(steps);
-                println!("  {name:10} {ms:7.3} ms  {:5.1}%", 100.0 * ms / total);
+            for stage in s.iter() {
+                let ms = stage.spent.as_secs_f64() * 1e3 / f64::from(steps);
+                println!(
+                    "  {:10} {ms:7.3} ms  {:5.1}%",
+                    stage.name,
+                    100.0 * ms / total
+                );
             }
         });
     }

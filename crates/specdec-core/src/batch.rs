@@ -14,7 +14,7 @@ use crate::decode::{DecodeError, GenerateConfig, Output, StopReason};
 use crate::error::{Error, Result, Side};
 use crate::kernels;
 use crate::metrics::{Metrics, Round};
-use crate::model::{Draft, DraftRequest, Logits, Proposal, Score, SeqId, Target};
+use crate::model::{Draft, DraftRequest, Logits, PrefillRequest, Proposal, Score, SeqId, Target};
 use crate::policy::{best_batch_draft_cap, Controller, RoundCosts};
 use crate::rng::{CounterRng, Stream};
 use crate::sampling::{Probs, Sampler};
@@ -376,15 +376,24 @@ impl<T: Target, D: Draft> Batch<T, D> {
                     if room == 0 {
                         s.phase = Phase::Done(StopReason::ContextFull);
                     } else {
+                        s.controller.set_context(s.tokens.len());
+                        s.k = s.controller.next_draft_len();
                         if !s.draft_read {
                             // The drafter reads the prompt now that the first token is out, then
                             // is told of the tokens committed since, as it would have been had it
-                            // read the prompt first: prompt processing, not drafting.
+                            // read the prompt first: prompt processing, not drafting. It is told
+                            // the first round's prices, which may say that reading the prompt
+                            // cannot pay.
                             let t = Instant::now();
                             let prompt = &s.tokens[..s.tokens.len() - s.output.tokens.len()];
                             let read = self
                                 .drafter
-                                .prefill(s.id, prompt)
+                                .prefill_priced(&PrefillRequest {
+                                    seq: s.id,
+                                    prompt,
+                                    remaining: room,
+                                    costs: s.controller.costs(),
+                                })
                                 .and_then(|()| self.drafter.commit(s.id, &s.tokens));
                             s.read_by_drafter(t.elapsed());
                             if let Err(e) = read {
@@ -394,8 +403,6 @@ impl<T: Target, D: Draft> Batch<T, D> {
                         }
                         // Emitting at most k + 1 tokens must fit both the token limit and the
                         // context.
-                        s.controller.set_context(s.tokens.len());
-                        s.k = s.controller.next_draft_len();
                         if s.controller.costs().is_some() {
                             // The cost model chose the model draft's length; a lookup draft may
                             // be longer, and the drafter picks what pays best.

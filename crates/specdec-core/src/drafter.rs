@@ -1,10 +1,11 @@
 //! Drafting with a model: any [`Target`] (a smaller model of the same family) becomes a [`Draft`].
 
 use crate::kernels;
-use crate::model::{Draft, DraftRequest, Logits, Proposal, Score, SeqId, Target};
+use crate::model::{Draft, DraftRequest, Logits, PrefillRequest, Proposal, Score, SeqId, Target};
 use crate::rng::Stream;
 use crate::sampling::{Probs, Sampler};
 use crate::TokenId;
+use std::collections::HashSet;
 
 /// Drafts by running a model one token at a time, sampling each token with the target's sampling
 /// parameters (greedy stays greedy) and the draft stream of the RNG. All sequences of a batch advance
@@ -21,6 +22,9 @@ pub struct ModelDrafter<M> {
     scratch: Vec<f32>,
     /// Dense buffers of the previous round's draft distributions, reused for the next round's.
     spare: Vec<Vec<f32>>,
+    /// Sequences whose prompt the model left unread ([`Draft::prefill_priced`]): nothing is
+    /// drafted for them.
+    unread: HashSet<SeqId>,
 }
 
 impl<M: Target> ModelDrafter<M> {
@@ -33,6 +37,7 @@ impl<M: Target> ModelDrafter<M> {
             logits: Vec::new(),
             scratch: Vec::new(),
             spare: Vec::new(),
+            unread: HashSet::new(),
         }
     }
 
@@ -99,10 +104,14 @@ impl<M: Target> Draft for ModelDrafter<M> {
             logits,
             scratch,
             spare,
+            unread,
         } = self;
         let vocab = model.vocab_size();
         logits.resize_with(batch.len(), || Logits::new(vocab));
-        let mut active: Vec<bool> = batch.iter().map(|r| r.model_len() > 0).collect();
+        let mut active: Vec<bool> = batch
+            .iter()
+            .map(|r| r.model_len() > 0 && !unread.contains(&r.seq))
+            .collect();
         let mut live = Vec::with_capacity(batch.len());
         loop {
             live.clear();
@@ -161,6 +170,7 @@ impl<M: Target> Draft for ModelDrafter<M> {
     }
 
     fn prefill(&mut self, seq: SeqId, context: &[TokenId]) -> Result<(), Self::Error> {
+        self.unread.remove(&seq);
         let vocab = self.model.vocab_size();
         self.logits.resize_with(1, || Logits::new(vocab));
         self.model
@@ -175,7 +185,30 @@ impl<M: Target> Draft for ModelDrafter<M> {
             .map_err(DraftError::Model)
     }
 
+    /// [`Draft::prefill`], except where the cost model says that reading the prompt (the part the
+    /// model does not hold) cannot pay for itself within the tokens the sequence may emit
+    /// ([`crate::RoundCosts::prompt_read_pays`]): the model then leaves it unread and drafts
+    /// nothing for the sequence, which decodes plainly.
+    fn prefill_priced(&mut self, req: &PrefillRequest<'_>) -> Result<(), Self::Error> {
+        let unread = req
+            .prompt
+            .len()
+            .saturating_sub(self.model.cached(req.seq, req.prompt));
+        match req.costs {
+            Some(c) if !c.prompt_read_pays(unread, req.remaining) => {
+                self.unread.insert(req.seq);
+                Ok(())
+            }
+            _ => self.prefill(req.seq, req.prompt),
+        }
+    }
+
+    fn cached(&self, seq: SeqId, context: &[TokenId]) -> usize {
+        self.model.cached(seq, context)
+    }
+
     fn release(&mut self, seq: SeqId) {
+        self.unread.remove(&seq);
         self.model.release(seq);
     }
 }
@@ -198,4 +231,63 @@ pub enum DraftError<E: std::error::Error + 'static> {
     /// Forming the draft distribution failed (non-finite logits, invalid parameters).
     #[error(transparent)]
     Sampling(crate::Error),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mock::{MockLogits, MockModel};
+    use crate::{CounterRng, RoundCosts, SamplingParams};
+
+    #[test]
+    fn a_prompt_the_model_could_not_repay_is_not_read_and_nothing_is_drafted() {
+        // Reading a prompt token costs 0.05 steps; at best the model saves about 0.6 a token.
+        let costs = RoundCosts {
+            r: (1..=17).map(|m| 1.0 + 0.1 * (m - 1) as f64).collect(),
+            draft_per_token: 0.25,
+            prompt_read: 0.05,
+            model_len: 3,
+            ..RoundCosts::default()
+        };
+        let prompt: Vec<TokenId> = (0..1_000).map(|i| i % 40).collect();
+        let sampling = SamplingParams::greedy();
+        let mut d = ModelDrafter::new(MockModel::new(MockLogits::Hashed {
+            vocab: 48,
+            seed: 1,
+            scale: 1.0,
+        }));
+        let seq = SeqId(0);
+        let draft = |d: &mut ModelDrafter<MockModel>| {
+            let mut out = [Proposal::default()];
+            d.propose(
+                &[DraftRequest {
+                    seq,
+                    context: &prompt,
+                    max_len: 8,
+                    sampling: &sampling,
+                    rng: CounterRng::new(0),
+                    min_confidence: 0.0,
+                    costs: Some(&costs),
+                    stop_tokens: &[],
+                }],
+                &mut out,
+            )
+            .unwrap();
+            out[0].tokens.len()
+        };
+        let read = |remaining| PrefillRequest {
+            seq,
+            prompt: &prompt,
+            remaining,
+            costs: Some(&costs),
+        };
+        // 50 steps of reading, not repaid within 16 tokens: nothing read, nothing drafted.
+        d.prefill_priced(&read(16)).unwrap();
+        assert_eq!(draft(&mut d), 0);
+        assert_eq!(d.model().stats().calls, 0);
+        // Repaid within 1,000: read, then drafted.
+        d.prefill_priced(&read(1_000)).unwrap();
+        assert_eq!(d.model().stats().calls, 1);
+        assert_eq!(draft(&mut d), 3);
+    }
 }

@@ -78,7 +78,9 @@ pub use drafter::{DraftError, ModelDrafter};
 pub use error::{Error, Result, Side};
 pub use lookup::{LookupConfig, LookupDrafter};
 pub use metrics::{CostProfile, Metrics, Round};
-pub use model::{Draft, DraftRequest, Logits, NoDraft, Proposal, Score, SeqId, Target};
+pub use model::{
+    Draft, DraftRequest, Logits, NoDraft, PrefillRequest, Proposal, Score, SeqId, Target,
+};
 pub use ngram::{
     continue_by_lookup, draft_planned, plan_hybrid, HybridDrafter, HybridPlan, ModelLag,
     NGramDrafter,

@@ -234,4 +234,12 @@ impl Target for MockModel {
     fn release(&mut self, seq: SeqId) {
         self.cache.remove(&seq);
     }
+
+    fn cached(&self, seq: SeqId, context: &[TokenId]) -> usize {
+        MockModel::cached(self, seq)
+            .iter()
+            .zip(context)
+            .take_while(|(a, b)| a == b)
+            .count()
+    }
 }

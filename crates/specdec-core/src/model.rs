@@ -132,6 +132,12 @@ pub trait Target {
 
     /// The sequence is finished; its cache may be freed.
     fn release(&mut self, _seq: SeqId) {}
+
+    /// How many leading tokens of `context` the model holds for the sequence already (a scoring
+    /// request reads only the rest). The default holds none.
+    fn cached(&self, _seq: SeqId, _context: &[TokenId]) -> usize {
+        0
+    }
 }
 
 /// One sequence's request to [`Draft::propose`].
@@ -258,8 +264,36 @@ pub trait Draft {
         Ok(())
     }
 
+    /// [`Draft::prefill`], told what the sequence may still emit and the cost model's prices, so
+    /// that a drafter whose reading of the prompt could not pay for itself may leave it unread
+    /// ([`crate::HybridDrafter`]). A decode loop calls this in place of [`Draft::prefill`]; the
+    /// default reads the prompt.
+    fn prefill_priced(&mut self, req: &PrefillRequest<'_>) -> Result<(), Self::Error> {
+        self.prefill(req.seq, req.prompt)
+    }
+
+    /// How many leading tokens of `context` the drafter's model holds for the sequence already, so
+    /// that reading them again costs nothing (0 for a drafter without a model, the default).
+    fn cached(&self, _seq: SeqId, _context: &[TokenId]) -> usize {
+        0
+    }
+
     /// The sequence is finished.
     fn release(&mut self, _seq: SeqId) {}
+}
+
+/// What a drafter is told when it reads a prompt ([`Draft::prefill_priced`]).
+#[derive(Clone, Copy, Debug)]
+pub struct PrefillRequest<'a> {
+    /// The sequence.
+    pub seq: SeqId,
+    /// The prompt.
+    pub prompt: &'a [TokenId],
+    /// How many tokens the sequence may still emit (its token limit and the context's room).
+    pub remaining: usize,
+    /// The cost model's view of the first round, when the draft length is chosen by one
+    /// ([`DraftRequest::costs`]).
+    pub costs: Option<&'a RoundCosts>,
 }
 
 /// The drafter that proposes nothing: plain autoregressive decoding with the target, through the same
@@ -310,6 +344,10 @@ impl<T: Target + ?Sized> Target for &mut T {
     fn release(&mut self, seq: SeqId) {
         (**self).release(seq)
     }
+
+    fn cached(&self, seq: SeqId, context: &[TokenId]) -> usize {
+        (**self).cached(seq, context)
+    }
 }
 
 impl<D: Draft + ?Sized> Draft for &mut D {
@@ -333,6 +371,14 @@ impl<D: Draft + ?Sized> Draft for &mut D {
 
     fn prefill(&mut self, seq: SeqId, context: &[TokenId]) -> Result<(), Self::Error> {
         (**self).prefill(seq, context)
+    }
+
+    fn prefill_priced(&mut self, req: &PrefillRequest<'_>) -> Result<(), Self::Error> {
+        (**self).prefill_priced(req)
+    }
+
+    fn cached(&self, seq: SeqId, context: &[TokenId]) -> usize {
+        (**self).cached(seq, context)
     }
 
     fn release(&mut self, seq: SeqId) {

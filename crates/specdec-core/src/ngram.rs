@@ -2,11 +2,11 @@
 //! lookup ([`LookupDrafter`]) and a model drafter.
 
 use crate::lookup::LookupDrafter;
-use crate::model::{Draft, DraftRequest, Proposal, SeqId};
+use crate::model::{Draft, DraftRequest, PrefillRequest, Proposal, SeqId};
 use crate::policy::PAY_MARGIN;
 use crate::sampling::Probs;
 use crate::TokenId;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 /// Prompt lookup (n-gram) drafting: find the most recent earlier occurrence of the context's last `n`
 /// tokens, for `n` from `max_n` down to `min_n`, and propose the tokens that followed it, one-hot.
@@ -75,6 +75,13 @@ impl Draft for NGramDrafter {
 
 /// Lookup, a model draft, or the lookup draft extended by the model, whichever pays more this round
 /// ([`plan_hybrid`]).
+///
+/// The model reads the prompt at prefill, unless the cost model says that reading it cannot pay
+/// for itself within the tokens the sequence may still emit ([`RoundCosts::prompt_read_pays`],
+/// through [`Draft::prefill_priced`]): the sequence is then drafted by the lookup alone, and the
+/// model never reads it.
+///
+/// [`RoundCosts::prompt_read_pays`]: crate::RoundCosts::prompt_read_pays
 #[derive(Debug)]
 pub struct HybridDrafter<D> {
     /// The lookup drafter.
@@ -82,6 +89,8 @@ pub struct HybridDrafter<D> {
     /// The model drafter.
     pub model: D,
     lag: ModelLag,
+    /// Sequences whose prompt the model did not read: drafted by the lookup alone.
+    unread: HashSet<SeqId>,
 }
 
 impl<D> HybridDrafter<D> {
@@ -91,7 +100,14 @@ impl<D> HybridDrafter<D> {
             lookup,
             model,
             lag: ModelLag::default(),
+            unread: HashSet::new(),
         }
+    }
+
+    /// Whether the model left the sequence's prompt unread ([`Draft::prefill_priced`]), so that
+    /// the lookup alone drafts for it.
+    pub fn left_unread(&self, seq: SeqId) -> bool {
+        self.unread.contains(&seq)
     }
 }
 
@@ -412,6 +428,9 @@ impl<D: Draft> Draft for HybridDrafter<D> {
             .zip(out.iter_mut())
             .map(|(req, out)| {
                 let rate = self.lookup.propose_one(req, out);
+                if self.unread.contains(&req.seq) {
+                    return HybridPlan::Lookup;
+                }
                 plan_hybrid(req, out, rate, self.lag.lag(req.seq, req.context))
             })
             .collect();
@@ -434,13 +453,38 @@ impl<D: Draft> Draft for HybridDrafter<D> {
     /// drafter reads it lazily instead, where a sequence that never drafts with the model is common.)
     fn prefill(&mut self, seq: SeqId, context: &[TokenId]) -> Result<(), Self::Error> {
         let Ok(()) = self.lookup.prefill(seq, context);
+        self.unread.remove(&seq);
         self.lag.prefill(seq, context.len());
         self.model.prefill(seq, context)
+    }
+
+    /// [`Draft::prefill`], except that the model leaves a prompt unread where the cost model says
+    /// reading it cannot pay ([`crate::RoundCosts::prompt_read_pays`], for the tokens the model
+    /// does not hold already): the lookup then drafts the sequence alone.
+    fn prefill_priced(&mut self, req: &PrefillRequest<'_>) -> Result<(), Self::Error> {
+        let unread = req
+            .prompt
+            .len()
+            .saturating_sub(self.model.cached(req.seq, req.prompt));
+        match req.costs {
+            Some(c) if !c.prompt_read_pays(unread, req.remaining) => {
+                let Ok(()) = self.lookup.prefill(req.seq, req.prompt);
+                self.unread.insert(req.seq);
+                self.lag.prefill(req.seq, 0);
+                Ok(())
+            }
+            _ => self.prefill(req.seq, req.prompt),
+        }
+    }
+
+    fn cached(&self, seq: SeqId, context: &[TokenId]) -> usize {
+        self.model.cached(seq, context)
     }
 
     fn release(&mut self, seq: SeqId) {
         self.lookup.release(seq);
         self.lag.release(seq);
+        self.unread.remove(&seq);
         self.model.release(seq);
     }
 }
@@ -717,6 +761,112 @@ mod tests {
         assert_eq!(lag.lag(seq, &[1, 2, 3, 4, 5, 6]), 2);
         lag.release(seq);
         assert_eq!(lag.lag(seq, &[1]), 1);
+    }
+
+    /// A model that drafts token 7 and counts what it is asked.
+    #[derive(Default)]
+    struct Counting {
+        prefills: usize,
+        proposals: usize,
+        held: usize,
+    }
+
+    impl Draft for Counting {
+        type Error = std::convert::Infallible;
+
+        fn vocab_size(&self) -> Option<usize> {
+            None
+        }
+
+        fn propose(
+            &mut self,
+            batch: &[DraftRequest<'_>],
+            out: &mut [Proposal],
+        ) -> Result<(), Self::Error> {
+            self.proposals += batch.len();
+            for p in out.iter_mut() {
+                p.clear();
+                p.push(7, Probs::OneHot(7));
+            }
+            Ok(())
+        }
+
+        fn commit(&mut self, _seq: SeqId, _committed: &[TokenId]) -> Result<(), Self::Error> {
+            Ok(())
+        }
+
+        fn prefill(&mut self, _seq: SeqId, _context: &[TokenId]) -> Result<(), Self::Error> {
+            self.prefills += 1;
+            Ok(())
+        }
+
+        fn cached(&self, _seq: SeqId, context: &[TokenId]) -> usize {
+            self.held.min(context.len())
+        }
+    }
+
+    #[test]
+    fn a_prompt_the_model_could_not_repay_is_left_to_the_lookup() {
+        let sampling = SamplingParams::greedy();
+        // Reading a prompt token costs 0.05 steps; at best the model saves about 0.6 a token.
+        let costs = RoundCosts {
+            r: (1..=17).map(|m| 1.0 + 0.1 * (m - 1) as f64).collect(),
+            draft_per_token: 0.25,
+            prompt_read: 0.05,
+            model_len: 2,
+            model_rate: 1.5,
+            model_steps: 2.0,
+            model_acceptance: vec![0.8; 2],
+            ..RoundCosts::default()
+        };
+        let prompt: Vec<TokenId> = (100..1_100).collect();
+        let (long, short) = (SeqId(1), SeqId(2));
+        let mut hybrid = HybridDrafter::new(LookupDrafter::default(), Counting::default());
+        let read = |seq, remaining| PrefillRequest {
+            seq,
+            prompt: &prompt,
+            remaining,
+            costs: Some(&costs),
+        };
+        // 1,000 tokens at 0.05 are 50 steps: not repaid within 16 tokens, repaid within 1,000.
+        let Ok(()) = hybrid.prefill_priced(&read(short, 16));
+        assert!(hybrid.left_unread(short));
+        assert_eq!(hybrid.model.prefills, 0);
+        let Ok(()) = hybrid.prefill_priced(&read(long, 1_000));
+        assert!(!hybrid.left_unread(long));
+        assert_eq!(hybrid.model.prefills, 1);
+        // The lookup has nothing after token 1,099; the read sequence drafts with the model, the
+        // other decodes plainly.
+        let req = |seq| DraftRequest {
+            seq,
+            context: &prompt,
+            max_len: 8,
+            sampling: &sampling,
+            rng: CounterRng::new(0),
+            min_confidence: 0.0,
+            costs: Some(&costs),
+            stop_tokens: &[],
+        };
+        let mut out = [Proposal::default(), Proposal::default()];
+        let Ok(()) = hybrid.propose(&[req(short), req(long)], &mut out);
+        assert!(out[0].tokens.is_empty(), "{:?}", out[0]);
+        assert_eq!(out[1].tokens, [7]);
+        assert_eq!(hybrid.model.proposals, 1);
+        // What the model holds already costs nothing to read: 960 of the 1,000 tokens cached
+        // leave 2 steps, repaid within 16 tokens.
+        hybrid.model.held = 960;
+        let Ok(()) = hybrid.prefill_priced(&read(short, 16));
+        assert!(!hybrid.left_unread(short));
+        assert_eq!(hybrid.model.prefills, 2);
+        // Without prices, a prompt is read as before.
+        hybrid.model.held = 0;
+        let Ok(()) = hybrid.prefill_priced(&PrefillRequest {
+            costs: None,
+            ..read(SeqId(3), 1)
+        });
+        assert!(!hybrid.left_unread(SeqId(3)));
+        hybrid.release(short);
+        assert!(!hybrid.left_unread(short));
     }
 
     #[test]

@@ -10,6 +10,9 @@ use crate::verify::expected_tokens;
 pub const MAX_DRAFT_LEN: usize = 64;
 
 /// How the draft length is chosen each round.
+// A configuration value, made once per generation and never stored in bulk: the cost model's two
+// inline `FixedCost`s are cheaper to keep than boxes every caller would have to build.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum DraftLenPolicy {
@@ -96,6 +99,11 @@ pub struct FixedCost {
     /// better than the lookup's).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub acceptance: Vec<f64>,
+    /// The draft model's cost of reading one prompt token, in its own single-token steps, where
+    /// measured (prompts are read in long blocks, far cheaper per token than steps): what
+    /// [`RoundCosts::prompt_read`] prices a prompt's reading with. Without it, `r(16) / 16`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub draft_read: Option<f64>,
 }
 
 /// The target's attention cost as a function of context: scoring `m` tokens after `n` tokens of
@@ -207,6 +215,7 @@ impl FixedCost {
             context: None,
             step_secs: self.step_secs.map(|s| s * unit),
             acceptance: self.acceptance.clone(),
+            draft_read: self.draft_read,
         }
     }
 }
@@ -299,6 +308,7 @@ impl DraftLenPolicy {
                         && !cost.r.is_empty()
                         && cost.r.iter().all(|v| v.is_finite() && *v > 0.0)
                         && cost.step_secs.is_none_or(|s| s.is_finite() && s > 0.0)
+                        && cost.draft_read.is_none_or(|d| d.is_finite() && d >= 0.0)
                         && cost.acceptance.iter().all(|a| (0.0..=1.0).contains(a))
                         && cost.context.is_none_or(|cc| {
                             cc.shared.is_finite()
@@ -310,11 +320,11 @@ impl DraftLenPolicy {
                         return Err(Error::config(
                             "cost",
                             format!(
-                                "c {} r {:?} step {:?} acceptance {:?}",
-                                cost.c, cost.r, cost.step_secs, cost.acceptance
+                                "c {} r {:?} step {:?} acceptance {:?} draft read {:?}",
+                                cost.c, cost.r, cost.step_secs, cost.acceptance, cost.draft_read
                             ),
                             "c >= 0, a non-empty r of positive finite numbers, context costs \
-                             >= 0, a positive step, acceptance in [0, 1]",
+                             >= 0, a positive step, acceptance in [0, 1], a draft read >= 0",
                         ));
                     }
                 }
@@ -662,6 +672,11 @@ impl Controller {
                     .extend((1..=max.max(LOOKUP_CURVE) + 1).map(|m| profile.r(m)));
                 costs.draft_fixed = profile.fixed;
                 costs.draft_per_token = profile.c;
+                let read = match cost {
+                    Some(fixed) => fixed.draft_read,
+                    None => prior.as_ref().and_then(|p| p.draft_read),
+                };
+                costs.prompt_read = profile.c * read.unwrap_or_else(|| profile.r(16) / 16.0);
                 costs.model_len = k;
                 // A hybrid weighs its options at their realised rates: the predictions' blind spots
                 // differ between them. Fixed costs are taken as given: only tokens are corrected.
@@ -1114,6 +1129,8 @@ pub struct RoundCosts {
     pub draft_fixed: f64,
     /// A model draft's cost per drafted token (`c`).
     pub draft_per_token: f64,
+    /// The draft model's cost of reading one prompt token ([`FixedCost::draft_read`] times `c`).
+    pub prompt_read: f64,
     /// The model draft length the cost model chose for this round (0: a model draft does not pay).
     pub model_len: usize,
     /// Expected tokens per target step with that model draft (`1 / r(1)` at length 0), scaled by
@@ -1148,6 +1165,7 @@ impl Default for RoundCosts {
             r: Vec::new(),
             draft_fixed: 0.0,
             draft_per_token: 0.0,
+            prompt_read: 0.0,
             model_len: 0,
             model_rate: 0.0,
             model_factor: 1.0,
@@ -1206,6 +1224,32 @@ impl RoundCosts {
             best.1 = plain;
         }
         best
+    }
+
+    /// Whether the draft model's reading of `unread` prompt tokens ([`RoundCosts::prompt_read`]
+    /// each) can pay for itself within the `remaining` tokens the sequence may emit: whether it
+    /// costs no more than the model would save against plain decoding if it drafted every one of
+    /// them and the target accepted them all, at its best length. Where it cannot, reading the
+    /// prompt only loses: on a long prompt with a short answer (stop 52: questions on ten passages
+    /// of about 1,700 tokens in all, answers of about 35 tokens, where the hybrid drafter's
+    /// reading took 3.4 s and made it 1.29 times slower than plain decoding end to end).
+    pub fn prompt_read_pays(&self, unread: usize, remaining: usize) -> bool {
+        let price = self.prompt_read * unread as f64;
+        if price <= 0.0 {
+            return true;
+        }
+        let best = (1..self.r.len())
+            .map(|k| {
+                (k + 1) as f64
+                    / (self.draft_fixed + k as f64 * self.draft_per_token + self.r(k + 1))
+            })
+            .fold(0.0, f64::max);
+        let saving = if best > 0.0 {
+            (self.r(1) - 1.0 / best).max(0.0)
+        } else {
+            0.0
+        };
+        price <= saving * remaining as f64
     }
 
     /// What a model draft costs beyond its steady price when the model has `lag` committed tokens
@@ -1495,6 +1539,7 @@ mod tests {
             }),
             step_secs: None,
             acceptance: Vec::new(),
+            draft_read: None,
         };
         // At the calibrated context nothing moves.
         let same = cost.at_context(64);
@@ -1593,6 +1638,7 @@ mod tests {
                 context: None,
                 step_secs: None,
                 acceptance: Vec::new(),
+                draft_read: None,
             }),
             probe_every: 1000,
             prior: None,
@@ -1666,6 +1712,7 @@ mod tests {
             context: None,
             step_secs: None,
             acceptance: Vec::new(),
+            draft_read: None,
         };
         let p = DraftLenPolicy::CostModel {
             max: 4,
@@ -1723,6 +1770,7 @@ mod tests {
                 context: None,
                 step_secs: None,
                 acceptance: Vec::new(),
+                draft_read: None,
             }),
             probe_every: 1000,
             prior: None,
@@ -1879,6 +1927,7 @@ mod tests {
             context: None,
             step_secs: None,
             acceptance: Vec::new(),
+            draft_read: None,
         };
         let p = DraftLenPolicy::auto(Some(prior));
         p.validate().unwrap();
@@ -1956,6 +2005,7 @@ mod tests {
                 context: None,
                 step_secs,
                 acceptance: Vec::new(),
+                draft_read: None,
             };
             let p = DraftLenPolicy::auto(Some(prior));
             p.validate().unwrap();
@@ -1998,6 +2048,7 @@ mod tests {
             context: None,
             step_secs,
             acceptance: Vec::new(),
+            draft_read: None,
         };
         let mut a = DraftLenPolicy::auto(Some(prior(Some(1.0)))).controller();
         let mut b = DraftLenPolicy::auto(Some(prior(None))).controller();
@@ -2033,6 +2084,7 @@ mod tests {
             context: None,
             step_secs: None,
             acceptance,
+            draft_read: None,
         };
         let fresh = DraftLenPolicy::auto(Some(prior(Vec::new())));
         let seen = DraftLenPolicy::auto(Some(prior(vec![0.3, 0.2])));
@@ -2096,6 +2148,38 @@ mod tests {
     }
 
     #[test]
+    fn a_prompt_is_read_only_where_the_model_could_repay_it() {
+        let costs = RoundCosts {
+            r: (1..=17).map(|m| 1.0 + 0.1 * (m - 1) as f64).collect(),
+            draft_per_token: 0.25,
+            prompt_read: 0.05,
+            ..RoundCosts::default()
+        };
+        // At best (every token accepted) a draft of k tokens yields k + 1 for 0.25 k + 1 + 0.1 k
+        // steps: 17 tokens for 6.6 at k = 16, a saving of 1 - 6.6 / 17 steps per token.
+        let saving = 1.0 - (16.0 * 0.35 + 1.0) / 17.0;
+        let repaid = |tokens: f64| (0.05 * tokens / saving).ceil() as usize;
+        for unread in [1, 200, 1_700] {
+            let needed = repaid(unread as f64);
+            assert!(costs.prompt_read_pays(unread, needed), "{unread}");
+            assert!(!costs.prompt_read_pays(unread, needed - 1), "{unread}");
+        }
+        // Nothing to read, or no known price: read.
+        assert!(costs.prompt_read_pays(0, 0));
+        let unpriced = RoundCosts {
+            prompt_read: 0.0,
+            ..costs.clone()
+        };
+        assert!(unpriced.prompt_read_pays(1_700, 1));
+        // A model that cannot beat plain decoding even when every token is accepted never repays.
+        let dear = RoundCosts {
+            draft_per_token: 2.0,
+            ..costs
+        };
+        assert!(!dear.prompt_read_pays(10, 100_000));
+    }
+
+    #[test]
     fn a_capped_model_draft_is_repriced() {
         let mut costs = RoundCosts {
             r: vec![1.0, 1.1, 1.2, 1.3, 1.4],
@@ -2150,6 +2234,7 @@ mod tests {
                 context: None,
                 step_secs: None,
                 acceptance: Vec::new(),
+                draft_read: None,
             }),
             probe_every: 8,
             prior: None,

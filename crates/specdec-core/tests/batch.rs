@@ -390,6 +390,7 @@ fn batch_draft_lens(r: Vec<f64>) -> (Vec<usize>, Vec<usize>) {
             context: None,
             step_secs: None,
             acceptance: Vec::new(),
+            draft_read: None,
         }),
         probe_every: 1000,
         prior: None,

@@ -237,9 +237,22 @@ fn rejection_mode_is_exact_for_every_drafter_option() {
                     context: None,
                     step_secs: None,
                     acceptance: Vec::new(),
+                    draft_read: None,
                 }),
             },
             ..config(min_confidence)
+        };
+        // The same, but reading a prompt token costs the draft model as much as 1,000 of its
+        // steps: the hybrid's model leaves every prompt unread, and the lookup drafts alone.
+        let unread_priced = || {
+            let mut config = priced(0.0);
+            if let DraftLenPolicy::CostModel {
+                prior: Some(prior), ..
+            } = &mut config.draft_len
+            {
+                prior.draft_read = Some(1_000.0);
+            }
+            config
         };
         // The counts, once it is clear the drafter really drafted.
         let drafting = |what: &str, (counts, drafted, rounds): (Vec<u64>, u64, u64)| {
@@ -369,6 +382,30 @@ fn rejection_mode_is_exact_for_every_drafter_option() {
                 },
             ),
             (
+                // The hybrid whose model left the prompt unread: the lookup's drafts alone, cut
+                // by the cost model (the same path a long prompt with a short answer takes).
+                "hybrid, prompt left unread, cost model",
+                {
+                    let mut hybrid = HybridDrafter::new(
+                        LookupDrafter::default(),
+                        ModelDrafter::new(MockModel::new(draft_logits())),
+                    );
+                    let (counts, drafted, rounds) =
+                        sample_joint_counted(&target_logits(), &mut hybrid, &unread_priced(), n);
+                    eprintln!("unread hybrid, {name}: {drafted} drafted in {rounds} rounds");
+                    assert_eq!(
+                        hybrid.model.model().stats().calls,
+                        0,
+                        "{name}: the model read a prompt it could not repay"
+                    );
+                    assert!(
+                        drafted > rounds / 10,
+                        "{name}: {drafted} drafted in {rounds} rounds"
+                    );
+                    counts
+                },
+            ),
+            (
                 // Every lookup draft extended by the model (a model draft where the lookup finds
                 // nothing): the lookup's tokens are one-hot, the model's carry its q.
                 "hybrid, lookup extended by the model",
@@ -436,6 +473,7 @@ fn a_batch_draft_cap_keeps_sampled_output_on_the_target_distribution() {
                 context: None,
                 step_secs: None,
                 acceptance: Vec::new(),
+                draft_read: None,
             }),
             probe_every: 1000,
             prior: None,

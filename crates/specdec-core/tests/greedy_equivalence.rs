@@ -54,6 +54,7 @@ fn policies(k: usize) -> Vec<DraftLenPolicy> {
                 context: None,
                 step_secs: None,
                 acceptance: Vec::new(),
+                draft_read: None,
             }),
             probe_every: 3,
             prior: None,
@@ -75,6 +76,7 @@ fn policies(k: usize) -> Vec<DraftLenPolicy> {
                 context: None,
                 step_secs: None,
                 acceptance: Vec::new(),
+                draft_read: None,
             }),
         },
     ]
@@ -175,6 +177,32 @@ fn greedy_speculative_equals_greedy_target_only() {
                     );
                     let out = run(&mut hybrid, &prompt, &cfg);
                     assert_eq!(out.tokens, reference.tokens, "hybrid, k {k}, prompt {p}");
+                    // The hybrid's model leaving a prompt it could not repay unread.
+                    if let DraftLenPolicy::CostModel {
+                        prior: Some(prior), ..
+                    } = &policy
+                    {
+                        let dear = config(DraftLenPolicy::CostModel {
+                            max: k,
+                            cost: None,
+                            probe_every: 3,
+                            prior: Some(FixedCost {
+                                draft_read: Some(1_000.0),
+                                ..prior.clone()
+                            }),
+                        });
+                        let mut hybrid = HybridDrafter::new(
+                            LookupDrafter::default(),
+                            ModelDrafter::new(MockModel::new(target_logits())),
+                        );
+                        let out = run(&mut hybrid, &prompt, &dear);
+                        assert_eq!(
+                            out.tokens, reference.tokens,
+                            "hybrid leaving the prompt unread, k {k}, prompt {p}"
+                        );
+                        assert!(hybrid.left_unread(SeqId(0)));
+                        assert_eq!(hybrid.model.model().stats().calls, 0);
+                    }
                     let mut extending = common::ExtendingHybrid::new(ModelDrafter::new(
                         MockModel::new(MockLogits::Perturbed {
                             base: Box::new(target_logits()),

@@ -204,4 +204,8 @@ impl Target for Session {
     fn commit(&mut self, _seq: SeqId, committed: &[TokenId]) -> Result<()> {
         self.seq.commit(committed)
     }
+
+    fn cached(&self, _seq: SeqId, context: &[TokenId]) -> usize {
+        self.seq.common_prefix(context)
+    }
 }

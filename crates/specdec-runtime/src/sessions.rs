@@ -243,6 +243,20 @@ impl Target for Sessions {
         r
     }
 
+    /// The sequence's cached prefix of `context`; for a sequence not yet scored, that of the
+    /// released cache it would take over.
+    fn cached(&self, seq: SeqId, context: &[TokenId]) -> usize {
+        match self.seqs.get(&seq) {
+            Some(s) => s.common_prefix(context),
+            None => self
+                .spare
+                .iter()
+                .map(|s| s.common_prefix(context))
+                .max()
+                .unwrap_or(0),
+        }
+    }
+
     fn commit(&mut self, seq: SeqId, committed: &[TokenId]) -> Result<()> {
         match self.seqs.get_mut(&seq) {
             Some(s) => s.commit(committed),

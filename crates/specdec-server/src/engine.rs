@@ -9,7 +9,7 @@
 //!   to the handler; a handler that went away (client disconnected) ends its sequence before the
 //!   next step.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ops::ControlFlow;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TryRecvError, TrySendError};
@@ -18,7 +18,8 @@ use std::time::{Duration, Instant};
 
 use specdec_core::{
     Batch, Draft, DraftLenPolicy, DraftRequest, Emitted, GenerateConfig, HybridPlan, LookupDrafter,
-    Metrics, ModelDrafter, ModelLag, Proposal, SeqId, StopReason, Target, TokenId, TokenLogprob,
+    Metrics, ModelDrafter, ModelLag, PrefillRequest, Proposal, SeqId, StopReason, Target, TokenId,
+    TokenLogprob,
 };
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 
@@ -122,6 +123,9 @@ pub struct MultiDrafter<M: Target> {
     model: Option<ModelDrafter<M>>,
     lag: ModelLag,
     choice: HashMap<SeqId, DrafterKind>,
+    /// Sequences whose prompt the draft model is not to read: it could not repay it
+    /// ([`Draft::prefill_priced`]).
+    unread: HashSet<SeqId>,
 }
 
 impl<M: Target> MultiDrafter<M> {
@@ -132,6 +136,7 @@ impl<M: Target> MultiDrafter<M> {
             model,
             lag: ModelLag::default(),
             choice: HashMap::new(),
+            unread: HashSet::new(),
         }
     }
 
@@ -180,6 +185,9 @@ impl<M: Target> Draft for MultiDrafter<M> {
                 f64::NAN
             };
             plans.push(match kind {
+                // A model that is not to read the prompt drafts nothing: the lookup's draft, if
+                // any, for the hybrid; plain decoding for the model alone.
+                _ if self.unread.contains(&req.seq) => HybridPlan::Lookup,
                 DrafterKind::Model => HybridPlan::Model,
                 DrafterKind::Hybrid => {
                     specdec_core::plan_hybrid(req, out, rate, self.lag.lag(req.seq, req.context))
@@ -220,11 +228,32 @@ impl<M: Target> Draft for MultiDrafter<M> {
         if self.kind(seq).uses_lookup() {
             let Ok(()) = self.lookup.prefill(seq, context);
         }
+        self.unread.remove(&seq);
         self.lag.prefill(seq, context.len());
         Ok(())
     }
 
+    /// [`Draft::prefill`]; where the cost model says that the draft model's reading of the prompt
+    /// (what it does not hold already, a released sequence's cache included) cannot pay for itself
+    /// within the tokens the request may still emit ([`specdec_core::RoundCosts::prompt_read_pays`]),
+    /// the model never reads it: the hybrid drafts from the lookup alone, the model kind decodes
+    /// plainly.
+    fn prefill_priced(&mut self, req: &PrefillRequest<'_>) -> Result<(), Self::Error> {
+        self.prefill(req.seq, req.prompt)?;
+        if let (Some(c), Some(model)) = (req.costs, &self.model) {
+            let unread = req
+                .prompt
+                .len()
+                .saturating_sub(model.cached(req.seq, req.prompt));
+            if self.kind(req.seq).needs_model() && !c.prompt_read_pays(unread, req.remaining) {
+                self.unread.insert(req.seq);
+            }
+        }
+        Ok(())
+    }
+
     fn release(&mut self, seq: SeqId) {
+        self.unread.remove(&seq);
         if self.kind(seq).uses_lookup() {
             self.lookup.release(seq);
         }

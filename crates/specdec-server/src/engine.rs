@@ -930,7 +930,74 @@ pub async fn collect(
 
 #[cfg(test)]
 mod tests {
-    use super::token_string;
+    use super::{token_string, DrafterKind, MultiDrafter};
+    use specdec_core::mock::{MockLogits, MockModel};
+    use specdec_core::{
+        CounterRng, Draft, DraftRequest, ModelDrafter, PrefillRequest, Proposal, RoundCosts,
+        SamplingParams, SeqId, TokenId,
+    };
+
+    /// Reading a prompt the draft model could not repay within the request's tokens is left
+    /// undone: the hybrid drafts from the lookup alone, the model kind decodes plainly, and a
+    /// request with room to repay it drafts with the model as before.
+    #[test]
+    fn a_prompt_the_draft_model_could_not_repay_is_never_read() {
+        let costs = RoundCosts {
+            r: (1..=17).map(|m| 1.0 + 0.1 * (m - 1) as f64).collect(),
+            draft_per_token: 0.25,
+            prompt_read: 0.05,
+            model_len: 2,
+            model_rate: 1.5,
+            model_steps: 2.0,
+            model_acceptance: vec![0.8; 2],
+            ..RoundCosts::default()
+        };
+        // 1,000 distinct tokens: nothing for the lookup to find.
+        let prompt: Vec<TokenId> = (0..1_000).collect();
+        let mut d = MultiDrafter::new(Some(ModelDrafter::new(MockModel::new(
+            MockLogits::Hashed {
+                vocab: 1_024,
+                seed: 3,
+                scale: 2.0,
+            },
+        ))));
+        let (hybrid, model, roomy) = (SeqId(1), SeqId(2), SeqId(3));
+        for (seq, kind, remaining) in [
+            (hybrid, DrafterKind::Hybrid, 16),
+            (model, DrafterKind::Model, 16),
+            (roomy, DrafterKind::Hybrid, 1_000),
+        ] {
+            assert!(d.select(seq, kind));
+            d.prefill_priced(&PrefillRequest {
+                seq,
+                prompt: &prompt,
+                remaining,
+                costs: Some(&costs),
+            })
+            .unwrap();
+        }
+        let sampling = SamplingParams::greedy();
+        let req = |seq| DraftRequest {
+            seq,
+            context: &prompt,
+            max_len: 8,
+            sampling: &sampling,
+            rng: CounterRng::new(0),
+            min_confidence: 0.0,
+            costs: Some(&costs),
+            stop_tokens: &[],
+        };
+        let mut out = vec![Proposal::default(); 3];
+        d.propose(&[req(hybrid), req(model), req(roomy)], &mut out)
+            .unwrap();
+        assert!(out[0].tokens.is_empty(), "{:?}", out[0]);
+        assert!(out[1].tokens.is_empty(), "{:?}", out[1]);
+        assert_eq!(out[2].tokens.len(), 2);
+        let m = d.model.as_ref().unwrap().model();
+        // Two drafted positions, each one call for the one sequence that drafts.
+        assert_eq!(m.stats().calls, 2);
+        assert!(m.cached(hybrid).is_empty() && m.cached(model).is_empty());
+    }
 
     #[test]
     fn a_token_string_is_its_text_or_its_escaped_bytes() {

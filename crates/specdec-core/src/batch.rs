@@ -365,6 +365,16 @@ impl<T: Target, D: Draft> Batch<T, D> {
                 Phase::Done(_) => {}
                 Phase::Prefill => {
                     s.k = 0;
+                    if s.prefilled == 0 && self.prefill_chunk.is_some() {
+                        // Chunks start after what the target holds already (a released
+                        // sequence's cache with the same beginning): a first chunk of the prompt's
+                        // first tokens would take such a cache over only that far, and the rest of
+                        // it would be computed again.
+                        s.prefilled = self
+                            .target
+                            .cached(s.id, &s.tokens)
+                            .min(s.tokens.len().saturating_sub(1));
+                    }
                     s.partial = self
                         .prefill_chunk
                         .map(|c| s.prefilled + c)

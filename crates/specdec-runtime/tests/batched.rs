@@ -12,8 +12,8 @@ use std::ops::ControlFlow;
 use candle_core::quantized::GgmlDType;
 use common::tiny_model;
 use specdec_core::{
-    generate, Batch, DraftLenPolicy, GenerateConfig, Logits, ModelDrafter, SamplingParams, Score,
-    SeqId, Target, TokenId,
+    generate, Batch, DraftLenPolicy, GenerateConfig, Logits, ModelDrafter, NoDraft, SamplingParams,
+    Score, SeqId, Target, TokenId,
 };
 use specdec_runtime::testing::TinySpec;
 use specdec_runtime::{Arch, Error, Session, Sessions};
@@ -150,6 +150,46 @@ fn continuous_batching_on_tiny_models_gives_each_sequence_its_own_tokens() {
     for (i, want) in alone.iter().enumerate() {
         assert_eq!(&got[&SeqId(i as u64)], want, "sequence {i}");
     }
+}
+
+/// With chunked prefill (the server's), a new sequence takes over a released cache's whole shared
+/// prefix, not only its first chunk, and decodes as it would from scratch.
+#[test]
+fn chunked_prefill_reuses_the_whole_released_prefix() {
+    let model = tiny_model(&TinySpec::new(Arch::Qwen2, GgmlDType::Q8_0));
+    let shared = tokens(40, 3);
+    let prompt = |tail: u32| [shared.clone(), tokens(6, tail)].concat();
+    let config = GenerateConfig {
+        max_new_tokens: 6,
+        sampling: SamplingParams::greedy(),
+        ..GenerateConfig::default()
+    };
+    let alone = |p: &[TokenId]| {
+        let mut t = Session::new(model.clone(), 128);
+        generate(&mut t, &mut NoDraft, p, &config, &mut |_| {
+            ControlFlow::Continue(())
+        })
+        .unwrap()
+        .tokens
+    };
+    let mut batch = Batch::new(Sessions::new(model.clone(), 128, 2), NoDraft);
+    batch.set_prefill_chunk(Some(8));
+    for (id, tail) in [(1, 8), (2, 9)] {
+        let p = prompt(tail);
+        batch.add(SeqId(id), p.clone(), config.clone(), None).unwrap();
+        let mut done = Vec::new();
+        while done.is_empty() {
+            done = batch.step(&mut |_, _| ControlFlow::Continue(()));
+        }
+        let f = done.pop().unwrap();
+        assert_eq!(f.result.unwrap().tokens, alone(&p), "sequence {id}");
+        batch.release(f.seq);
+    }
+    assert_eq!(
+        batch.target().reused_tokens(),
+        40,
+        "the second prompt's shared 40 tokens came from the released cache"
+    );
 }
 
 #[test]

@@ -176,7 +176,9 @@ fn chunked_prefill_reuses_the_whole_released_prefix() {
     batch.set_prefill_chunk(Some(8));
     for (id, tail) in [(1, 8), (2, 9)] {
         let p = prompt(tail);
-        batch.add(SeqId(id), p.clone(), config.clone(), None).unwrap();
+        batch
+            .add(SeqId(id), p.clone(), config.clone(), None)
+            .unwrap();
         let mut done = Vec::new();
         while done.is_empty() {
             done = batch.step(&mut |_, _| ControlFlow::Continue(()));

@@ -104,9 +104,10 @@ struct Sequence {
     partial: Option<usize>,
     /// Seconds spent in partial prefill steps.
     prefill_secs: f64,
-    /// Whether the drafter has read the prompt ([`Draft::prefill`]): it does so in the sequence's
-    /// first decode step, after the target's prefill has emitted the first token, so that the time
-    /// to the first token is the target's alone.
+    /// Whether the drafter has been given the prompt ([`Draft::prefill_priced`], which may leave it
+    /// unread where reading it cannot pay): in the sequence's first decode step, after the
+    /// target's prefill has emitted the first token, so that the time to the first token is the
+    /// target's alone.
     draft_read: bool,
     decode_start: Option<Instant>,
 }
@@ -360,12 +361,16 @@ impl<T: Target, D: Draft> Batch<T, D> {
             .filter(|s| matches!(s.phase, Phase::Decode))
             .count();
         let cap = self.batch_draft_cap.filter(|_| decoding > 1);
+        // Only one sequence per step starts its chunks after a cached prefix: two new sequences
+        // could both count the same released cache, which only one of them takes over, and the
+        // other would then compute its whole prefix in one step instead of a chunk.
+        let mut skipped_cached = false;
         for (i, s) in self.seqs.iter_mut().enumerate() {
             match s.phase {
                 Phase::Done(_) => {}
                 Phase::Prefill => {
                     s.k = 0;
-                    if s.prefilled == 0 && self.prefill_chunk.is_some() {
+                    if s.prefilled == 0 && self.prefill_chunk.is_some() && !skipped_cached {
                         // Chunks start after what the target holds already (a released
                         // sequence's cache with the same beginning): a first chunk of the prompt's
                         // first tokens would take such a cache over only that far, and the rest of
@@ -374,6 +379,7 @@ impl<T: Target, D: Draft> Batch<T, D> {
                             .target
                             .cached(s.id, &s.tokens)
                             .min(s.tokens.len().saturating_sub(1));
+                        skipped_cached = s.prefilled > 0;
                     }
                     s.partial = self
                         .prefill_chunk

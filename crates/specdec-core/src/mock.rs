@@ -175,7 +175,7 @@ impl MockModel {
     }
 
     /// The cached tokens of a sequence.
-    pub fn cached(&self, seq: SeqId) -> &[TokenId] {
+    pub fn cached_tokens(&self, seq: SeqId) -> &[TokenId] {
         self.cache.get(&seq).map_or(&[], Vec::as_slice)
     }
 }
@@ -236,7 +236,7 @@ impl Target for MockModel {
     }
 
     fn cached(&self, seq: SeqId, context: &[TokenId]) -> usize {
-        MockModel::cached(self, seq)
+        self.cached_tokens(seq)
             .iter()
             .zip(context)
             .take_while(|(a, b)| a == b)

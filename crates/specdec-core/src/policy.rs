@@ -1229,10 +1229,12 @@ impl RoundCosts {
     /// Whether the draft model's reading of `unread` prompt tokens ([`RoundCosts::prompt_read`]
     /// each) can pay for itself within the `remaining` tokens the sequence may emit: whether it
     /// costs no more than the model would save against plain decoding if it drafted every one of
-    /// them and the target accepted them all, at its best length. Where it cannot, reading the
-    /// prompt only loses: on a long prompt with a short answer (stop 52: questions on ten passages
-    /// of about 1,700 tokens in all, answers of about 35 tokens, where the hybrid drafter's
-    /// reading took 3.4 s and made it 1.29 times slower than plain decoding end to end).
+    /// them and the target accepted them all, at the best draft length the cost curve prices (up
+    /// to its end, which may lie past the model's longest draft: a looser bound, never a tighter
+    /// one). Where it cannot, reading the prompt only loses: on a long prompt with a short answer
+    /// (stop 52: questions on ten passages of about 1,700 tokens in all, answers of 18–128 tokens,
+    /// where the hybrid drafter's reading took 3.4–5.8 s and made it 1.33 times as slow as plain
+    /// decoding end to end).
     pub fn prompt_read_pays(&self, unread: usize, remaining: usize) -> bool {
         let price = self.prompt_read * unread as f64;
         if price <= 0.0 {

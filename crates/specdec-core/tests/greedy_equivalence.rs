@@ -284,7 +284,7 @@ fn the_target_scores_each_round_in_one_call_and_rolls_back() {
     // After the last commit the cache holds exactly the committed sequence minus the newest token
     // (never fed), or less.
     let committed: Vec<TokenId> = prompt.iter().chain(&out.tokens).copied().collect();
-    let cached = target.cached(SeqId(0));
+    let cached = target.cached_tokens(SeqId(0));
     assert!(committed.starts_with(cached));
     assert!(cached.len() >= committed.len() - 1);
     // The draft never drafts more than asked.

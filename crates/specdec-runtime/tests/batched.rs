@@ -192,6 +192,24 @@ fn chunked_prefill_reuses_the_whole_released_prefix() {
         40,
         "the second prompt's shared 40 tokens came from the released cache"
     );
+    // Two new sequences with the same beginning in one step, and one released cache for it: one
+    // takes the cache over, the other computes its prompt in chunks; both decode as alone.
+    let (p3, p4) = (prompt(10), prompt(11));
+    batch
+        .add(SeqId(3), p3.clone(), config.clone(), None)
+        .unwrap();
+    batch
+        .add(SeqId(4), p4.clone(), config.clone(), None)
+        .unwrap();
+    let mut got = HashMap::new();
+    while got.len() < 2 {
+        for f in batch.step(&mut |_, _| ControlFlow::Continue(())) {
+            got.insert(f.seq, f.result.unwrap().tokens);
+        }
+    }
+    assert_eq!(got[&SeqId(3)], alone(&p3));
+    assert_eq!(got[&SeqId(4)], alone(&p4));
+    assert_eq!(batch.target().reused_tokens(), 80);
 }
 
 #[test]

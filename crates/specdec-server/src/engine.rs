@@ -252,6 +252,10 @@ impl<M: Target> Draft for MultiDrafter<M> {
         Ok(())
     }
 
+    fn cached(&self, seq: SeqId, context: &[TokenId]) -> usize {
+        self.model.as_ref().map_or(0, |m| m.cached(seq, context))
+    }
+
     fn release(&mut self, seq: SeqId) {
         self.unread.remove(&seq);
         if self.kind(seq).uses_lookup() {
@@ -996,7 +1000,7 @@ mod tests {
         let m = d.model.as_ref().unwrap().model();
         // Two drafted positions, each one call for the one sequence that drafts.
         assert_eq!(m.stats().calls, 2);
-        assert!(m.cached(hybrid).is_empty() && m.cached(model).is_empty());
+        assert!(m.cached_tokens(hybrid).is_empty() && m.cached_tokens(model).is_empty());
     }
 
     #[test]

@@ -29,7 +29,8 @@ pub struct Calibration {
     /// `c`.
     pub c: Option<f64>,
     /// Seconds of the draft model reading one prompt token, in a block of [`READ_BLOCK`] tokens
-    /// (`None` without a draft, or in files written before stop 52).
+    /// (`None` without a draft, where the context size leaves no room for the block, or in files
+    /// written before stop 52).
     #[serde(default)]
     pub draft_read_s: Option<f64>,
     /// `r(m)` for `m = 1..=16`.
@@ -209,8 +210,12 @@ pub const LONG_CONTEXT: usize = 1024;
 const LONG_BLOCKS: [usize; 4] = [1, 4, 8, 16];
 
 /// The block [`measure`] times the draft model reading as a prompt ([`Calibration::draft_read_s`]),
-/// in tokens: a prompt is read in chunks of up to [`specdec_runtime::session::PREFILL_CHUNK`].
+/// in tokens (a prompt is read in chunks of up to [`specdec_runtime::session::PREFILL_CHUNK`],
+/// 256; a shorter block prices the reading a little high).
 const READ_BLOCK: usize = 128;
+
+/// The context `generate` and `chat` calibrate after, in tokens.
+const CALIBRATION_CONTEXT: usize = 64;
 
 /// Repetitions of the draft's prompt read in [`measure`].
 const READ_SWEEPS: u32 = 3;
@@ -530,7 +535,9 @@ pub fn apply(
     // prompt (written before stop 52); else it serves as it is.
     let stale = saved.as_ref().is_some_and(|s| {
         (s.long_context.is_none() && loaded.ctx >= LONG_CONTEXT + 16)
-            || (s.draft_read_s.is_none() && s.draft_step_s.is_some())
+            || (s.draft_read_s.is_none()
+                && s.draft_step_s.is_some()
+                && loaded.ctx >= CALIBRATION_CONTEXT + READ_BLOCK)
     }) && measure_if_missing;
     if let Some(saved) = saved.filter(|_| !stale).as_ref().and_then(as_prior) {
         ui.note(format!("cost model: calibration from {}", p.display()));
@@ -546,7 +553,9 @@ pub fn apply(
     }
     ui.note("cost model: calibrating once for these models on this machine (about ten seconds)");
     let vocab = loaded.target.config().vocab.max(1) as u32;
-    let context: Vec<u32> = (0..64).map(|i| (100 + 13 * i) % vocab).collect();
+    let context: Vec<u32> = (0..CALIBRATION_CONTEXT as u32)
+        .map(|i| (100 + 13 * i) % vocab)
+        .collect();
     // Without a calibration the cost model measures online from a short warm-up: a failure here
     // costs speed at the start, never the run.
     match measure(loaded, &context).and_then(|cal| save(loaded, &cal)) {
@@ -787,6 +796,9 @@ mod tests {
         let mut policy = DraftLenPolicy::auto(None);
         cal.set_prior(&mut policy);
         assert_eq!(policy.calibration().map(|p| p.r(2)), Some(1.1));
+        // The draft's reading of a prompt token, in its own steps: 2 ms against 10 ms a step.
+        let read = policy.calibration().and_then(|p| p.draft_read);
+        assert!(read.is_some_and(|r| (r - 0.2).abs() < 1e-12), "{read:?}");
         cal.learn(&run(50, 20, &[(2, 20, 1.5)]));
         cal.set_prior(&mut policy);
         let r2 = policy.calibration().map_or(0.0, |p| p.r(2));

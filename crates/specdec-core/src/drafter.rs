@@ -190,17 +190,11 @@ impl<M: Target> Draft for ModelDrafter<M> {
     /// ([`crate::RoundCosts::prompt_read_pays`]): the model then leaves it unread and drafts
     /// nothing for the sequence, which decodes plainly.
     fn prefill_priced(&mut self, req: &PrefillRequest<'_>) -> Result<(), Self::Error> {
-        let unread = req
-            .prompt
-            .len()
-            .saturating_sub(self.model.cached(req.seq, req.prompt));
-        match req.costs {
-            Some(c) if !c.prompt_read_pays(unread, req.remaining) => {
-                self.unread.insert(req.seq);
-                Ok(())
-            }
-            _ => self.prefill(req.seq, req.prompt),
+        if req.read_pays(self.model.cached(req.seq, req.prompt)) {
+            return self.prefill(req.seq, req.prompt);
         }
+        self.unread.insert(req.seq);
+        Ok(())
     }
 
     fn cached(&self, seq: SeqId, context: &[TokenId]) -> usize {

@@ -296,6 +296,16 @@ pub struct PrefillRequest<'a> {
     pub costs: Option<&'a RoundCosts>,
 }
 
+impl PrefillRequest<'_> {
+    /// Whether a model that holds the first `cached` tokens of the prompt should read the rest:
+    /// always without prices, else where [`RoundCosts::prompt_read_pays`] says it can pay.
+    pub fn read_pays(&self, cached: usize) -> bool {
+        self.costs.is_none_or(|c| {
+            c.prompt_read_pays(self.prompt.len().saturating_sub(cached), self.remaining)
+        })
+    }
+}
+
 /// The drafter that proposes nothing: plain autoregressive decoding with the target, through the same
 /// decode loop as speculation. The baseline of every speedup.
 #[derive(Clone, Copy, Debug, Default)]

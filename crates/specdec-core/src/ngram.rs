@@ -462,19 +462,13 @@ impl<D: Draft> Draft for HybridDrafter<D> {
     /// reading it cannot pay ([`crate::RoundCosts::prompt_read_pays`], for the tokens the model
     /// does not hold already): the lookup then drafts the sequence alone.
     fn prefill_priced(&mut self, req: &PrefillRequest<'_>) -> Result<(), Self::Error> {
-        let unread = req
-            .prompt
-            .len()
-            .saturating_sub(self.model.cached(req.seq, req.prompt));
-        match req.costs {
-            Some(c) if !c.prompt_read_pays(unread, req.remaining) => {
-                let Ok(()) = self.lookup.prefill(req.seq, req.prompt);
-                self.unread.insert(req.seq);
-                self.lag.prefill(req.seq, 0);
-                Ok(())
-            }
-            _ => self.prefill(req.seq, req.prompt),
+        if req.read_pays(self.model.cached(req.seq, req.prompt)) {
+            return self.prefill(req.seq, req.prompt);
         }
+        let Ok(()) = self.lookup.prefill(req.seq, req.prompt);
+        self.unread.insert(req.seq);
+        self.lag.prefill(req.seq, 0);
+        Ok(())
     }
 
     fn cached(&self, seq: SeqId, context: &[TokenId]) -> usize {

@@ -240,14 +240,8 @@ impl<M: Target> Draft for MultiDrafter<M> {
     /// plainly.
     fn prefill_priced(&mut self, req: &PrefillRequest<'_>) -> Result<(), Self::Error> {
         self.prefill(req.seq, req.prompt)?;
-        if let (Some(c), Some(model)) = (req.costs, &self.model) {
-            let unread = req
-                .prompt
-                .len()
-                .saturating_sub(model.cached(req.seq, req.prompt));
-            if self.kind(req.seq).needs_model() && !c.prompt_read_pays(unread, req.remaining) {
-                self.unread.insert(req.seq);
-            }
+        if self.kind(req.seq).needs_model() && !req.read_pays(self.cached(req.seq, req.prompt)) {
+            self.unread.insert(req.seq);
         }
         Ok(())
     }

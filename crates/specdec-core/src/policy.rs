@@ -1240,17 +1240,13 @@ impl RoundCosts {
         if price <= 0.0 {
             return true;
         }
-        let best = (1..self.r.len())
-            .map(|k| {
-                (k + 1) as f64
-                    / (self.draft_fixed + k as f64 * self.draft_per_token + self.r(k + 1))
-            })
-            .fold(0.0, f64::max);
-        let saving = if best > 0.0 {
-            (self.r(1) - 1.0 / best).max(0.0)
-        } else {
-            0.0
-        };
+        // Every token accepted, at every length the curve prices.
+        let all_accepted = vec![1.0; self.r.len().saturating_sub(1)];
+        let best =
+            best_draft_len_with(&all_accepted, self.draft_fixed, self.draft_per_token, |m| {
+                self.r(m)
+            });
+        let saving = (self.r(1) - 1.0 / best.tokens_per_step).max(0.0);
         price <= saving * remaining as f64
     }
 

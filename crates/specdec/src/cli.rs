@@ -190,7 +190,8 @@ pub struct DecodeArgs {
     /// included, and how much of a lookup draft to keep, up to 16), starting from a calibration
     /// saved for these models on this machine (measured once, in about ten seconds), and decoding a
     /// round without a draft now and then (round 16, then every 64 rounds without one) to time the
-    /// target's plain step as the machine runs now; or `adaptive`: one
+    /// target's plain step as the machine runs now (the draft model reads the prompt only where it
+    /// could repay that within --max-tokens, else the model drafts nothing); or `adaptive`: one
     /// longer while the smoothed acceptance rate is at least 0.7, one shorter below 0.6 (1..=8).
     #[arg(long, default_value = "auto")]
     pub draft_len: String,

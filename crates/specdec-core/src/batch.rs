@@ -162,6 +162,9 @@ impl<T: Target, D: Draft> Batch<T, D> {
         let (mut curve, mut other_rows) = (None, 0);
         for s in &self.seqs {
             match s.phase {
+                // A sequence the drafter's model does not draft for (none, or its prompt left
+                // unread) plans no model draft.
+                Phase::Decode if !self.drafter.model_drafts(s.id) => plans.push((0, &[])),
                 Phase::Decode => match s.controller.costs() {
                     Some(costs) => {
                         plans.push((costs.model_len.min(s.k), &costs.model_acceptance));

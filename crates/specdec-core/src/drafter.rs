@@ -201,6 +201,10 @@ impl<M: Target> Draft for ModelDrafter<M> {
         self.model.cached(seq, context)
     }
 
+    fn model_drafts(&self, seq: SeqId) -> bool {
+        !self.unread.contains(&seq)
+    }
+
     fn release(&mut self, seq: SeqId) {
         self.unread.remove(&seq);
         self.model.release(seq);

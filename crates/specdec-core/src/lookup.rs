@@ -546,6 +546,10 @@ impl Draft for LookupDrafter {
             self.add_history(&state.output);
         }
     }
+
+    fn model_drafts(&self, _seq: SeqId) -> bool {
+        false
+    }
 }
 
 #[cfg(test)]

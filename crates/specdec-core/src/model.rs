@@ -278,6 +278,14 @@ pub trait Draft {
         0
     }
 
+    /// Whether the drafter may draft for the sequence with a model: not a drafter without one, nor
+    /// one whose model left the sequence's prompt unread ([`Draft::prefill_priced`]). A batch
+    /// weighs the model drafts of a step over these sequences only
+    /// ([`crate::best_batch_draft_cap`]). True by default.
+    fn model_drafts(&self, _seq: SeqId) -> bool {
+        true
+    }
+
     /// The sequence is finished.
     fn release(&mut self, _seq: SeqId) {}
 }
@@ -329,6 +337,10 @@ impl Draft for NoDraft {
 
     fn commit(&mut self, _seq: SeqId, _committed: &[TokenId]) -> Result<(), Self::Error> {
         Ok(())
+    }
+
+    fn model_drafts(&self, _seq: SeqId) -> bool {
+        false
     }
 }
 
@@ -389,6 +401,10 @@ impl<D: Draft + ?Sized> Draft for &mut D {
 
     fn cached(&self, seq: SeqId, context: &[TokenId]) -> usize {
         (**self).cached(seq, context)
+    }
+
+    fn model_drafts(&self, seq: SeqId) -> bool {
+        (**self).model_drafts(seq)
     }
 
     fn release(&mut self, seq: SeqId) {

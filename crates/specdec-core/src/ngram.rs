@@ -71,6 +71,10 @@ impl Draft for NGramDrafter {
     fn commit(&mut self, _seq: SeqId, _committed: &[TokenId]) -> Result<(), Self::Error> {
         Ok(())
     }
+
+    fn model_drafts(&self, _seq: SeqId) -> bool {
+        false
+    }
 }
 
 /// Lookup, a model draft, or the lookup draft extended by the model, whichever pays more this round
@@ -473,6 +477,10 @@ impl<D: Draft> Draft for HybridDrafter<D> {
 
     fn cached(&self, seq: SeqId, context: &[TokenId]) -> usize {
         self.model.cached(seq, context)
+    }
+
+    fn model_drafts(&self, seq: SeqId) -> bool {
+        !self.left_unread(seq)
     }
 
     fn release(&mut self, seq: SeqId) {

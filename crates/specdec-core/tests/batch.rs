@@ -471,6 +471,139 @@ fn a_batch_caps_model_drafts_where_its_rows_stop_being_cheap() {
     assert!(together.iter().any(|&k| k >= 2), "{together:?}");
 }
 
+/// Records, for every `propose` call, each request's sequence and model draft length.
+struct BySequence<D> {
+    inner: D,
+    calls: Vec<Vec<(u64, usize)>>,
+}
+
+impl<D: Draft> Draft for BySequence<D> {
+    type Error = D::Error;
+
+    fn vocab_size(&self) -> Option<usize> {
+        self.inner.vocab_size()
+    }
+
+    fn propose(
+        &mut self,
+        batch: &[specdec_core::DraftRequest<'_>],
+        out: &mut [specdec_core::Proposal],
+    ) -> Result<(), Self::Error> {
+        self.calls
+            .push(batch.iter().map(|r| (r.seq.0, r.model_len())).collect());
+        self.inner.propose(batch, out)
+    }
+
+    fn commit(&mut self, seq: SeqId, committed: &[TokenId]) -> Result<(), Self::Error> {
+        self.inner.commit(seq, committed)
+    }
+
+    fn prefill(&mut self, seq: SeqId, context: &[TokenId]) -> Result<(), Self::Error> {
+        self.inner.prefill(seq, context)
+    }
+
+    fn prefill_priced(
+        &mut self,
+        req: &specdec_core::PrefillRequest<'_>,
+    ) -> Result<(), Self::Error> {
+        self.inner.prefill_priced(req)
+    }
+
+    fn model_drafts(&self, seq: SeqId) -> bool {
+        self.inner.model_drafts(seq)
+    }
+
+    fn release(&mut self, seq: SeqId) {
+        self.inner.release(seq);
+    }
+}
+
+#[test]
+fn a_sequence_whose_prompt_the_model_left_unread_does_not_cap_the_others_model_drafts() {
+    // Four rows cost about one step, more one step each (as in the test above), and reading a
+    // prompt token costs the draft model half a target step. Sequence 0's 200-token prompt cannot
+    // be repaid within its 40 tokens, so the model leaves it unread and it decodes plainly: one
+    // row. Sequence 1 (a 4-token prompt, read) may then draft 2 tokens beside it and stay within
+    // four rows, where two sequences that both drafted would be held to 1 each.
+    let knee: Vec<f64> = (1..=17)
+        .map(|m| {
+            if m <= 4 {
+                1.0 + 0.02 * (m - 1) as f64
+            } else {
+                m as f64 - 2.94
+            }
+        })
+        .collect();
+    let policy = DraftLenPolicy::CostModel {
+        max: 4,
+        cost: Some(specdec_core::FixedCost {
+            c: 0.05,
+            draft_fixed: 0.0,
+            r: knee,
+            context: None,
+            step_secs: None,
+            acceptance: Vec::new(),
+            draft_read: Some(10.0),
+        }),
+        probe_every: 1000,
+        prior: None,
+    };
+    let config = |max_new_tokens| GenerateConfig {
+        max_new_tokens,
+        sampling: SamplingParams::greedy(),
+        draft_len: policy.clone(),
+        ..GenerateConfig::default()
+    };
+    let reqs: Vec<(Vec<TokenId>, GenerateConfig)> = vec![
+        (
+            (0..200).map(|j| (j * 7 % VOCAB) as TokenId).collect(),
+            config(40),
+        ),
+        (
+            (0..4).map(|j| (11 + j * 5) as TokenId).collect(),
+            config(60),
+        ),
+    ];
+    let mut batch = Batch::new(
+        target(),
+        BySequence {
+            inner: draft_model(),
+            calls: Vec::new(),
+        },
+    );
+    for (i, (p, c)) in reqs.iter().cloned().enumerate() {
+        batch.add(SeqId(i as u64), p, c, None).unwrap();
+    }
+    let mut outs = HashMap::new();
+    let mut unread = false;
+    while !batch.is_empty() {
+        let finished = batch.step(&mut |_, _| ControlFlow::Continue(()));
+        unread |= !batch.drafter().model_drafts(SeqId(0)) && batch.drafter().model_drafts(SeqId(1));
+        for f in finished {
+            outs.insert(f.seq, f.result.unwrap());
+            batch.release(f.seq);
+        }
+    }
+    assert!(unread, "sequence 0's prompt was read");
+    for (i, (p, c)) in reqs.iter().enumerate() {
+        let alone = generate(&mut target(), &mut NoDraft, p, c, &mut |_| {
+            ControlFlow::Continue(())
+        })
+        .unwrap();
+        assert_eq!(outs[&SeqId(i as u64)].tokens, alone.tokens, "sequence {i}");
+    }
+    // The model drafts of sequence 1 while both decoded.
+    let together: Vec<usize> = batch
+        .drafter()
+        .calls
+        .iter()
+        .filter(|c| c.iter().any(|&(s, _)| s == 0))
+        .flat_map(|c| c.iter().filter(|&&(s, _)| s == 1).map(|&(_, k)| k))
+        .collect();
+    assert!(!together.is_empty(), "the two never drafted together");
+    assert!(together.iter().any(|&k| k >= 2), "{together:?}");
+}
+
 /// What a drafter was asked, and when: `Prefill(context length)`, `Commit(context length)`,
 /// `Propose`, and `Token` for each token the batch emitted, in order.
 #[derive(Clone, Debug, PartialEq)]

@@ -250,6 +250,10 @@ impl<M: Target> Draft for MultiDrafter<M> {
         self.model.as_ref().map_or(0, |m| m.cached(seq, context))
     }
 
+    fn model_drafts(&self, seq: SeqId) -> bool {
+        self.model.is_some() && self.kind(seq).needs_model() && !self.unread.contains(&seq)
+    }
+
     fn release(&mut self, seq: SeqId) {
         self.unread.remove(&seq);
         if self.kind(seq).uses_lookup() {
@@ -995,6 +999,11 @@ mod tests {
         // Two drafted positions, each one call for the one sequence that drafts.
         assert_eq!(m.stats().calls, 2);
         assert!(m.cached_tokens(hybrid).is_empty() && m.cached_tokens(model).is_empty());
+        // A batch weighs the model drafts of the sequence that reads only.
+        let lookup = SeqId(4);
+        assert!(d.select(lookup, DrafterKind::Ngram));
+        assert!(!d.model_drafts(hybrid) && !d.model_drafts(model) && !d.model_drafts(lookup));
+        assert!(d.model_drafts(roomy));
     }
 
     #[test]

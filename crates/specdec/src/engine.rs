@@ -389,6 +389,14 @@ impl Draft for Drafter {
         }
     }
 
+    fn model_drafts(&self, seq: SeqId) -> bool {
+        match self {
+            Drafter::None(_) | Drafter::Ngram(_) => false,
+            Drafter::Model(d) => d.model_drafts(seq),
+            Drafter::Hybrid(d) => d.model_drafts(seq),
+        }
+    }
+
     fn release(&mut self, seq: SeqId) {
         match self {
             Drafter::None(_) => {}

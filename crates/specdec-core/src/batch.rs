@@ -100,6 +100,8 @@ struct Sequence {
     k: usize,
     /// Prompt tokens scored so far by partial prefill steps.
     prefilled: usize,
+    /// Whether the sequence's cache has been claimed ([`Target::claim`]), before its first chunk.
+    claimed: bool,
     /// This step scores only the first this-many prompt tokens (a partial prefill).
     partial: Option<usize>,
     /// Seconds spent in partial prefill steps.
@@ -320,6 +322,7 @@ impl<T: Target, D: Draft> Batch<T, D> {
             scratch: Vec::new(),
             k: 0,
             prefilled: 0,
+            claimed: false,
             partial: None,
             prefill_secs: 0.0,
             draft_read: false,
@@ -364,25 +367,26 @@ impl<T: Target, D: Draft> Batch<T, D> {
             .filter(|s| matches!(s.phase, Phase::Decode))
             .count();
         let cap = self.batch_draft_cap.filter(|_| decoding > 1);
-        // Only one sequence per step starts its chunks after a cached prefix: two new sequences
-        // could both count the same released cache, which only one of them takes over, and the
-        // other would then compute its whole prefix in one step instead of a chunk.
-        let mut skipped_cached = false;
         for (i, s) in self.seqs.iter_mut().enumerate() {
             match s.phase {
                 Phase::Done(_) => {}
                 Phase::Prefill => {
                     s.k = 0;
-                    if s.prefilled == 0 && self.prefill_chunk.is_some() && !skipped_cached {
+                    if s.prefilled == 0 && self.prefill_chunk.is_some() && !s.claimed {
                         // Chunks start after what the target holds already (a released
-                        // sequence's cache with the same beginning): a first chunk of the prompt's
-                        // first tokens would take such a cache over only that far, and the rest of
-                        // it would be computed again.
-                        s.prefilled = self
-                            .target
-                            .cached(s.id, &s.tokens)
-                            .min(s.tokens.len().saturating_sub(1));
-                        skipped_cached = s.prefilled > 0;
+                        // sequence's cache with the same beginning, or a copy of a running one's):
+                        // a first chunk of the prompt's first tokens would take such a cache over
+                        // only that far, and the rest of it would be computed again. Claimed one
+                        // sequence after another, so that two new sequences do not both count
+                        // the same released cache, which only one of them can take over.
+                        s.claimed = true;
+                        match self.target.claim(s.id, &s.tokens) {
+                            Ok(n) => s.prefilled = n.min(s.tokens.len().saturating_sub(1)),
+                            Err(e) => {
+                                failed.push((i, Error::model(Side::Target, e)));
+                                continue;
+                            }
+                        }
                     }
                     s.partial = self
                         .prefill_chunk

@@ -138,6 +138,14 @@ pub trait Target {
     fn cached(&self, _seq: SeqId, _context: &[TokenId]) -> usize {
         0
     }
+
+    /// [`Target::cached`] for a sequence about to start, after readying the cache it will use now,
+    /// so that what it finds is its own: where several new sequences could find the same prefix
+    /// in one kept cache, a batch claims them one after another and each counts only what it
+    /// gets. The default is [`Target::cached`].
+    fn claim(&mut self, seq: SeqId, context: &[TokenId]) -> Result<usize, Self::Error> {
+        Ok(self.cached(seq, context))
+    }
 }
 
 /// One sequence's request to [`Draft::propose`].
@@ -369,6 +377,10 @@ impl<T: Target + ?Sized> Target for &mut T {
 
     fn cached(&self, seq: SeqId, context: &[TokenId]) -> usize {
         (**self).cached(seq, context)
+    }
+
+    fn claim(&mut self, seq: SeqId, context: &[TokenId]) -> Result<usize, Self::Error> {
+        (**self).claim(seq, context)
     }
 }
 

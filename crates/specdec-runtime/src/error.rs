@@ -137,6 +137,9 @@ pub enum Error {
         /// The vocabulary size.
         vocab: usize,
     },
+    /// A KV cache was copied from a cache of a model of another shape.
+    #[error("the KV cache copied from belongs to a model of another shape")]
+    CacheShape,
     /// A rollback asked for more tokens than the cache holds.
     #[error("cannot roll back to {len} tokens: the cache holds {cached}")]
     Rollback {

@@ -137,6 +137,47 @@ impl KvCache {
         self.slots * self.head_dim
     }
 
+    /// Makes the first `n` positions those of `src` (a cache of the same model), so that a sequence
+    /// sharing `src`'s first `n` tokens need not compute them: a copy of their keys and values
+    /// (whole key tiles), no arithmetic.
+    ///
+    /// # Errors
+    /// [`Error::CacheShape`] if `src` belongs to a model of another shape, [`Error::Rollback`] if it
+    /// holds fewer than `n` positions, [`Error::ContextOverflow`] if this one holds fewer.
+    pub(crate) fn copy_prefix(&mut self, src: &KvCache, n: usize) -> Result<()> {
+        if (src.k.len(), src.heads, src.head_dim) != (self.k.len(), self.heads, self.head_dim) {
+            return Err(Error::CacheShape);
+        }
+        if n > src.len {
+            return Err(Error::Rollback {
+                len: n,
+                cached: src.len,
+            });
+        }
+        if n > self.capacity {
+            return Err(Error::ContextOverflow {
+                len: n,
+                capacity: self.capacity,
+            });
+        }
+        let hd = self.head_dim;
+        let (from, to) = (src.head_stride(), self.head_stride());
+        // Keys in whole tiles (a partial tile's other lanes are past the valid positions).
+        let keys = n.next_multiple_of(KEY_TILE) * hd;
+        for (dst, src) in self.k.iter_mut().zip(&src.k) {
+            for h in 0..self.heads {
+                dst[h * to..h * to + keys].copy_from_slice(&src[h * from..h * from + keys]);
+            }
+        }
+        for (dst, src) in self.v.iter_mut().zip(&src.v) {
+            for h in 0..self.heads {
+                dst[h * to..h * to + n * hd].copy_from_slice(&src[h * from..h * from + n * hd]);
+            }
+        }
+        self.len = n;
+        Ok(())
+    }
+
     /// Marks `len` positions valid after a forward pass wrote them.
     pub(crate) fn set_len(&mut self, len: usize) {
         debug_assert!(len <= self.capacity);

@@ -29,6 +29,16 @@ impl Seq {
         }
     }
 
+    /// A sequence in `cache` holding the first `n` tokens of `src`, copied
+    /// ([`KvCache::copy_prefix`]).
+    pub(crate) fn copy_of(src: &Seq, n: usize, mut cache: KvCache) -> Result<Self> {
+        cache.copy_prefix(&src.cache, n)?;
+        Ok(Self {
+            cache,
+            tokens: src.tokens[..n].to_vec(),
+        })
+    }
+
     /// How many leading tokens the cache shares with `seq`.
     pub(crate) fn common_prefix(&self, seq: &[TokenId]) -> usize {
         common_prefix(&self.tokens, seq)

@@ -6,7 +6,9 @@
 //! Prefix caching: a released sequence's cache is kept (up to [`SPARE_CACHES`], least recently
 //! released dropped first) with its tokens, and a new sequence starts from the kept cache that shares
 //! the longest prefix with its context, so a shared system prompt or the history of a chat is not
-//! computed again. Keys and values of a token prefix do not depend on how they were computed (blocks,
+//! computed again. Where a sequence still running shares a longer prefix (requests with the same
+//! system prompt or documents, arriving together), the new sequence gets a cache of its own with a
+//! copy of that prefix's keys and values instead (from [`MIN_COPY`] tokens). Keys and values of a token prefix do not depend on how they were computed (blocks,
 //! batches and single steps give the same bits), so this changes no output.
 
 use std::collections::HashMap;
@@ -20,6 +22,10 @@ use crate::session::{Seq, PREFILL_CHUNK};
 
 /// Released caches kept for reuse (and their prefixes), at most this many.
 pub const SPARE_CACHES: usize = 8;
+
+/// The shortest prefix a new sequence copies from a live one: a copy costs a fresh cache's
+/// memory, and computing a few tokens costs about one step.
+pub const MIN_COPY: usize = 16;
 
 /// Sequences on a shared model, each with its own KV cache of `capacity` positions, created on first
 /// use and freed by [`Target::release`].
@@ -67,12 +73,14 @@ impl Sessions {
     }
 
     /// The cache of `id`, taken out of the map (`taken` others already are); for a new sequence, the
-    /// kept cache sharing the longest prefix with `context`, else the oldest kept one, else a new one.
-    fn take(&mut self, id: SeqId, taken: usize, context: &[TokenId]) -> Result<Seq> {
+    /// kept cache sharing the longest prefix with `context`, or a new one holding a copy of a
+    /// live sequence's longer shared prefix (one in the map or in `taken`), else the oldest kept
+    /// one, else a new one.
+    fn take(&mut self, id: SeqId, taken: &[Seq], context: &[TokenId]) -> Result<Seq> {
         if let Some(s) = self.seqs.remove(&id) {
             return Ok(s);
         }
-        if self.seqs.len() + taken >= self.max_seqs {
+        if self.seqs.len() + taken.len() >= self.max_seqs {
             return Err(Error::TooManySequences { max: self.max_seqs });
         }
         // Longest shared prefix first; among equals the oldest, the first to be dropped anyway.
@@ -81,17 +89,40 @@ impl Sessions {
             .iter()
             .enumerate()
             .max_by_key(|(i, s)| (s.common_prefix(context), usize::MAX - i))
-            .map(|(i, _)| i);
-        match best {
-            Some(i) => {
+            .map(|(i, s)| (i, s.common_prefix(context)));
+        let live = self
+            .seqs
+            .values()
+            .chain(taken)
+            .map(|s| (s.common_prefix(context), s))
+            .max_by_key(|&(n, _)| n);
+        match (best, live) {
+            (best, Some((n, src))) if n >= MIN_COPY && n > best.map_or(0, |b| b.1) => {
+                let s = Seq::copy_of(src, n, self.model.cache(self.capacity))?;
+                self.reused_tokens += n as u64;
+                Ok(s)
+            }
+            (Some((i, keep)), _) => {
                 let mut s = self.spare.remove(i);
-                let keep = s.common_prefix(context);
                 s.rollback(keep)?;
                 self.reused_tokens += keep as u64;
                 Ok(s)
             }
-            None => Ok(Seq::new(self.model.cache(self.capacity))),
+            (None, _) => Ok(Seq::new(self.model.cache(self.capacity))),
         }
+    }
+
+    /// The leading tokens of `context` that a new sequence would find in a cache: a kept one's
+    /// shared prefix, or a live sequence's copied ([`Sessions::take`]).
+    fn shared_prefix(&self, context: &[TokenId]) -> usize {
+        let spare = self.spare.iter().map(|s| s.common_prefix(context)).max();
+        let live = self
+            .seqs
+            .values()
+            .map(|s| s.common_prefix(context))
+            .filter(|&n| n >= MIN_COPY)
+            .max();
+        spare.max(live).unwrap_or(0)
     }
 
     /// Context tokens whose keys and values came from a released sequence's cache instead of being
@@ -225,7 +256,7 @@ impl Target for Sessions {
         let mut seqs = Vec::with_capacity(batch.len());
         let mut r = Ok(());
         for req in batch {
-            match self.take(req.seq, seqs.len(), req.context) {
+            match self.take(req.seq, &seqs, req.context) {
                 Ok(s) => seqs.push(s),
                 Err(e) => {
                     r = Err(e);
@@ -244,17 +275,22 @@ impl Target for Sessions {
     }
 
     /// The sequence's cached prefix of `context`; for a sequence not yet scored, that of the
-    /// released cache it would take over.
+    /// released cache it would take over, or of the live sequence it would copy.
     fn cached(&self, seq: SeqId, context: &[TokenId]) -> usize {
         match self.seqs.get(&seq) {
             Some(s) => s.common_prefix(context),
-            None => self
-                .spare
-                .iter()
-                .map(|s| s.common_prefix(context))
-                .max()
-                .unwrap_or(0),
+            None => self.shared_prefix(context),
         }
+    }
+
+    /// Takes the cache a new sequence starts from now ([`Sessions::take`]: a released one's
+    /// shared prefix, or a copy of a live one's), so that another new sequence claimed after it
+    /// counts it as live and copies from it instead of counting the same released cache twice.
+    fn claim(&mut self, seq: SeqId, context: &[TokenId]) -> Result<usize> {
+        let s = self.take(seq, &[], context)?;
+        let n = s.common_prefix(context);
+        self.seqs.insert(seq, s);
+        Ok(n)
     }
 
     fn commit(&mut self, seq: SeqId, committed: &[TokenId]) -> Result<()> {

@@ -193,7 +193,8 @@ fn chunked_prefill_reuses_the_whole_released_prefix() {
         "the second prompt's shared 40 tokens came from the released cache"
     );
     // Two new sequences with the same beginning in one step, and one released cache for it: one
-    // takes the cache over, the other computes its prompt in chunks; both decode as alone.
+    // takes the cache over, the other (claimed after it) copies the shared prefix from the first;
+    // both decode as alone.
     let (p3, p4) = (prompt(10), prompt(11));
     batch
         .add(SeqId(3), p3.clone(), config.clone(), None)
@@ -209,7 +210,7 @@ fn chunked_prefill_reuses_the_whole_released_prefix() {
     }
     assert_eq!(got[&SeqId(3)], alone(&p3));
     assert_eq!(got[&SeqId(4)], alone(&p4));
-    assert_eq!(batch.target().reused_tokens(), 80);
+    assert_eq!(batch.target().reused_tokens(), 120);
 }
 
 #[test]
@@ -266,5 +267,67 @@ fn a_new_sequence_reuses_the_longest_released_prefix_with_the_same_logits() {
             .zip(want[0].row(r))
             .all(|(x, y)| x.to_bits() == y.to_bits());
         assert!(same, "row {r}");
+    }
+}
+
+/// The logits of `context` and `draft` scored for `seq` on `s`, and on a fresh session, row by row
+/// bit for bit equal.
+fn scores_as_alone(s: &mut Sessions, seq: u64, context: &[TokenId], draft: &[TokenId]) {
+    let mut out = vec![Logits::new(0)];
+    let req = Score {
+        seq: SeqId(seq),
+        context,
+        draft,
+    };
+    s.score(&[req], &mut out).unwrap();
+    let mut fresh = Session::new(s.model().clone(), 128);
+    let mut want = [Logits::new(0)];
+    fresh
+        .score(
+            &[Score {
+                seq: SeqId(0),
+                ..req
+            }],
+            &mut want,
+        )
+        .unwrap();
+    for r in 0..=draft.len() {
+        let same = out[0]
+            .row(r)
+            .iter()
+            .zip(want[0].row(r))
+            .all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(same, "sequence {seq}, row {r}");
+    }
+}
+
+#[test]
+fn a_new_sequence_copies_a_running_sequences_prefix_with_the_same_logits() {
+    for (arch, dtype) in [
+        (Arch::Qwen2, GgmlDType::Q4K),
+        (Arch::Llama, GgmlDType::Q8_0),
+    ] {
+        let model = tiny_model(&TinySpec::new(arch, dtype));
+        let mut s = Sessions::new(model, 128, 3);
+        // 37 shared tokens: whole key tiles and a partial one.
+        let shared = tokens(37, 3);
+        let a = [shared.clone(), tokens(5, 8)].concat();
+        let b = [shared.clone(), tokens(7, 9)].concat();
+        scores_as_alone(&mut s, 1, &a, &[]);
+        assert_eq!(s.reused_tokens(), 0);
+        // Sequence 1 is still running: sequence 2 copies its 37 shared tokens.
+        assert_eq!(s.cached(SeqId(2), &b), 37);
+        scores_as_alone(&mut s, 2, &b, &[4, 5]);
+        assert_eq!(s.reused_tokens(), 37, "the shared prefix was copied");
+        // The source goes on as before, and so does the copy.
+        let a2 = [a.clone(), tokens(3, 4)].concat();
+        scores_as_alone(&mut s, 1, &a2, &[6]);
+        let b2 = [b.clone(), tokens(2, 5)].concat();
+        scores_as_alone(&mut s, 2, &b2, &[]);
+        // A prefix shorter than `MIN_COPY` is computed.
+        let c = [shared[..10].to_vec(), tokens(4, 6)].concat();
+        assert_eq!(s.cached(SeqId(3), &c), 0);
+        scores_as_alone(&mut s, 3, &c, &[]);
+        assert_eq!(s.reused_tokens(), 37);
     }
 }

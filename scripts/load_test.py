@@ -8,6 +8,11 @@
   concurrency:  the same greedy requests one at a time, then CLIENTS at once: prints the aggregate
                 tokens/s of both and their ratio, and checks that every concurrent answer equals its
                 solo answer.
+  shared:       requests over the same documents (bench/long.jsonl's ten, about 1,500 tokens), each
+                with its own question: one answering at length (--first-max-tokens), then, once its
+                first token is out, CLIENTS - 1 more at once (--max-tokens). Prints each request's
+                time to first token and latency: what a server that copies a running request's
+                prefix saves the later ones.
 
 Exit status 1 if a response is lost or malformed, if --expect-429 saw no 429, or (concurrency) if an
 answer differs. Needs httpx (installed with the openai package).
@@ -16,6 +21,7 @@ answer differs. Needs httpx (installed with the openai package).
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import time
@@ -43,8 +49,9 @@ def pct(xs, p):
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-async def one(client, args, prompt, stats):
-    """One streaming request, retried after 429. Returns (text, completion_tokens) or raises."""
+async def one(client, args, prompt, stats, first_token=None):
+    """One streaming request, retried after 429. Returns (text, completion_tokens) or raises; sets
+    the event `first_token` (if given) when the first piece of text arrives."""
     body = {
         "model": args.model,
         "messages": [{"role": "user", "content": prompt}],
@@ -86,6 +93,8 @@ async def one(client, args, prompt, stats):
                         chunks += 1
                         if first is None:
                             first = time.perf_counter()
+                            if first_token is not None:
+                                first_token.set()
                         text += piece
                     finish = ch.get("finish_reason") or finish
             t1 = time.perf_counter()
@@ -179,22 +188,48 @@ async def concurrency(args):
     return 0 if all(same) else 1
 
 
+async def shared(args):
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(here, "bench", "long.jsonl")) as f:
+        raw = [json.loads(line)["prompt"] for line in f]
+    docs = raw[0][: raw[0].rindex("Question:")]
+    prompts = [docs + p[p.rindex("Question:"):] for p in raw][: max(args.clients, 2)]
+    stats = [{"ttft": [], "tpot": [], "latency": [], "tokens": 0, "rejected_429": 0} for _ in prompts]
+    first_args = argparse.Namespace(**{**vars(args), "max_tokens": args.first_max_tokens})
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout)) as client:
+        started = asyncio.Event()
+        first = asyncio.create_task(one(client, first_args, prompts[0], stats[0], started))
+        waiting = asyncio.create_task(started.wait())
+        await asyncio.wait([first, waiting], return_when=asyncio.FIRST_COMPLETED)
+        waiting.cancel()
+        rest = await asyncio.gather(*(one(client, args, p, s) for p, s in zip(prompts[1:], stats[1:])))
+        answers = [await first] + rest
+    report = [
+        {"request": i, "ttft_s": round(s["ttft"][0], 2), "latency_s": round(s["latency"][0], 2),
+         "tokens": n, "answer": text[:60]}
+        for i, (s, (text, n)) in enumerate(zip(stats, answers))
+    ]
+    print(json.dumps(report, indent=1))
+    return 0
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["load", "concurrency"])
+    ap.add_argument("mode", choices=["load", "concurrency", "shared"])
     ap.add_argument("--base", default="http://127.0.0.1:8080")
     ap.add_argument("--model", default="specdec")
     ap.add_argument("--api-key")
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--requests", type=int, default=96)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--first-max-tokens", type=int, default=400, help="shared: the first request's max_tokens")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--extra", type=json.loads, default={},
                     help='JSON object merged into every request, e.g. \'{"drafter": "none"}\'')
     ap.add_argument("--expect-429", action="store_true", help="fail unless some request was answered 429")
     ap.add_argument("--require-usage", action="store_true", help="fail when a stream has no usage chunk")
     args = ap.parse_args()
-    run = load if args.mode == "load" else concurrency
+    run = {"load": load, "concurrency": concurrency, "shared": shared}[args.mode]
     sys.exit(asyncio.run(run(args)))
 
 

@@ -113,7 +113,7 @@ impl Sessions {
     }
 
     /// The leading tokens of `context` that a new sequence would find in a cache: a kept one's
-    /// shared prefix, or a live sequence's copied ([`Sessions::take`]).
+    /// shared prefix, or a running sequence's copied (`Sessions::take`).
     fn shared_prefix(&self, context: &[TokenId]) -> usize {
         let spare = self.spare.iter().map(|s| s.common_prefix(context)).max();
         let live = self
@@ -283,9 +283,9 @@ impl Target for Sessions {
         }
     }
 
-    /// Takes the cache a new sequence starts from now ([`Sessions::take`]: a released one's
-    /// shared prefix, or a copy of a live one's), so that another new sequence claimed after it
-    /// counts it as live and copies from it instead of counting the same released cache twice.
+    /// Takes the cache a new sequence starts from now (a released one's shared prefix, or a copy
+    /// of a running one's: see the module), so that another new sequence claimed after it counts
+    /// it as running and copies from it instead of counting the same released cache twice.
     fn claim(&mut self, seq: SeqId, context: &[TokenId]) -> Result<usize> {
         let s = self.take(seq, &[], context)?;
         let n = s.common_prefix(context);

@@ -439,6 +439,9 @@ impl<T: Target, D: Draft> Batch<T, D> {
                 }
             }
         }
+        // A sequence that failed in planning (its cache not claimed, its prompt not read) takes no
+        // part in the step, nor in its draft cap.
+        self.take_failed(&mut failed, &mut finished);
         // Several sequences share the step: cap their model drafts where the step as a whole pays
         // best (a lookup draft, free to make, keeps the length its own cost model gives it).
         if decoding > 1 && cap != Some(0) {
@@ -452,7 +455,6 @@ impl<T: Target, D: Draft> Batch<T, D> {
                 }
             }
         }
-        self.take_failed(&mut failed, &mut finished);
         self.take_done(&mut finished);
 
         // Draft for every sequence in a decode round with k > 0, in one call.

@@ -142,7 +142,8 @@ pub trait Target {
     /// [`Target::cached`] for a sequence about to start, after readying the cache it will use now,
     /// so that what it finds is its own: where several new sequences could find the same prefix
     /// in one kept cache, a batch claims them one after another and each counts only what it
-    /// gets. The default is [`Target::cached`].
+    /// gets. The target may then hold state for the sequence: the caller releases it
+    /// ([`Target::release`]) even if it is never scored. The default is [`Target::cached`].
     fn claim(&mut self, seq: SeqId, context: &[TokenId]) -> Result<usize, Self::Error> {
         Ok(self.cached(seq, context))
     }

@@ -480,7 +480,7 @@ impl<D: Draft> Draft for HybridDrafter<D> {
     }
 
     fn model_drafts(&self, seq: SeqId) -> bool {
-        !self.left_unread(seq)
+        !self.left_unread(seq) && self.model.model_drafts(seq)
     }
 
     fn release(&mut self, seq: SeqId) {

@@ -373,15 +373,32 @@ impl<D: Draft> Draft for Recording<D> {
         self.inner.prefill(seq, context)
     }
 
+    fn model_drafts(&self, seq: SeqId) -> bool {
+        self.inner.model_drafts(seq)
+    }
+
     fn release(&mut self, seq: SeqId) {
         self.inner.release(seq);
     }
 }
 
-/// Two greedy sequences decoded together under cost models given `r`: the model draft lengths of
-/// the draft calls that served both, and of those that served one.
-fn batch_draft_lens(r: Vec<f64>) -> (Vec<usize>, Vec<usize>) {
-    let policy = DraftLenPolicy::CostModel {
+/// A cost curve where four rows cost about one step and each further row one step.
+fn knee() -> Vec<f64> {
+    (1..=17)
+        .map(|m| {
+            if m <= 4 {
+                1.0 + 0.02 * (m - 1) as f64
+            } else {
+                m as f64 - 2.94
+            }
+        })
+        .collect()
+}
+
+/// A cost model given the curve `r`, a draft step of 0.05 target steps, and a prompt token read
+/// into the draft model at `draft_read` draft steps.
+fn cost_model(r: Vec<f64>, draft_read: Option<f64>) -> DraftLenPolicy {
+    DraftLenPolicy::CostModel {
         max: 4,
         cost: Some(specdec_core::FixedCost {
             c: 0.05,
@@ -390,11 +407,17 @@ fn batch_draft_lens(r: Vec<f64>) -> (Vec<usize>, Vec<usize>) {
             context: None,
             step_secs: None,
             acceptance: Vec::new(),
-            draft_read: None,
+            draft_read,
         }),
         probe_every: 1000,
         prior: None,
-    };
+    }
+}
+
+/// Two greedy sequences decoded together under cost models given `r`: the model draft lengths of
+/// the draft calls that served both, and of those that served one.
+fn batch_draft_lens(r: Vec<f64>) -> (Vec<usize>, Vec<usize>) {
+    let policy = cost_model(r, None);
     let reqs: Vec<(Vec<TokenId>, GenerateConfig)> = (0..2u32)
         .map(|i| {
             let prompt: Vec<TokenId> = (0..4).map(|j| (i * 11 + j * 5) % VOCAB as u32).collect();
@@ -449,16 +472,7 @@ fn a_batch_caps_model_drafts_where_its_rows_stop_being_cheap() {
     // Four rows cost about one step, more cost one step each: two sequences together draft 1 token
     // each (4 rows in all), the one left alone drafts longer at times (its cost model's choice from
     // the mock draft's acceptance).
-    let knee: Vec<f64> = (1..=17)
-        .map(|m| {
-            if m <= 4 {
-                1.0 + 0.02 * (m - 1) as f64
-            } else {
-                m as f64 - 2.94
-            }
-        })
-        .collect();
-    let (together, alone) = batch_draft_lens(knee);
+    let (together, alone) = batch_draft_lens(knee());
     assert!(
         !together.is_empty() && together.iter().all(|&k| k == 1),
         "{together:?}"
@@ -525,29 +539,7 @@ fn a_sequence_whose_prompt_the_model_left_unread_does_not_cap_the_others_model_d
     // be repaid within its 40 tokens, so the model leaves it unread and it decodes plainly: one
     // row. Sequence 1 (a 4-token prompt, read) may then draft 2 tokens beside it and stay within
     // four rows, where two sequences that both drafted would be held to 1 each.
-    let knee: Vec<f64> = (1..=17)
-        .map(|m| {
-            if m <= 4 {
-                1.0 + 0.02 * (m - 1) as f64
-            } else {
-                m as f64 - 2.94
-            }
-        })
-        .collect();
-    let policy = DraftLenPolicy::CostModel {
-        max: 4,
-        cost: Some(specdec_core::FixedCost {
-            c: 0.05,
-            draft_fixed: 0.0,
-            r: knee,
-            context: None,
-            step_secs: None,
-            acceptance: Vec::new(),
-            draft_read: Some(10.0),
-        }),
-        probe_every: 1000,
-        prior: None,
-    };
+    let policy = cost_model(knee(), Some(10.0));
     let config = |max_new_tokens| GenerateConfig {
         max_new_tokens,
         sampling: SamplingParams::greedy(),
@@ -654,6 +646,10 @@ impl<D: Draft> Draft for Logged<D> {
             return Err(PrefillFailed);
         }
         self.inner.prefill(seq, context).map_err(|_| PrefillFailed)
+    }
+
+    fn model_drafts(&self, seq: SeqId) -> bool {
+        self.inner.model_drafts(seq)
     }
 }
 

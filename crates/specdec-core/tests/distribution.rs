@@ -639,6 +639,10 @@ impl<D: Draft> Draft for StopsDraftingAfter2<D> {
         self.0.prefill(seq, context)
     }
 
+    fn model_drafts(&self, seq: specdec_core::SeqId) -> bool {
+        self.0.model_drafts(seq)
+    }
+
     fn release(&mut self, seq: specdec_core::SeqId) {
         self.0.release(seq);
     }

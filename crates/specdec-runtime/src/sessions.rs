@@ -7,8 +7,9 @@
 //! released dropped first) with its tokens, and a new sequence starts from the kept cache that shares
 //! the longest prefix with its context, so a shared system prompt or the history of a chat is not
 //! computed again. Where a sequence still running shares a longer prefix (requests with the same
-//! system prompt or documents, arriving together), the new sequence gets a cache of its own with a
-//! copy of that prefix's keys and values instead (from [`MIN_COPY`] tokens). Keys and values of a token prefix do not depend on how they were computed (blocks,
+//! system prompt or documents, one arriving while another is answered), the new sequence gets a
+//! cache of its own with a copy of that prefix's keys and values instead (from [`MIN_COPY`]
+//! tokens). Keys and values of a token prefix do not depend on how they were computed (blocks,
 //! batches and single steps give the same bits), so this changes no output.
 
 use std::collections::HashMap;
@@ -125,8 +126,8 @@ impl Sessions {
         spare.max(live).unwrap_or(0)
     }
 
-    /// Context tokens whose keys and values came from a released sequence's cache instead of being
-    /// computed, since the sessions were made.
+    /// Context tokens whose keys and values came from a released sequence's cache, or were copied
+    /// from a running one's, instead of being computed, since the sessions were made.
     pub fn reused_tokens(&self) -> u64 {
         self.reused_tokens
     }

@@ -96,6 +96,40 @@ fn sessions_refuse_too_many_sequences_and_duplicates() {
     assert_eq!(out[1].rows(), 1);
 }
 
+/// With chunked prefill a batch claims a new sequence's cache when it plans the first chunk: one
+/// the sessions have no room for fails alone, with its error, and the others go on.
+#[test]
+fn a_sequence_whose_cache_cannot_be_claimed_fails_alone() {
+    let model = tiny_model(&TinySpec::new(Arch::Qwen2, GgmlDType::Q8_0));
+    let config = GenerateConfig {
+        max_new_tokens: 6,
+        sampling: SamplingParams::greedy(),
+        ..GenerateConfig::default()
+    };
+    let mut batch = Batch::new(Sessions::new(model.clone(), 128, 1), NoDraft);
+    batch.set_prefill_chunk(Some(8));
+    let (p1, p2) = (tokens(20, 1), tokens(20, 2));
+    batch
+        .add(SeqId(1), p1.clone(), config.clone(), None)
+        .unwrap();
+    batch.add(SeqId(2), p2, config.clone(), None).unwrap();
+    let mut got = HashMap::new();
+    while got.len() < 2 {
+        for f in batch.step(&mut |_, _| ControlFlow::Continue(())) {
+            got.insert(f.seq, f.result);
+        }
+    }
+    let e = got.remove(&SeqId(2)).unwrap().unwrap_err();
+    assert!(e.output.tokens.is_empty());
+    assert!(e.error.to_string().contains("sequences"), "{}", e.error);
+    let mut alone = Session::new(model, 128);
+    let want = generate(&mut alone, &mut NoDraft, &p1, &config, &mut |_| {
+        ControlFlow::Continue(())
+    })
+    .unwrap();
+    assert_eq!(got[&SeqId(1)].as_ref().unwrap().tokens, want.tokens);
+}
+
 #[test]
 fn continuous_batching_on_tiny_models_gives_each_sequence_its_own_tokens() {
     let target = tiny_model(&TinySpec::new(Arch::Qwen2, GgmlDType::Q8_0));
@@ -216,58 +250,19 @@ fn chunked_prefill_reuses_the_whole_released_prefix() {
 #[test]
 fn a_new_sequence_reuses_the_longest_released_prefix_with_the_same_logits() {
     let model = tiny_model(&TinySpec::new(Arch::Qwen2, GgmlDType::Q4K));
-    let mut s = Sessions::new(model.clone(), 128, 2);
+    let mut s = Sessions::new(model, 128, 2);
     let shared = tokens(20, 3);
-    let mut a = shared.clone();
-    a.extend(tokens(5, 8));
-    let mut b = shared.clone();
-    b.extend(tokens(7, 9));
-    let mut out = vec![Logits::new(0)];
-    s.score(
-        &[Score {
-            seq: SeqId(1),
-            context: &a,
-            draft: &[],
-        }],
-        &mut out,
-    )
-    .unwrap();
+    let a = [shared.clone(), tokens(5, 8)].concat();
+    let b = [shared.clone(), tokens(7, 9)].concat();
+    scores_as_alone(&mut s, 1, &a, &[]);
     s.release(SeqId(1));
     assert_eq!(s.reused_tokens(), 0);
-    s.score(
-        &[Score {
-            seq: SeqId(2),
-            context: &b,
-            draft: &[4, 5],
-        }],
-        &mut out,
-    )
-    .unwrap();
+    scores_as_alone(&mut s, 2, &b, &[4, 5]);
     assert_eq!(
         s.reused_tokens(),
         20,
         "the shared prompt came from the released cache"
     );
-    let mut fresh = Session::new(model, 128);
-    let mut want = [Logits::new(0)];
-    fresh
-        .score(
-            &[Score {
-                seq: SeqId(0),
-                context: &b,
-                draft: &[4, 5],
-            }],
-            &mut want,
-        )
-        .unwrap();
-    for r in 0..3 {
-        let same = out[0]
-            .row(r)
-            .iter()
-            .zip(want[0].row(r))
-            .all(|(x, y)| x.to_bits() == y.to_bits());
-        assert!(same, "row {r}");
-    }
 }
 
 /// The logits of `context` and `draft` scored for `seq` on `s`, and on a fresh session, row by row

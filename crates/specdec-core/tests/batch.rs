@@ -342,10 +342,10 @@ fn a_long_prompt_is_prefilled_in_chunks_while_others_keep_decoding() {
     assert_eq!(outs[&SeqId(1)].tokens, alone.tokens);
 }
 
-/// Records the model draft length of every request of every `propose` call.
+/// Records, for every `propose` call, each request's sequence and model draft length.
 struct Recording<D> {
     inner: D,
-    calls: Vec<Vec<usize>>,
+    calls: Vec<Vec<(u64, usize)>>,
 }
 
 impl<D: Draft> Draft for Recording<D> {
@@ -361,7 +361,7 @@ impl<D: Draft> Draft for Recording<D> {
         out: &mut [specdec_core::Proposal],
     ) -> Result<(), Self::Error> {
         self.calls
-            .push(batch.iter().map(|r| r.model_len()).collect());
+            .push(batch.iter().map(|r| (r.seq.0, r.model_len())).collect());
         self.inner.propose(batch, out)
     }
 
@@ -371,6 +371,13 @@ impl<D: Draft> Draft for Recording<D> {
 
     fn prefill(&mut self, seq: SeqId, context: &[TokenId]) -> Result<(), Self::Error> {
         self.inner.prefill(seq, context)
+    }
+
+    fn prefill_priced(
+        &mut self,
+        req: &specdec_core::PrefillRequest<'_>,
+    ) -> Result<(), Self::Error> {
+        self.inner.prefill_priced(req)
     }
 
     fn model_drafts(&self, seq: SeqId) -> bool {
@@ -414,6 +421,42 @@ fn cost_model(r: Vec<f64>, draft_read: Option<f64>) -> DraftLenPolicy {
     }
 }
 
+/// Greedy requests `reqs` decoded together (sequence `i` for request `i`) with the mock draft model,
+/// `each_step` called after every step; checks that each got the tokens it gets alone, and
+/// returns the model draft lengths of every draft call, by sequence.
+fn decode_recorded(
+    reqs: &[(Vec<TokenId>, GenerateConfig)],
+    mut each_step: impl FnMut(&Recording<ModelDrafter<MockModel>>),
+) -> Vec<Vec<(u64, usize)>> {
+    let mut batch = Batch::new(
+        target(),
+        Recording {
+            inner: draft_model(),
+            calls: Vec::new(),
+        },
+    );
+    for (i, (p, c)) in reqs.iter().cloned().enumerate() {
+        batch.add(SeqId(i as u64), p, c, None).unwrap();
+    }
+    let mut outs = HashMap::new();
+    while !batch.is_empty() {
+        let finished = batch.step(&mut |_, _| ControlFlow::Continue(()));
+        each_step(batch.drafter());
+        for f in finished {
+            outs.insert(f.seq, f.result.unwrap());
+            batch.release(f.seq);
+        }
+    }
+    for (i, (p, c)) in reqs.iter().enumerate() {
+        let alone = generate(&mut target(), &mut NoDraft, p, c, &mut |_| {
+            ControlFlow::Continue(())
+        })
+        .unwrap();
+        assert_eq!(outs[&SeqId(i as u64)].tokens, alone.tokens, "sequence {i}");
+    }
+    batch.drafter().calls.clone()
+}
+
 /// Two greedy sequences decoded together under cost models given `r`: the model draft lengths of
 /// the draft calls that served both, and of those that served one.
 fn batch_draft_lens(r: Vec<f64>) -> (Vec<usize>, Vec<usize>) {
@@ -431,37 +474,13 @@ fn batch_draft_lens(r: Vec<f64>) -> (Vec<usize>, Vec<usize>) {
             (prompt, config)
         })
         .collect();
-    let mut batch = Batch::new(
-        target(),
-        Recording {
-            inner: draft_model(),
-            calls: Vec::new(),
-        },
-    );
-    for (i, (p, c)) in reqs.iter().cloned().enumerate() {
-        batch.add(SeqId(i as u64), p, c, None).unwrap();
-    }
-    let mut outs = HashMap::new();
-    while !batch.is_empty() {
-        for f in batch.step(&mut |_, _| ControlFlow::Continue(())) {
-            outs.insert(f.seq, f.result.unwrap());
-            batch.release(f.seq);
-        }
-    }
-    for (i, (p, c)) in reqs.iter().enumerate() {
-        let alone = generate(&mut target(), &mut NoDraft, p, c, &mut |_| {
-            ControlFlow::Continue(())
-        })
-        .unwrap();
-        assert_eq!(outs[&SeqId(i as u64)].tokens, alone.tokens, "sequence {i}");
-    }
-    let calls = &batch.drafter().calls;
+    let calls = decode_recorded(&reqs, |_| {});
     let lens = |n: usize| -> Vec<usize> {
         calls
             .iter()
             .filter(|c| c.len() == n)
             .flatten()
-            .copied()
+            .map(|&(_, k)| k)
             .collect()
     };
     (lens(2), lens(1))
@@ -483,53 +502,6 @@ fn a_batch_caps_model_drafts_where_its_rows_stop_being_cheap() {
     let flat: Vec<f64> = (1..=17).map(|m| 1.0 + 0.02 * (m - 1) as f64).collect();
     let (together, _) = batch_draft_lens(flat);
     assert!(together.iter().any(|&k| k >= 2), "{together:?}");
-}
-
-/// Records, for every `propose` call, each request's sequence and model draft length.
-struct BySequence<D> {
-    inner: D,
-    calls: Vec<Vec<(u64, usize)>>,
-}
-
-impl<D: Draft> Draft for BySequence<D> {
-    type Error = D::Error;
-
-    fn vocab_size(&self) -> Option<usize> {
-        self.inner.vocab_size()
-    }
-
-    fn propose(
-        &mut self,
-        batch: &[specdec_core::DraftRequest<'_>],
-        out: &mut [specdec_core::Proposal],
-    ) -> Result<(), Self::Error> {
-        self.calls
-            .push(batch.iter().map(|r| (r.seq.0, r.model_len())).collect());
-        self.inner.propose(batch, out)
-    }
-
-    fn commit(&mut self, seq: SeqId, committed: &[TokenId]) -> Result<(), Self::Error> {
-        self.inner.commit(seq, committed)
-    }
-
-    fn prefill(&mut self, seq: SeqId, context: &[TokenId]) -> Result<(), Self::Error> {
-        self.inner.prefill(seq, context)
-    }
-
-    fn prefill_priced(
-        &mut self,
-        req: &specdec_core::PrefillRequest<'_>,
-    ) -> Result<(), Self::Error> {
-        self.inner.prefill_priced(req)
-    }
-
-    fn model_drafts(&self, seq: SeqId) -> bool {
-        self.inner.model_drafts(seq)
-    }
-
-    fn release(&mut self, seq: SeqId) {
-        self.inner.release(seq);
-    }
 }
 
 #[test]
@@ -556,38 +528,13 @@ fn a_sequence_whose_prompt_the_model_left_unread_does_not_cap_the_others_model_d
             config(60),
         ),
     ];
-    let mut batch = Batch::new(
-        target(),
-        BySequence {
-            inner: draft_model(),
-            calls: Vec::new(),
-        },
-    );
-    for (i, (p, c)) in reqs.iter().cloned().enumerate() {
-        batch.add(SeqId(i as u64), p, c, None).unwrap();
-    }
-    let mut outs = HashMap::new();
     let mut unread = false;
-    while !batch.is_empty() {
-        let finished = batch.step(&mut |_, _| ControlFlow::Continue(()));
-        unread |= !batch.drafter().model_drafts(SeqId(0)) && batch.drafter().model_drafts(SeqId(1));
-        for f in finished {
-            outs.insert(f.seq, f.result.unwrap());
-            batch.release(f.seq);
-        }
-    }
+    let calls = decode_recorded(&reqs, |d| {
+        unread |= !d.model_drafts(SeqId(0)) && d.model_drafts(SeqId(1));
+    });
     assert!(unread, "sequence 0's prompt was read");
-    for (i, (p, c)) in reqs.iter().enumerate() {
-        let alone = generate(&mut target(), &mut NoDraft, p, c, &mut |_| {
-            ControlFlow::Continue(())
-        })
-        .unwrap();
-        assert_eq!(outs[&SeqId(i as u64)].tokens, alone.tokens, "sequence {i}");
-    }
     // The model drafts of sequence 1 while both decoded.
-    let together: Vec<usize> = batch
-        .drafter()
-        .calls
+    let together: Vec<usize> = calls
         .iter()
         .filter(|c| c.iter().any(|&(s, _)| s == 0))
         .flat_map(|c| c.iter().filter(|&&(s, _)| s == 1).map(|&(_, k)| k))

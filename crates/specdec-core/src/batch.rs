@@ -100,8 +100,6 @@ struct Sequence {
     k: usize,
     /// Prompt tokens scored so far by partial prefill steps.
     prefilled: usize,
-    /// Whether the sequence's cache has been claimed ([`Target::claim`]), before its first chunk.
-    claimed: bool,
     /// This step scores only the first this-many prompt tokens (a partial prefill).
     partial: Option<usize>,
     /// Seconds spent in partial prefill steps.
@@ -322,7 +320,6 @@ impl<T: Target, D: Draft> Batch<T, D> {
             scratch: Vec::new(),
             k: 0,
             prefilled: 0,
-            claimed: false,
             partial: None,
             prefill_secs: 0.0,
             draft_read: false,
@@ -372,14 +369,15 @@ impl<T: Target, D: Draft> Batch<T, D> {
                 Phase::Done(_) => {}
                 Phase::Prefill => {
                     s.k = 0;
-                    if s.prefilled == 0 && self.prefill_chunk.is_some() && !s.claimed {
+                    if s.prefilled == 0 && self.prefill_chunk.is_some() {
                         // Chunks start after what the target holds already (a released
                         // sequence's cache with the same beginning, or a copy of a running one's):
                         // a first chunk of the prompt's first tokens would take such a cache over
                         // only that far, and the rest of it would be computed again. Claimed one
                         // sequence after another, so that two new sequences do not both count
-                        // the same released cache, which only one of them can take over.
-                        s.claimed = true;
+                        // the same released cache, which only one of them can take over. (A claim
+                        // that finds nothing leaves the sequence at 0 until its first chunk is
+                        // scored, and claiming again finds the same.)
                         match self.target.claim(s.id, &s.tokens) {
                             Ok(n) => s.prefilled = n.min(s.tokens.len().saturating_sub(1)),
                             Err(e) => {

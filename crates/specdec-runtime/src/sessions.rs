@@ -28,6 +28,16 @@ pub const SPARE_CACHES: usize = 8;
 /// memory, and computing a few tokens costs about one step.
 pub const MIN_COPY: usize = 16;
 
+/// Where a new sequence's cache comes from ([`Sessions::start`]).
+enum Start<'a> {
+    /// A copy of this running sequence's first `n` positions.
+    Copy(&'a Seq, usize),
+    /// Kept cache `i`, whose first `n` positions the sequence shares.
+    Spare(usize, usize),
+    /// A new, empty cache.
+    Fresh,
+}
+
 /// Sequences on a shared model, each with its own KV cache of `capacity` positions, created on first
 /// use and freed by [`Target::release`].
 #[derive(Debug)]
@@ -73,10 +83,35 @@ impl Sessions {
         self.seqs.get(&seq).map_or(&[], |s| &s.tokens)
     }
 
-    /// The cache of `id`, taken out of the map (`taken` others already are); for a new sequence, the
-    /// kept cache sharing the longest prefix with `context`, or a new one holding a copy of a
-    /// live sequence's longer shared prefix (one in the map or in `taken`), else the oldest kept
-    /// one, else a new one.
+    /// Where a new sequence with `context` starts: the kept cache sharing the longest prefix with
+    /// it, or a copy of a running sequence's (one in the map or in `taken`) where that is longer
+    /// and at least [`MIN_COPY`] tokens, else a new cache. [`Sessions::take`] takes it and
+    /// [`Target::cached`] reports it, so the two agree.
+    fn start<'a>(&'a self, taken: &'a [Seq], context: &[TokenId]) -> Start<'a> {
+        // Longest shared prefix first; among equals the oldest, the first to be dropped anyway.
+        let spare = self
+            .spare
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (s.common_prefix(context), i))
+            .max_by_key(|&(n, i)| (n, usize::MAX - i));
+        let live = self
+            .seqs
+            .values()
+            .chain(taken)
+            .map(|s| (s.common_prefix(context), s))
+            .max_by_key(|&(n, _)| n);
+        match (spare, live) {
+            (spare, Some((n, src))) if n >= MIN_COPY && n > spare.map_or(0, |s| s.0) => {
+                Start::Copy(src, n)
+            }
+            (Some((n, i)), _) => Start::Spare(i, n),
+            (None, _) => Start::Fresh,
+        }
+    }
+
+    /// The cache of `id`, taken out of the map (`taken` others already are); for a new sequence,
+    /// where [`Sessions::start`] says.
     fn take(&mut self, id: SeqId, taken: &[Seq], context: &[TokenId]) -> Result<Seq> {
         if let Some(s) = self.seqs.remove(&id) {
             return Ok(s);
@@ -84,46 +119,17 @@ impl Sessions {
         if self.seqs.len() + taken.len() >= self.max_seqs {
             return Err(Error::TooManySequences { max: self.max_seqs });
         }
-        // Longest shared prefix first; among equals the oldest, the first to be dropped anyway.
-        let best = self
-            .spare
-            .iter()
-            .enumerate()
-            .max_by_key(|(i, s)| (s.common_prefix(context), usize::MAX - i))
-            .map(|(i, s)| (i, s.common_prefix(context)));
-        let live = self
-            .seqs
-            .values()
-            .chain(taken)
-            .map(|s| (s.common_prefix(context), s))
-            .max_by_key(|&(n, _)| n);
-        match (best, live) {
-            (best, Some((n, src))) if n >= MIN_COPY && n > best.map_or(0, |b| b.1) => {
-                let s = Seq::copy_of(src, n, self.model.cache(self.capacity))?;
-                self.reused_tokens += n as u64;
-                Ok(s)
-            }
-            (Some((i, keep)), _) => {
+        let (s, reused) = match self.start(taken, context) {
+            Start::Copy(src, n) => (Seq::copy_of(src, n, self.model.cache(self.capacity))?, n),
+            Start::Spare(i, n) => {
                 let mut s = self.spare.remove(i);
-                s.rollback(keep)?;
-                self.reused_tokens += keep as u64;
-                Ok(s)
+                s.rollback(n)?;
+                (s, n)
             }
-            (None, _) => Ok(Seq::new(self.model.cache(self.capacity))),
-        }
-    }
-
-    /// The leading tokens of `context` that a new sequence would find in a cache: a kept one's
-    /// shared prefix, or a running sequence's copied (`Sessions::take`).
-    fn shared_prefix(&self, context: &[TokenId]) -> usize {
-        let spare = self.spare.iter().map(|s| s.common_prefix(context)).max();
-        let live = self
-            .seqs
-            .values()
-            .map(|s| s.common_prefix(context))
-            .filter(|&n| n >= MIN_COPY)
-            .max();
-        spare.max(live).unwrap_or(0)
+            Start::Fresh => (Seq::new(self.model.cache(self.capacity)), 0),
+        };
+        self.reused_tokens += reused as u64;
+        Ok(s)
     }
 
     /// Context tokens whose keys and values came from a released sequence's cache, or were copied
@@ -280,7 +286,10 @@ impl Target for Sessions {
     fn cached(&self, seq: SeqId, context: &[TokenId]) -> usize {
         match self.seqs.get(&seq) {
             Some(s) => s.common_prefix(context),
-            None => self.shared_prefix(context),
+            None => match self.start(&[], context) {
+                Start::Copy(_, n) | Start::Spare(_, n) => n,
+                Start::Fresh => 0,
+            },
         }
     }
 

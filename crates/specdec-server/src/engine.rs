@@ -235,10 +235,9 @@ impl<M: Target> Draft for MultiDrafter<M> {
 
     /// [`Draft::prefill`]; where the cost model says that the draft model's reading of the prompt
     /// (what it does not hold already, a released sequence's cache or a copy of a running one's
-    /// included) cannot pay for itself
-    /// within the tokens the request may still emit ([`specdec_core::RoundCosts::prompt_read_pays`]),
-    /// the model never reads it: the hybrid drafts from the lookup alone, the model kind decodes
-    /// plainly.
+    /// included) cannot pay for itself within the tokens the request may still emit
+    /// ([`specdec_core::RoundCosts::prompt_read_pays`]), the model never reads it: the hybrid
+    /// drafts from the lookup alone, the model kind decodes plainly.
     fn prefill_priced(&mut self, req: &PrefillRequest<'_>) -> Result<(), Self::Error> {
         self.prefill(req.seq, req.prompt)?;
         if self.kind(req.seq).needs_model() && !req.read_pays(self.cached(req.seq, req.prompt)) {

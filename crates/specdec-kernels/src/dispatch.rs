@@ -4,7 +4,7 @@ use crate::KernelError;
 use std::sync::OnceLock;
 
 /// The environment variable that overrides the detected level: `scalar`, `avx2`, `avx512vnni`,
-/// `avx512zmm-k`, `avx512zmm` or `auto`.
+/// `avx512zmm-k`, `avx512zmm`, `amx` or `auto`.
 pub const LEVEL_ENV: &str = "SPECDEC_KERNELS";
 
 /// A kernel implementation level. Every level returns bit-identical results; they differ in speed.
@@ -34,6 +34,18 @@ pub enum CpuLevel {
     /// vectors too. Detected as the best level only where 512-bit operations run at full width
     /// ([`full_width_512`]: Intel).
     Avx512Zmm,
+    /// [`CpuLevel::Avx512Zmm`] with the interleaved K-quant passes (Q4_K, Q6_K) of
+    /// [`crate::AMX_FROM_ROWS`] rows on Intel's AMX tiles (needs AMX-TILE and AMX-INT8, and an
+    /// operating system that lets the process use the tiles: Linux 5.16 or later, asked once with
+    /// `arch_prctl`): per pair of groups and sub-block, one `tdpbsud` multiplies the pass's
+    /// activation rows by 16 weight rows, and 512-bit vectors unpack the weights and do the scales
+    /// and the float arithmetic as at [`CpuLevel::Avx512Zmm`], so the results are the same bits.
+    /// Never detected, only asked for (`SPECDEC_KERNELS=amx`): on a 16-core Xeon with AMX (stop 54,
+    /// 2 threads) its passes of 2 to 15 rows ran slower than the 512-bit ones (`rcurve`, a 1536 ×
+    /// 8960 matrix read from memory: Q4_K r(8) 1.86–2.21 against 1.37–1.38, Q6_K 2.04–2.26
+    /// against 1.51–1.56), and 16-row passes about as fast (Q4_K r(16) 2.48–3.14 against
+    /// 2.38–2.94).
+    Amx,
 }
 
 /// Whether this CPU runs 512-bit vector operations at full width, so that [`CpuLevel::Avx512Zmm`]
@@ -86,20 +98,22 @@ fn vendor() -> [u8; 12] {
 
 impl CpuLevel {
     /// Every level, lowest first.
-    pub const ALL: [CpuLevel; 5] = [
+    pub const ALL: [CpuLevel; 6] = [
         CpuLevel::Scalar,
         CpuLevel::Avx2,
         CpuLevel::Avx512Vnni,
         CpuLevel::Avx512ZmmK,
         CpuLevel::Avx512Zmm,
+        CpuLevel::Amx,
     ];
 
     /// The best level this CPU supports ([`CpuLevel::Avx512Zmm`] only where [`full_width_512`],
-    /// else [`CpuLevel::Avx512ZmmK`]).
+    /// else [`CpuLevel::Avx512ZmmK`]; never [`CpuLevel::Amx`], which is not faster).
     pub fn detect() -> CpuLevel {
         CpuLevel::ALL
             .into_iter()
             .rev()
+            .filter(|&l| l != CpuLevel::Amx)
             .filter(|&l| l != CpuLevel::Avx512Zmm || full_width_512())
             .find(|l| l.is_supported())
             .unwrap_or(CpuLevel::Scalar)
@@ -110,14 +124,21 @@ impl CpuLevel {
     pub fn has_avx2(self) -> bool {
         matches!(
             self,
-            CpuLevel::Avx2 | CpuLevel::Avx512Vnni | CpuLevel::Avx512ZmmK | CpuLevel::Avx512Zmm
+            CpuLevel::Avx2
+                | CpuLevel::Avx512Vnni
+                | CpuLevel::Avx512ZmmK
+                | CpuLevel::Avx512Zmm
+                | CpuLevel::Amx
         )
     }
 
     /// Whether the level runs the K-quant passes of several rows (6 or more on Intel, 4 or more on
     /// AMD) and attention on 512-bit vectors.
     pub fn has_zmm(self) -> bool {
-        matches!(self, CpuLevel::Avx512ZmmK | CpuLevel::Avx512Zmm)
+        matches!(
+            self,
+            CpuLevel::Avx512ZmmK | CpuLevel::Avx512Zmm | CpuLevel::Amx
+        )
     }
 
     /// Whether this CPU can run the level.
@@ -142,10 +163,14 @@ impl CpuLevel {
                 CpuLevel::Avx512Vnni.is_supported()
                     && std::arch::is_x86_feature_detected!("avx512bw")
             }
+            #[cfg(target_arch = "x86_64")]
+            CpuLevel::Amx => CpuLevel::Avx512Zmm.is_supported() && crate::amx::available(),
             #[cfg(not(target_arch = "x86_64"))]
-            CpuLevel::Avx2 | CpuLevel::Avx512Vnni | CpuLevel::Avx512ZmmK | CpuLevel::Avx512Zmm => {
-                false
-            }
+            CpuLevel::Avx2
+            | CpuLevel::Avx512Vnni
+            | CpuLevel::Avx512ZmmK
+            | CpuLevel::Avx512Zmm
+            | CpuLevel::Amx => false,
         }
     }
 
@@ -159,6 +184,10 @@ impl CpuLevel {
             }
             CpuLevel::Avx512ZmmK | CpuLevel::Avx512Zmm => {
                 "x86-64 with AVX2, F16C, FMA, AVX512F, AVX512VL, AVX512BW and AVX512_VNNI"
+            }
+            CpuLevel::Amx => {
+                "x86-64 with AVX2, F16C, FMA, AVX512F, AVX512VL, AVX512BW, AVX512_VNNI, AMX-TILE and \
+                 AMX-INT8, and an operating system that lets the process use the tiles"
             }
         }
     }
@@ -179,6 +208,7 @@ impl CpuLevel {
             CpuLevel::Avx512Vnni => "avx512vnni",
             CpuLevel::Avx512ZmmK => "avx512zmm-k",
             CpuLevel::Avx512Zmm => "avx512zmm",
+            CpuLevel::Amx => "amx",
         }
     }
 
@@ -190,6 +220,7 @@ impl CpuLevel {
             "avx512vnni" => Ok(CpuLevel::Avx512Vnni),
             "avx512zmm-k" => Ok(CpuLevel::Avx512ZmmK),
             "avx512zmm" => Ok(CpuLevel::Avx512Zmm),
+            "amx" => Ok(CpuLevel::Amx),
             "auto" | "" => Ok(CpuLevel::detect()),
             _ => Err(KernelError::UnknownLevel {
                 name: name.to_owned(),

@@ -46,6 +46,7 @@
 //! # Ok::<(), specdec_kernels::KernelError>(())
 //! ```
 
+mod amx;
 pub mod dispatch;
 pub mod f16;
 pub mod formats;
@@ -53,6 +54,7 @@ mod matrix;
 pub mod pool;
 mod simd;
 
+pub use amx::AMX_FROM_ROWS;
 pub use dispatch::{CpuLevel, Kernels, LEVEL_ENV};
 pub use f16::F16;
 pub use formats::{
@@ -171,7 +173,7 @@ pub enum KernelError {
     },
     /// An unknown level name (in `SPECDEC_KERNELS` or [`CpuLevel::parse`]).
     #[error(
-        "unknown kernel level {name:?} (expected scalar, avx2, avx512vnni, avx512zmm-k, avx512zmm or auto)"
+        "unknown kernel level {name:?} (expected scalar, avx2, avx512vnni, avx512zmm-k, avx512zmm, amx or auto)"
     )]
     UnknownLevel {
         /// The name given.

@@ -1,5 +1,9 @@
 //! Quantised weight matrices, quantised activations, and the multi-row matmul over them.
 
+#[cfg(target_arch = "x86_64")]
+use crate::amx::AMX_FROM_ROWS;
+#[cfg(target_arch = "x86_64")]
+use crate::dispatch::CpuLevel;
 use crate::dispatch::Kernels;
 use crate::formats::{
     dequantize_row, interleave_rows, quantize_row_q8_0, quantize_row_q8_k, ActQ8_0,
@@ -11,6 +15,7 @@ use crate::pool::ThreadPool;
 use crate::simd::{self, pass, pass_groups, Out, Window, MAX_PASS_ROWS};
 use crate::KernelError;
 use std::ops::Range;
+use std::sync::OnceLock;
 
 /// The blocks of a weight matrix, row-major (row `n` is blocks `n · cols / block_len ..`), or for the
 /// interleaved variants group-major (group `g · nb + b` is block `b` of rows `8g .. 8g + 8`, with `nb`
@@ -308,6 +313,31 @@ pub struct QuantizedActivations {
     rows: usize,
     cols: usize,
     blocks: ActBlocks,
+    natural: Natural,
+}
+
+/// Q8_K quants in natural order ([`crate::amx::natural_order`]), made at most once per
+/// quantisation by the first pass on AMX tiles that needs them (the threads of a matmul share
+/// them). A cache: it never makes two activations unequal, and a clone starts without it.
+#[derive(Default)]
+struct Natural(OnceLock<Vec<i8>>);
+
+impl Clone for Natural {
+    fn clone(&self) -> Self {
+        Natural::default()
+    }
+}
+
+impl PartialEq for Natural {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl std::fmt::Debug for Natural {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Natural")
+    }
 }
 
 impl QuantizedActivations {
@@ -330,6 +360,7 @@ impl QuantizedActivations {
             rows: 0,
             cols: 0,
             blocks,
+            natural: Natural::default(),
         };
         q.requantize(rows, cols, x)?;
         Ok(q)
@@ -402,7 +433,18 @@ impl QuantizedActivations {
         }
         self.rows = rows;
         self.cols = cols;
+        self.natural = Natural::default();
         Ok(())
+    }
+
+    /// The Q8_K quants in natural order (empty for Q8_0 activations), made on the first call after a
+    /// quantisation.
+    #[cfg(target_arch = "x86_64")]
+    fn natural(&self) -> &[i8] {
+        self.natural.0.get_or_init(|| match &self.blocks {
+            ActBlocks::Q8K(b) => crate::amx::natural_order(b),
+            ActBlocks::Q8_0(_) => Vec::new(),
+        })
     }
 
     /// Activation rows.
@@ -462,7 +504,7 @@ impl Kernels {
     ///
     /// Activation rows go in passes of up to 16; within a pass each weight block is unpacked once and
     /// dotted against every row of the pass. Each result is bit-identical to the one-row call and to
-    /// every other [`CpuLevel`](crate::CpuLevel).
+    /// every other [`crate::CpuLevel`].
     ///
     /// # Errors
     /// [`KernelError::ActivationFormat`] or [`KernelError::WidthMismatch`] if `x` does not fit `w`,
@@ -711,11 +753,39 @@ impl Kernels {
                     (Weights::Q4K(b), ActBlocks::Q8K(a)) => {
                         pass::<simd::Q4K>(level, &b[blocks.clone()], nb, &a[acts], out)
                     }
+                    #[cfg(target_arch = "x86_64")]
+                    (Weights::Q4Kx8(g), ActBlocks::Q8K(a))
+                        if level == CpuLevel::Amx && rows.len() >= AMX_FROM_ROWS =>
+                    {
+                        let natural = &x.natural()[256 * acts.start..256 * acts.end];
+                        crate::amx::pass::<crate::formats::q4_k_x8::amx::Q4Kx8, _>(
+                            &mut crate::amx::Hardware,
+                            &g[groups.clone()],
+                            nb,
+                            &a[acts],
+                            natural,
+                            window,
+                        )
+                    }
                     (Weights::Q4Kx8(g), ActBlocks::Q8K(a)) => {
                         pass_groups::<simd::Q4Kx8>(level, &g[groups.clone()], nb, &a[acts], window)
                     }
                     (Weights::Q6K(b), ActBlocks::Q8K(a)) => {
                         pass::<simd::Q6K>(level, &b[blocks.clone()], nb, &a[acts], out)
+                    }
+                    #[cfg(target_arch = "x86_64")]
+                    (Weights::Q6Kx8(g), ActBlocks::Q8K(a))
+                        if level == CpuLevel::Amx && rows.len() >= AMX_FROM_ROWS =>
+                    {
+                        let natural = &x.natural()[256 * acts.start..256 * acts.end];
+                        crate::amx::pass::<crate::formats::q6_k_x8::amx::Q6Kx8, _>(
+                            &mut crate::amx::Hardware,
+                            &g[groups.clone()],
+                            nb,
+                            &a[acts],
+                            natural,
+                            window,
+                        )
                     }
                     (Weights::Q6Kx8(g), ActBlocks::Q8K(a)) => {
                         pass_groups::<simd::Q6Kx8>(level, &g[groups.clone()], nb, &a[acts], window)

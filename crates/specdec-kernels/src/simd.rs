@@ -422,7 +422,7 @@ pub(crate) unsafe fn pass_groups<G: GroupFormat>(
         // SAFETY: as above. Passes of few rows, and the 32-value formats at the K-quant level, take
         // the 256-bit pass.
         #[cfg(target_arch = "x86_64")]
-        CpuLevel::Avx512Zmm if x.len() < ZMM_FROM_ROWS * nb => unsafe {
+        CpuLevel::Avx512Zmm | CpuLevel::Amx if x.len() < ZMM_FROM_ROWS * nb => unsafe {
             G::vnni_pass(w, nb, x, out)
         },
         // SAFETY: as above.
@@ -432,12 +432,16 @@ pub(crate) unsafe fn pass_groups<G: GroupFormat>(
         },
         // SAFETY: as above.
         #[cfg(target_arch = "x86_64")]
-        CpuLevel::Avx512ZmmK | CpuLevel::Avx512Zmm => unsafe { G::zmm_pass(w, nb, x, out) },
+        CpuLevel::Avx512ZmmK | CpuLevel::Avx512Zmm | CpuLevel::Amx => unsafe {
+            G::zmm_pass(w, nb, x, out)
+        },
         // SAFETY: the caller's contract.
         #[cfg(not(target_arch = "x86_64"))]
-        CpuLevel::Avx2 | CpuLevel::Avx512Vnni | CpuLevel::Avx512ZmmK | CpuLevel::Avx512Zmm => unsafe {
-            scalar_groups::<G>(w, nb, x, out)
-        },
+        CpuLevel::Avx2
+        | CpuLevel::Avx512Vnni
+        | CpuLevel::Avx512ZmmK
+        | CpuLevel::Avx512Zmm
+        | CpuLevel::Amx => unsafe { scalar_groups::<G>(w, nb, x, out) },
     }
 }
 
@@ -486,14 +490,16 @@ pub(crate) unsafe fn pass<F: Format>(
         // SAFETY: as above.
         // The row formats have no 512-bit pass: the zmm level runs the VNNI one.
         #[cfg(target_arch = "x86_64")]
-        CpuLevel::Avx512Vnni | CpuLevel::Avx512ZmmK | CpuLevel::Avx512Zmm => unsafe {
+        CpuLevel::Avx512Vnni | CpuLevel::Avx512ZmmK | CpuLevel::Avx512Zmm | CpuLevel::Amx => unsafe {
             F::vnni_pass(w, nb, x, out)
         },
         // SAFETY: the caller's contract.
         #[cfg(not(target_arch = "x86_64"))]
-        CpuLevel::Avx2 | CpuLevel::Avx512Vnni | CpuLevel::Avx512ZmmK | CpuLevel::Avx512Zmm => unsafe {
-            scalar_rows(F::dot, w, nb, x, out)
-        },
+        CpuLevel::Avx2
+        | CpuLevel::Avx512Vnni
+        | CpuLevel::Avx512ZmmK
+        | CpuLevel::Avx512Zmm
+        | CpuLevel::Amx => unsafe { scalar_rows(F::dot, w, nb, x, out) },
     }
 }
 

@@ -1,7 +1,11 @@
 //! Writes a tiny random-weight model for experiments and for `scripts/agreement.py`:
 //! `cargo run -p specdec-runtime --features testing --example write_tiny -- OUT.gguf [qwen2|llama]
 //! [--dtype f32|f16|q8_0|q4_0|q4_k|...] [--head-dim N] [--rope-freqs] [--rope-linear FACTOR]
-//! [--ctx N]`.
+//! [--ctx N] [--heads Q,KV] [--layers N] [--embd N] [--ff N] [--vocab N]`.
+//!
+//! `--embd 1536 --ff 8960 --heads 12,2 --vocab 151936 --dtype q4_k` gives the 1.5B target's matrix
+//! shapes (random weights; `--layers` as few as a measurement needs), for `step_time` on a machine
+//! the real model cannot reach.
 //!
 //! `--rope-freqs` writes Llama 3.1-style `rope_freqs.weight` factors (factor 8, low/high frequency
 //! factors 1 and 4, an original context of 256 so that a few hundred positions feel them);
@@ -11,7 +15,7 @@ use candle_core::quantized::GgmlDType;
 use specdec_runtime::testing::{llama3_rope_freqs, TinySpec};
 use specdec_runtime::Arch;
 
-const USAGE: &str = "usage: write_tiny OUT.gguf [qwen2|llama] [--dtype f32|f16|q8_0|q4_0|q4_1|q5_0|q4_k|q5_k|q6_k] [--head-dim N] [--rope-freqs] [--rope-linear FACTOR] [--ctx N] [--heads Q,KV] [--layers N]";
+const USAGE: &str = "usage: write_tiny OUT.gguf [qwen2|llama] [--dtype f32|f16|q8_0|q4_0|q4_1|q5_0|q4_k|q5_k|q6_k] [--head-dim N] [--rope-freqs] [--rope-linear FACTOR] [--ctx N] [--heads Q,KV] [--layers N] [--embd N] [--ff N] [--vocab N]";
 
 fn dtype(s: &str) -> Option<GgmlDType> {
     Some(match s {
@@ -39,6 +43,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut ctx = 4096;
     let mut heads = None;
     let mut layers = None;
+    let (mut embd, mut ff, mut vocab) = (None, None, None);
     let mut it = args[1..].iter();
     while let Some(a) = it.next() {
         let mut value = || it.next().ok_or(USAGE);
@@ -55,6 +60,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 heads = Some((q.parse::<usize>()?, kv.parse::<usize>()?));
             }
             "--layers" => layers = Some(value()?.parse::<usize>()?),
+            "--embd" => embd = Some(value()?.parse::<usize>()?),
+            "--ff" => ff = Some(value()?.parse::<usize>()?),
+            "--vocab" => vocab = Some(value()?.parse::<usize>()?),
             _ => return Err(format!("unknown argument `{a}`\n{USAGE}").into()),
         }
     }
@@ -63,6 +71,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         (base.n_head, base.n_head_kv) = (q, kv);
     }
     base.n_layer = layers.unwrap_or(base.n_layer);
+    base.n_embd = embd.unwrap_or(base.n_embd);
+    base.n_ff = ff.unwrap_or(base.n_ff);
+    base.vocab = vocab.unwrap_or(base.vocab);
     let rope_dim = head_dim.unwrap_or(base.n_embd / base.n_head);
     TinySpec {
         ctx,

@@ -503,11 +503,11 @@ pub(crate) mod avx512 {
     /// low half and `2p + 1` in the high one.
     pub(crate) struct Scales {
         /// Sub-block `s`'s scales: `i32` lane `k` holds row `k`'s in both `i16` halves.
-        sc: [__m512i; 8],
+        pub(crate) sc: [__m512i; 8],
         /// Mins `2p` and `2p + 1` of row `k` in the low and high `i16` of lane `k`.
-        mins: [__m512i; 4],
-        d: __m512,
-        dmin: __m512,
+        pub(crate) mins: [__m512i; 4],
+        pub(crate) d: __m512,
+        pub(crate) dmin: __m512,
     }
 
     /// `avx2::spread128` in all four 128-bit lanes.
@@ -523,7 +523,7 @@ pub(crate) mod avx512 {
     impl Patterns {
         #[inline]
         #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni,avx512bw")]
-        fn new() -> Self {
+        pub(crate) fn new() -> Self {
             Patterns([
                 spread(0, 0),
                 spread(1, 1),
@@ -538,7 +538,7 @@ pub(crate) mod avx512 {
     /// ggml's `get_scale_min_k4` for the 16 rows of two groups at once (see [`super::avx2`]).
     #[inline]
     #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni,avx512bw")]
-    fn scales(g0: &BlockQ4Kx8, g1: &BlockQ4Kx8, pat: &Patterns) -> Scales {
+    pub(crate) fn scales(g0: &BlockQ4Kx8, g1: &BlockQ4Kx8, pat: &Patterns) -> Scales {
         let (p0, p1) = (g0.scales.as_ptr(), g1.scales.as_ptr());
         // SAFETY: `scales` is 96 bytes: three 32-byte loads from each group.
         let (u0, u1, u2) = unsafe {
@@ -594,7 +594,7 @@ pub(crate) mod avx512 {
     /// and three `vpdpwssd`, each against a pair of `sums32` broadcast from memory.
     #[inline]
     #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni,avx512bw")]
-    fn mins(mins: &[__m512i; 4], x: &BlockQ8K) -> __m512i {
+    pub(crate) fn mins(mins: &[__m512i; 4], x: &BlockQ8K) -> __m512i {
         let at = |i: usize| _mm512_set1_epi32(super::pair_of_sums(x, i));
         let m = _mm512_madd_epi16(mins[0], at(0));
         let m = _mm512_dpwssd_epi32(m, mins[1], at(1));
@@ -685,6 +685,98 @@ pub(crate) mod avx512 {
     }
 }
 
+/// The interleaved Q4_K pass at [`crate::CpuLevel::Amx`] ([`crate::amx::pass`]): per pair of
+/// groups, block and sub-block, one tile product of the pass's activation rows (up to 16) by the
+/// pair's 16 weight rows gives each (row, weight row)'s exact sub-block sum; 512-bit vectors unpack
+/// the weights for it and then do, per activation row, what [`avx512`]'s pass does with its sums:
+/// the scales, the mins and the float arithmetic of [`dot_q4_kx8_q8_k`], in the same order, so
+/// the results are the same bits.
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod amx {
+    use super::avx512::{mins, scales, Patterns};
+    use super::{BlockQ4Kx8, BlockQ8K};
+    use crate::amx::TileFormat;
+    use crate::simd::avx512::join;
+    use crate::simd::{Ahead, Window};
+    use std::arch::x86_64::*;
+
+    /// Interleaved Q4_K as [`TileFormat`].
+    pub(crate) struct Q4Kx8;
+
+    impl TileFormat for Q4Kx8 {
+        type Group = BlockQ4Kx8;
+        const DEPTH: usize = 32;
+        const SUMS: usize = 8;
+        type Constants = Patterns;
+
+        #[inline]
+        #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni,avx512bw")]
+        unsafe fn constants() -> Patterns {
+            Patterns::new()
+        }
+
+        /// Sub-block `s`'s tile: row `t` is the vector `V_t` of both groups (the low nibbles of
+        /// load `t` for `t < 4`, the high ones of load `t - 4` after).
+        #[inline]
+        #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni,avx512bw")]
+        unsafe fn unpack(g0: &BlockQ4Kx8, g1: &BlockQ4Kx8, tiles: &mut [u8; 4096], ahead: Ahead) {
+            let low = _mm512_set1_epi8(0x0f);
+            for s in 0..8 {
+                ahead.part(s, 8);
+                for c in 0..4 {
+                    let at = 128 * s + 32 * c;
+                    // SAFETY: `qs` is 1024 bytes; bytes at .. at + 32 are in bounds for s < 8,
+                    // c < 4; rows c and c + 4 of sub-block s's 512 bytes lie in the 4096.
+                    unsafe {
+                        let q = join(g0.qs.as_ptr().add(at), g1.qs.as_ptr().add(at));
+                        let row = tiles.as_mut_ptr().add(512 * s);
+                        _mm512_store_si512(row.add(64 * c).cast(), _mm512_and_si512(q, low));
+                        _mm512_store_si512(
+                            row.add(64 * (c + 4)).cast(),
+                            _mm512_and_si512(_mm512_srli_epi16::<4>(q), low),
+                        );
+                    }
+                }
+            }
+        }
+
+        #[inline]
+        #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni,avx512bw")]
+        unsafe fn finish(
+            pat: &Patterns,
+            g0: &BlockQ4Kx8,
+            g1: &BlockQ4Kx8,
+            c: &[[i32; 256]; 16],
+            x: &[BlockQ8K],
+            nb: usize,
+            n: usize,
+            acc: &mut [__m512; 16],
+        ) {
+            let u = scales(g0, g1, pat);
+            let low16 = _mm512_set1_epi32(0xffff);
+            let sc: [__m512i; 8] = std::array::from_fn(|s| _mm512_and_si512(u.sc[s], low16));
+            for (i, acc) in acc.iter_mut().enumerate().take(n) {
+                let mut sumi = _mm512_setzero_si512();
+                for (c, &sc) in c.iter().zip(&sc) {
+                    // SAFETY: row i < 16 of a 16 × 16 `i32` tile, 64-byte aligned.
+                    let c = unsafe { _mm512_load_si512(c.as_ptr().add(16 * i).cast()) };
+                    sumi = _mm512_add_epi32(sumi, _mm512_mullo_epi32(c, sc));
+                }
+                let xb = &x[i * nb];
+                let m = _mm512_cvtepi32_ps(mins(&u.mins, xb));
+                let block =
+                    _mm512_fmsub_ps(_mm512_cvtepi32_ps(sumi), u.d, _mm512_mul_ps(m, u.dmin));
+                *acc = _mm512_fmadd_ps(block, _mm512_set1_ps(xb.d), *acc);
+            }
+        }
+
+        unsafe fn single(w: &[BlockQ4Kx8], nb: usize, x: &[BlockQ8K], out: Window) {
+            // SAFETY: the caller's contract; the level includes the VNNI level's features.
+            unsafe { super::avx2::pass8_vnni(w, nb, x, out) }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -704,6 +796,80 @@ mod tests {
     fn the_grouped_arithmetic_agrees_with_the_per_lane_one() {
         let w: Vec<BlockQ4K> = (0..6).map(|b| q4k(17 * b + 5)).collect();
         super::super::assert_arithmetics_agree(&w, dot_q4_kx8_q8_k, super::super::dot_q4_k_q8_k);
+    }
+
+    /// The AMX pass's layout (the weights' tile, the natural activation rows, the sums' tile and
+    /// what the vectors make of it), with the tiles emulated: bit for bit the reference for every
+    /// row count, an odd last group and a window that cuts groups. The hardware's tiles are tested
+    /// against the reference at [`crate::CpuLevel::Amx`] by the level tests where a CPU has them.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_amx_pass_with_emulated_tiles_matches_the_reference() {
+        use crate::simd::{Out, Window};
+        if !crate::CpuLevel::Avx512Zmm.is_supported() {
+            eprintln!("skipped: needs {}", crate::CpuLevel::Avx512Zmm.features());
+            return;
+        }
+        let nb = 3;
+        let groups = 5;
+        let rows: Vec<BlockQ4K> = (0..8 * groups * nb)
+            .map(|i| q4k((i * 37 % 251) as u8))
+            .collect();
+        let w: Vec<BlockQ4Kx8> = (0..groups)
+            .flat_map(|g| {
+                let rows = &rows;
+                (0..nb).map(move |b| {
+                    BlockQ4Kx8::pack(std::array::from_fn(|k| &rows[(8 * g + k) * nb + b]))
+                })
+            })
+            .collect();
+        let mut seed = 12345u64;
+        let mut next = move || {
+            seed = seed
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            ((seed >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
+        };
+        for n in 1..=16 {
+            let values: Vec<f32> = (0..n * nb * 256).map(|_| next()).collect();
+            let mut x = vec![BlockQ8K::ZERO; n * nb];
+            crate::formats::quantize_row_q8_k(&values, &mut x);
+            let natural = crate::amx::natural_order(&x);
+            for (skip, len) in [(0, 8 * groups), (3, 8 * groups - 7)] {
+                let mut out = vec![f32::NAN; n * len];
+                let window = Window {
+                    out: Out {
+                        ptr: out.as_mut_ptr(),
+                        stride: len,
+                    },
+                    skip,
+                    len,
+                };
+                // SAFETY: the CPU supports the 512-bit level (checked above); `out` holds every
+                // (row, column) of the window.
+                unsafe {
+                    crate::amx::pass::<amx::Q4Kx8, _>(
+                        &mut crate::amx::Emulated::default(),
+                        &w,
+                        nb,
+                        &x,
+                        &natural,
+                        window,
+                    )
+                };
+                for i in 0..n {
+                    for c in 0..len {
+                        let row = &rows[(skip + c) * nb..][..nb];
+                        let want = dot_q4_kx8_q8_k(row, &x[i * nb..][..nb]);
+                        assert_eq!(
+                            out[i * len + c].to_bits(),
+                            want.to_bits(),
+                            "rows {n}, row {i}, column {c}, skip {skip}"
+                        );
+                    }
+                }
+            }
+        }
     }
 
     #[test]

@@ -1,0 +1,472 @@
+//! Intel's AMX tiles ([`crate::CpuLevel::Amx`]): whether this process may use them, the tile
+//! products the interleaved Q4_K pass asks for, and the activations' quants in the order a tile
+//! reads them.
+//!
+//! A tile is a matrix of up to 16 rows of up to 64 bytes held in one of eight tile registers.
+//! `tdpbsud c, a, b` adds to each `i32` element `c[i][n]` the exact products of signed bytes
+//! `a[i][4k + j]` and unsigned bytes `b[k][4n + j]` over `k` and `j < 4`. The Q4_K pass puts up to
+//! 16 activation rows' quants of one 32-value sub-block in `a` (one row each, in natural order) and
+//! the same values of 16 weight rows in `b` (a pair of interleaved groups: row `t` of `b` is the
+//! vector `V_t` of both groups, whose lane `n` holds weight row `n`'s values `4t .. 4t + 4`), so
+//! `c[i][n]` is the sub-block's integer sum of activation row `i` and weight row `n`, the same
+//! integer every other level computes. The Q6_K pass does the same per 16-value sub-block.
+//!
+//! Where the time goes is not known (no counters on the machine it was measured on): a pass of
+//! 2 rows took about 2 single-row passes' time (`rcurve`, in cache and from memory), so each tile
+//! product seems to cost far more than its arithmetic, and overlapping the stages of consecutive
+//! blocks ([`pass`]) changed little. The weights must be unpacked into bytes for the tiles at every
+//! pass; a prefill that unpacked a block once for all its rows, or weights kept unpacked, would
+//! spread that cost, and neither is built.
+
+#[cfg(target_arch = "x86_64")]
+use crate::simd::avx512::write_pair;
+#[cfg(target_arch = "x86_64")]
+use crate::simd::{Ahead, Window};
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::{__m512, _mm512_setzero_ps};
+
+/// From how many activation rows [`crate::CpuLevel::Amx`] runs the interleaved K-quant passes (Q4_K,
+/// Q6_K) on the tiles; smaller passes take [`crate::CpuLevel::Avx512Zmm`]'s. Measured on a 16-core
+/// Xeon with AMX (stop 54, 2 threads, `rcurve 2 8960 every` alternating the two levels, the tiles
+/// used from 2 rows): no row count below 16 ran faster on the tiles, in cache or from memory,
+/// and 16 rows about as fast; a 64-token prefill of a 4-layer model with the 1.5B target's shapes
+/// (random Q4_K weights, `step_time`) ran at 1,142–1,429 tok/s on the tiles against 820–1,262 in
+/// 8 pairs, 16-token blocks 25.4–32.4 ms against 28.9–32.5. So only 16-row passes (prefill chunks,
+/// 16-token blocks) take the tiles.
+pub const AMX_FROM_ROWS: usize = 16;
+
+/// The activation quants of `x` (Q8_K blocks, in the kernels' order) in natural order: value `v`
+/// of block `j` at `256 j + v`. The kernels' order is an 8 × 8 transpose of 4-value words, its own
+/// inverse, so word `8 s + t` of a natural block is word `8 t + s` of the stored one.
+pub(crate) fn natural_order(x: &[crate::BlockQ8K]) -> Vec<i8> {
+    let mut out = vec![0i8; 256 * x.len()];
+    for (block, o) in x.iter().zip(out.chunks_exact_mut(256)) {
+        for s in 0..8 {
+            for t in 0..8 {
+                o[32 * s + 4 * t..][..4].copy_from_slice(&block.qs[32 * t + 4 * s..][..4]);
+            }
+        }
+    }
+    out
+}
+
+/// The tile products a pass needs, on the hardware ([`Hardware`]) or, in tests, emulated.
+///
+/// Two sets of tiles take turns so that one product can start while the last is stored: set `S`
+/// (0 or 1) uses `tmm{S}` for the sums, `tmm{2 + S}` for the activations and `tmm{4 + S}` for the
+/// weights.
+pub(crate) trait Tiles {
+    /// Sets the tiles up for products of `rows` activation rows (1 ..= 16) over `depth` values
+    /// (16 or 32: a sub-block of Q6_K or Q4_K).
+    ///
+    /// # Safety
+    /// The CPU must support [`crate::CpuLevel::Amx`].
+    unsafe fn configure(&mut self, rows: usize, depth: usize);
+
+    /// `c[i][n] = Σ_{k < depth} a[i · stride + k] · b[64 (k / 4) + 4 n + k % 4]` for the configured
+    /// rows `i` and `n < 16`, written to `c` (16 `i32` per row), on tile set `S`.
+    ///
+    /// # Safety
+    /// [`Tiles::configure`] was called on this thread since the last [`Tiles::release`]; `a` is
+    /// readable for `depth` bytes at each of the rows' offsets, `b` for `16 · depth` bytes, `c`
+    /// writable for 16 `i32` per row.
+    unsafe fn product<const S: usize>(
+        &mut self,
+        a: *const i8,
+        stride: usize,
+        b: *const u8,
+        c: *mut i32,
+    );
+
+    /// Gives the tiles back (their state no longer needs saving at a context switch).
+    ///
+    /// # Safety
+    /// As [`Tiles::configure`].
+    unsafe fn release(&mut self);
+}
+
+/// An interleaved K-quant format's part of the pass on tiles ([`pass`]): how a block of a pair of
+/// groups becomes the weights' tiles, and what the vectors do with the tiles' sums.
+#[cfg(target_arch = "x86_64")]
+pub(crate) trait TileFormat {
+    /// The interleaved group.
+    type Group;
+    /// Values per sub-block: the depth of one tile product (32 or 16).
+    const DEPTH: usize;
+    /// Sub-blocks per block: tile products per block of a pair.
+    const SUMS: usize;
+    /// Constants [`TileFormat::finish`] needs, made once per pass.
+    type Constants;
+
+    /// The constants.
+    ///
+    /// # Safety
+    /// The CPU must support [`crate::CpuLevel::Avx512Zmm`].
+    unsafe fn constants() -> Self::Constants;
+
+    /// Block `b` of both groups as the weights' tiles: sub-block `j`'s (`DEPTH / 4` rows of 64
+    /// bytes, row `t` the values `4 t .. 4 t + 4` of the 16 weight rows) at byte `16 · DEPTH · j`
+    /// of `tiles`; prefetching `ahead` a part per 32 values ([`crate::simd::Ahead::part`]).
+    ///
+    /// # Safety
+    /// As [`TileFormat::constants`].
+    unsafe fn unpack(g0: &Self::Group, g1: &Self::Group, tiles: &mut [u8; 4096], ahead: Ahead);
+
+    /// Adds to `acc[i]` (`i < n`, 16 weight rows each) the block's part of the dot products of
+    /// activation row `i` (its block at `x[i * nb]`), from the block's sums `c[j]` (sub-block
+    /// `j`'s tile: row `i` holds the 16 weight rows' integer sums).
+    ///
+    /// # Safety
+    /// As [`TileFormat::constants`]; `x` must hold `(n - 1) * nb + 1` blocks.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn finish(
+        k: &Self::Constants,
+        g0: &Self::Group,
+        g1: &Self::Group,
+        c: &[[i32; 256]; 16],
+        x: &[crate::BlockQ8K],
+        nb: usize,
+        n: usize,
+        acc: &mut [__m512; 16],
+    );
+
+    /// The format's 256-bit VNNI pass, for a last odd group.
+    ///
+    /// # Safety
+    /// As [`pass`].
+    unsafe fn single(w: &[Self::Group], nb: usize, x: &[crate::BlockQ8K], out: Window);
+}
+
+/// The tiles' operands in memory, two of each so that one block's can be written while the last
+/// one's are read.
+#[cfg(target_arch = "x86_64")]
+#[repr(C, align(64))]
+struct Buffers {
+    /// The weights' tiles of a block ([`TileFormat::unpack`]).
+    b: [[u8; 4096]; 2],
+    /// The sums' tiles of a block: per sub-block, row `i` holds activation row `i`'s sums with the
+    /// 16 weight rows.
+    c: [[[i32; 256]; 16]; 2],
+}
+
+/// `x.len() / nb` (1 ..= 16) activation rows against the groups of 8 weight rows in `w` (`nb`
+/// groups each), two groups at a time on the tiles; a last odd group goes through the format's
+/// 256-bit VNNI pass. `natural` holds the rows' quants in natural order ([`natural_order`]).
+///
+/// The blocks of all pairs go through three stages a block apart, so that no stage reads memory
+/// another has just written (a tile load may not take its bytes from stores still in flight, nor a
+/// vector load from a tile store): block `j`'s weights are unpacked into tiles while block
+/// `j - 1`'s products run and block `j - 2`'s sums are scaled into the accumulators. Against one
+/// block at a time it changed little on the Xeon of stop 54 (`rcurve`, Q4_K in cache: r(8)
+/// 2.49–2.93 against 2.77–3.26, r(2) 1.95–2.27 against 2.05–2.76).
+///
+/// # Safety
+/// The CPU must support [`crate::CpuLevel::Amx`] (for [`Hardware`]; the
+/// [`crate::CpuLevel::Avx512Zmm`] features for another `T`); `nb > 0`; `out` as
+/// [`crate::simd::pass_groups`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni,avx512bw")]
+pub(crate) unsafe fn pass<F: TileFormat, T: Tiles>(
+    tiles: &mut T,
+    w: &[F::Group],
+    nb: usize,
+    x: &[crate::BlockQ8K],
+    natural: &[i8],
+    out: Window,
+) {
+    let n = x.len() / nb;
+    assert!(
+        (1..=16).contains(&n) && x.len() == n * nb && natural.len() == 256 * x.len(),
+        "a pass holds 1 to 16 rows of nb blocks and their natural quants"
+    );
+    let groups = w.len() / nb;
+    let items = groups / 2 * nb;
+    // SAFETY: the caller's contract.
+    let k = unsafe { F::constants() };
+    let mut buf = Buffers {
+        b: [[0; 4096]; 2],
+        c: [[[0; 256]; 16]; 2],
+    };
+    let stride = 256 * nb;
+    let pair = |j: usize| {
+        let (p, b) = (j / nb, j % nb);
+        (p, b, &w[2 * p * nb + b], &w[(2 * p + 1) * nb + b])
+    };
+    let mut acc = [_mm512_setzero_ps(); 16];
+    // SAFETY: the caller's contract.
+    unsafe { tiles.configure(n, F::DEPTH) };
+    for j in 0..items + 2 {
+        if (1..=items).contains(&j) {
+            // Block j - 1's products, from the weights' tiles unpacked one step ago. Row i's
+            // quants of sub-block s: natural[256 (i nb + b) + DEPTH s ..][..DEPTH].
+            let b = (j - 1) % nb;
+            let a = natural.as_ptr().wrapping_add(256 * b);
+            let bt = buf.b[(j - 1) % 2].as_ptr();
+            let ct = &mut buf.c[(j - 1) % 2];
+            for (s, ct) in ct.iter_mut().enumerate().take(F::SUMS) {
+                let (a, bt, ct) = (
+                    a.wrapping_add(F::DEPTH * s),
+                    bt.wrapping_add(16 * F::DEPTH * s),
+                    ct.as_mut_ptr(),
+                );
+                // SAFETY: the tiles are configured for n rows of DEPTH values; row i's bytes at
+                // a + i · stride lie in `natural` (i < n); the weights' tile lies in the 4096-byte
+                // buffer (16 · DEPTH · SUMS = 4096) and the sums' tile is 256 `i32`.
+                unsafe {
+                    if s % 2 == 0 {
+                        tiles.product::<0>(a, stride, bt, ct);
+                    } else {
+                        tiles.product::<1>(a, stride, bt, ct);
+                    }
+                }
+            }
+        }
+        if j < items {
+            let (p, b, g0, g1) = pair(j);
+            let ahead = Ahead::pair(w.as_ptr().wrapping_add(2 * (p + 1) * nb), b);
+            // SAFETY: the caller's contract.
+            unsafe { F::unpack(g0, g1, &mut buf.b[j % 2], ahead) };
+        }
+        if j >= 2 {
+            let (p, b, g0, g1) = pair(j - 2);
+            // SAFETY: the caller's contract; rows i < n have their block b at x[b + i nb].
+            unsafe { F::finish(&k, g0, g1, &buf.c[j % 2], &x[b..], nb, n, &mut acc) };
+            if b == nb - 1 {
+                for (r, a) in acc.iter_mut().enumerate().take(n) {
+                    // SAFETY: the caller's contract.
+                    unsafe { write_pair(out, r, 2 * p, *a) };
+                    *a = _mm512_setzero_ps();
+                }
+            }
+        }
+    }
+    // SAFETY: the caller's contract.
+    unsafe { tiles.release() };
+    if groups % 2 == 1 {
+        let g = groups - 1;
+        // SAFETY: the caller's contract.
+        unsafe { F::single(&w[g * nb..], nb, x, out.past_groups(g)) };
+    }
+}
+
+/// The tiles of this CPU.
+#[cfg(target_arch = "x86_64")]
+pub(crate) struct Hardware;
+
+/// The 64-byte tile configuration `ldtilecfg` reads (palette 1).
+#[cfg(target_arch = "x86_64")]
+#[repr(C, align(64))]
+struct Config([u8; 64]);
+
+#[cfg(target_arch = "x86_64")]
+impl Config {
+    /// Tiles 0, 1: `rows` × 64 bytes (the sums); 2, 3: `rows` × `depth` bytes (activations); 4,
+    /// 5: `depth / 4` × 64 bytes (weights).
+    fn new(rows: usize, depth: usize) -> Config {
+        let mut c = [0u8; 64];
+        c[0] = 1;
+        let rows = rows.clamp(1, 16) as u8;
+        let depth = depth.clamp(4, 64) as u8 & !3;
+        for (tile, r, bytes) in [
+            (0, rows, 64u16),
+            (1, rows, 64),
+            (2, rows, u16::from(depth)),
+            (3, rows, u16::from(depth)),
+            (4, depth / 4, 64),
+            (5, depth / 4, 64),
+        ] {
+            c[16 + 2 * tile..18 + 2 * tile].copy_from_slice(&bytes.to_le_bytes());
+            c[48 + tile] = r;
+        }
+        Config(c)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Tiles for Hardware {
+    #[inline]
+    unsafe fn configure(&mut self, rows: usize, depth: usize) {
+        let config = Config::new(rows, depth);
+        // SAFETY: the caller's contract (AMX, with the operating system's permission); `config` is
+        // 64 readable bytes.
+        unsafe {
+            std::arch::asm!(
+                "ldtilecfg [{0}]",
+                in(reg) config.0.as_ptr(),
+                options(nostack, readonly, preserves_flags)
+            );
+        }
+    }
+
+    #[inline]
+    unsafe fn product<const S: usize>(
+        &mut self,
+        a: *const i8,
+        stride: usize,
+        b: *const u8,
+        c: *mut i32,
+    ) {
+        // SAFETY: the caller's contract: the tiles are configured, and the rows of `a`, `b` and `c`
+        // are in bounds.
+        unsafe {
+            if S == 0 {
+                std::arch::asm!(
+                    "tilezero tmm0",
+                    "tileloadd tmm2, [{a} + {stride}*1]",
+                    "tileloadd tmm4, [{b} + {row}*1]",
+                    "tdpbsud tmm0, tmm2, tmm4",
+                    "tilestored [{c} + {row}*1], tmm0",
+                    a = in(reg) a,
+                    stride = in(reg) stride,
+                    b = in(reg) b,
+                    c = in(reg) c,
+                    row = in(reg) 64usize,
+                    options(nostack, preserves_flags)
+                );
+            } else {
+                std::arch::asm!(
+                    "tilezero tmm1",
+                    "tileloadd tmm3, [{a} + {stride}*1]",
+                    "tileloadd tmm5, [{b} + {row}*1]",
+                    "tdpbsud tmm1, tmm3, tmm5",
+                    "tilestored [{c} + {row}*1], tmm1",
+                    a = in(reg) a,
+                    stride = in(reg) stride,
+                    b = in(reg) b,
+                    c = in(reg) c,
+                    row = in(reg) 64usize,
+                    options(nostack, preserves_flags)
+                );
+            }
+        }
+    }
+
+    #[inline]
+    unsafe fn release(&mut self) {
+        // SAFETY: the caller's contract.
+        unsafe { std::arch::asm!("tilerelease", options(nostack, nomem, preserves_flags)) };
+    }
+}
+
+/// The tiles' arithmetic in plain Rust, for testing a pass's layout on CPUs without AMX.
+#[cfg(test)]
+#[derive(Default)]
+pub(crate) struct Emulated {
+    rows: usize,
+    depth: usize,
+}
+
+#[cfg(test)]
+impl Tiles for Emulated {
+    unsafe fn configure(&mut self, rows: usize, depth: usize) {
+        self.rows = rows;
+        self.depth = depth;
+    }
+
+    unsafe fn product<const S: usize>(
+        &mut self,
+        a: *const i8,
+        stride: usize,
+        b: *const u8,
+        c: *mut i32,
+    ) {
+        for i in 0..self.rows {
+            for n in 0..16 {
+                let mut sum = 0i32;
+                for k in 0..self.depth {
+                    // SAFETY: the caller's contract.
+                    let (x, w) =
+                        unsafe { (*a.add(i * stride + k), *b.add(64 * (k / 4) + 4 * n + k % 4)) };
+                    sum += i32::from(x) * i32::from(w);
+                }
+                // SAFETY: the caller's contract.
+                unsafe { c.add(16 * i + n).write(sum) };
+            }
+        }
+    }
+
+    unsafe fn release(&mut self) {
+        self.rows = 0;
+    }
+}
+
+/// Whether this CPU has AMX's tiles and 8-bit products (`cpuid` leaf 7: AMX-TILE, AMX-INT8) and the
+/// operating system lets this process use them. Linux asks each process to request the tiles'
+/// state (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`, Linux 5.16 and later; the
+/// permission holds for all its threads); without it the first tile instruction faults. Asked
+/// once.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn available() -> bool {
+    static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AVAILABLE.get_or_init(|| has_amx_int8() && permitted())
+}
+
+#[cfg(target_arch = "x86_64")]
+fn has_amx_int8() -> bool {
+    use std::arch::x86_64::{__cpuid, __cpuid_count};
+    if __cpuid(0).eax < 7 {
+        return false;
+    }
+    let edx = __cpuid_count(7, 0).edx;
+    edx & (1 << 24) != 0 && edx & (1 << 25) != 0
+}
+
+/// Asks Linux for the tiles' state for this process.
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+fn permitted() -> bool {
+    const SYS_ARCH_PRCTL: i64 = 158;
+    const ARCH_REQ_XCOMP_PERM: u64 = 0x1023;
+    const XFEATURE_XTILEDATA: u64 = 18;
+    let ret: i64;
+    // SAFETY: `arch_prctl` with these arguments only changes which state the kernel saves for this
+    // process; it reads and writes no memory of ours. `syscall` clobbers rcx and r11.
+    unsafe {
+        std::arch::asm!(
+            "syscall",
+            inlateout("rax") SYS_ARCH_PRCTL => ret,
+            in("rdi") ARCH_REQ_XCOMP_PERM,
+            in("rsi") XFEATURE_XTILEDATA,
+            lateout("rcx") _,
+            lateout("r11") _,
+            options(nostack)
+        );
+    }
+    ret == 0
+}
+
+/// Other systems: not known how to ask, so not used.
+#[cfg(all(target_arch = "x86_64", not(target_os = "linux")))]
+fn permitted() -> bool {
+    false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::formats::{q8k_position, BlockQ8K};
+
+    #[test]
+    fn natural_order_puts_every_value_in_its_place() {
+        let mut b = BlockQ8K::ZERO;
+        for v in 0..256 {
+            b.qs[q8k_position(v)] = (v as i32 - 128) as i8;
+        }
+        let n = natural_order(&[b, b]);
+        for (v, &q) in n.iter().enumerate() {
+            assert_eq!(q, ((v % 256) as i32 - 128) as i8, "value {v}");
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_configuration_sizes_the_tiles() {
+        let c = Config::new(5, 32);
+        assert_eq!(c.0[0], 1);
+        assert_eq!(&c.0[48..54], &[5, 5, 5, 5, 8, 8]);
+        assert_eq!(&c.0[16..28], &[64, 0, 64, 0, 32, 0, 32, 0, 64, 0, 64, 0]);
+        assert!(c.0[28..48].iter().chain(&c.0[54..]).all(|&b| b == 0));
+        let c = Config::new(16, 16);
+        assert_eq!(&c.0[48..54], &[16, 16, 16, 16, 4, 4]);
+        assert_eq!(&c.0[16..28], &[64, 0, 64, 0, 16, 0, 16, 0, 64, 0, 64, 0]);
+    }
+}

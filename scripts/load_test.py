@@ -12,7 +12,9 @@
                 with its own question: one answering at length (--first-max-tokens), then, once its
                 first token is out, CLIENTS - 1 more at once (--max-tokens). Prints each request's
                 time to first token and latency: what a server that copies a running request's
-                prefix saves the later ones.
+                prefix saves the later ones. With --together all CLIENTS requests are sent at once
+                (each with --max-tokens): what a server that computes their shared prefix once
+                saves them.
 
 Exit status 1 if a response is lost or malformed, if --expect-429 saw no 429, or (concurrency) if an
 answer differs. Needs httpx (installed with the openai package).
@@ -197,6 +199,9 @@ async def shared(args):
     stats = [{"ttft": [], "tpot": [], "latency": [], "tokens": 0, "rejected_429": 0} for _ in prompts]
     first_args = argparse.Namespace(**{**vars(args), "max_tokens": args.first_max_tokens})
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout)) as client:
+        if args.together:
+            answers = await asyncio.gather(*(one(client, args, p, s) for p, s in zip(prompts, stats)))
+            return shared_report(stats, answers)
         started = asyncio.Event()
         first = asyncio.create_task(one(client, first_args, prompts[0], stats[0], started))
         waiting = asyncio.create_task(started.wait())
@@ -204,6 +209,10 @@ async def shared(args):
         waiting.cancel()
         rest = await asyncio.gather(*(one(client, args, p, s) for p, s in zip(prompts[1:], stats[1:])))
         answers = [await first] + rest
+    return shared_report(stats, answers)
+
+
+def shared_report(stats, answers):
     report = [
         {"request": i, "ttft_s": round(s["ttft"][0], 2), "latency_s": round(s["latency"][0], 2),
          "tokens": n, "answer": text[:60]}
@@ -223,6 +232,7 @@ def main():
     ap.add_argument("--requests", type=int, default=96)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--first-max-tokens", type=int, default=400, help="shared: the first request's max_tokens")
+    ap.add_argument("--together", action="store_true", help="shared: send every request at once")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--extra", type=json.loads, default={},
                     help='JSON object merged into every request, e.g. \'{"drafter": "none"}\'')

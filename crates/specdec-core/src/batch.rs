@@ -100,6 +100,9 @@ struct Sequence {
     k: usize,
     /// Prompt tokens scored so far by partial prefill steps.
     prefilled: usize,
+    /// This step the sequence waits, unscored, for an earlier one still computing a prefix they
+    /// share ([`Target::min_prefix_copy`]).
+    waits: bool,
     /// This step scores only the first this-many prompt tokens (a partial prefill).
     partial: Option<usize>,
     /// Seconds spent in partial prefill steps.
@@ -320,6 +323,7 @@ impl<T: Target, D: Draft> Batch<T, D> {
             scratch: Vec::new(),
             k: 0,
             prefilled: 0,
+            waits: false,
             partial: None,
             prefill_secs: 0.0,
             draft_read: false,
@@ -364,9 +368,14 @@ impl<T: Target, D: Draft> Batch<T, D> {
             .filter(|s| matches!(s.phase, Phase::Decode))
             .count();
         let cap = self.batch_draft_cap.filter(|_| decoding > 1);
+        self.plan_waits();
         for (i, s) in self.seqs.iter_mut().enumerate() {
             match s.phase {
                 Phase::Done(_) => {}
+                Phase::Prefill if s.waits => {
+                    s.k = 0;
+                    s.partial = None;
+                }
                 Phase::Prefill => {
                     s.k = 0;
                     if s.prefilled == 0 && self.prefill_chunk.is_some() {
@@ -504,53 +513,60 @@ impl<T: Target, D: Draft> Batch<T, D> {
         let draft_secs = t0.elapsed().as_secs_f64();
         self.take_failed(&mut failed, &mut finished);
 
-        // Score every sequence's block in one call.
+        // Score every sequence's block in one call (but those that wait).
         let vocab = self.target.vocab_size();
-        let all: Vec<usize> = (0..self.seqs.len()).collect();
+        let scored: Vec<usize> = (0..self.seqs.len())
+            .filter(|&i| !self.seqs[i].waits)
+            .collect();
         let t1 = Instant::now();
-        if !all.is_empty() {
-            let mut outs: Vec<Logits> = self
-                .seqs
-                .iter_mut()
-                .map(|s| {
-                    let mut l = std::mem::take(&mut s.logits);
+        if !scored.is_empty() {
+            let mut outs: Vec<Logits> = scored
+                .iter()
+                .map(|&i| {
+                    let mut l = std::mem::take(&mut self.seqs[i].logits);
                     l.reset(vocab);
                     l
                 })
                 .collect();
-            let requests: Vec<Score<'_>> = self
-                .seqs
+            let requests: Vec<Score<'_>> = scored
                 .iter()
-                .map(|s| Score {
-                    seq: s.id,
-                    context: &s.tokens[..s.partial.unwrap_or(s.tokens.len())],
-                    draft: &s.proposal.tokens,
+                .map(|&i| {
+                    let s = &self.seqs[i];
+                    Score {
+                        seq: s.id,
+                        context: &s.tokens[..s.partial.unwrap_or(s.tokens.len())],
+                        draft: &s.proposal.tokens,
+                    }
                 })
                 .collect();
             let r = self.target.score(&requests, &mut outs);
             drop(requests);
-            for (s, l) in self.seqs.iter_mut().zip(outs) {
-                s.logits = l;
+            for (&i, l) in scored.iter().zip(outs) {
+                self.seqs[i].logits = l;
             }
             match r {
                 Ok(()) => {
-                    for (i, s) in self.seqs.iter().enumerate() {
+                    for &i in &scored {
+                        let s = &self.seqs[i];
                         if let Err(e) = check_logits(&s.logits, vocab, s.proposal.tokens.len() + 1)
                         {
                             failed.push((i, e));
                         }
                     }
                 }
-                Err(e) => spread(&all, Side::Target, e, &mut failed),
+                Err(e) => spread(&scored, Side::Target, e, &mut failed),
             }
         }
         let verify_secs = t1.elapsed().as_secs_f64();
         // Timings shared with other sequences are not one sequence's costs.
-        let timed = self.seqs.len() == 1;
+        let timed = scored.len() == 1;
         self.take_failed(&mut failed, &mut finished);
 
         // Verify, emit and commit, each sequence on its own.
         for (i, s) in self.seqs.iter_mut().enumerate() {
+            if s.waits {
+                continue;
+            }
             if let (Phase::Prefill, Some(n)) = (&s.phase, s.partial.take()) {
                 s.prefilled = n;
                 s.prefill_secs += verify_secs;
@@ -579,6 +595,41 @@ impl<T: Target, D: Draft> Batch<T, D> {
     }
 
     /// Removes the sequences that failed, highest index first so the others keep theirs.
+    /// Which new sequences wait this step: with chunked prefill and a target that copies a running
+    /// sequence's prefix ([`Target::min_prefix_copy`]), one whose prompt shares at least that many
+    /// tokens with an earlier sequence still computing them, more than the target offers it now
+    /// ([`Target::cached`]). It is claimed once the earlier one holds the prefix, and copies it
+    /// instead of computing it again; until then it is not scored. The first of the batch never
+    /// waits, and each waits only for earlier ones, so every wait ends.
+    fn plan_waits(&mut self) {
+        let min = match (self.target.min_prefix_copy(), self.prefill_chunk) {
+            (Some(min), Some(_)) => min.max(1),
+            _ => return,
+        };
+        for i in 0..self.seqs.len() {
+            let (earlier, rest) = self.seqs.split_at_mut(i);
+            let s = &mut rest[0];
+            s.waits = matches!(s.phase, Phase::Prefill) && s.prefilled == 0 && {
+                // At most all but the last prompt token: the last is scored for the first token.
+                let most = s.tokens.len().saturating_sub(1);
+                let offered = self.target.cached(s.id, &s.tokens);
+                earlier.iter().any(|t| {
+                    let shared = t
+                        .tokens
+                        .iter()
+                        .zip(&s.tokens)
+                        .take_while(|(a, b)| a == b)
+                        .count()
+                        .min(most);
+                    matches!(t.phase, Phase::Prefill)
+                        && shared >= min
+                        && shared > offered
+                        && t.prefilled < shared
+                })
+            };
+        }
+    }
+
     fn take_failed(&mut self, failed: &mut Vec<(usize, Error)>, finished: &mut Vec<Finished>) {
         failed.sort_by_key(|(i, _)| std::cmp::Reverse(*i));
         failed.dedup_by_key(|(i, _)| *i);

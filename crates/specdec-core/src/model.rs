@@ -147,6 +147,14 @@ pub trait Target {
     fn claim(&mut self, seq: SeqId, context: &[TokenId]) -> Result<usize, Self::Error> {
         Ok(self.cached(seq, context))
     }
+
+    /// The shortest prefix that a new sequence, when it is claimed ([`Target::claim`]), takes as a
+    /// copy of what a running sequence already holds, or `None` where the target copies none (the
+    /// default). With chunked prefill a batch then lets a new sequence wait while an earlier one
+    /// is still computing a longer prefix the two share, and claims it once that one holds it.
+    fn min_prefix_copy(&self) -> Option<usize> {
+        None
+    }
 }
 
 /// One sequence's request to [`Draft::propose`].
@@ -382,6 +390,10 @@ impl<T: Target + ?Sized> Target for &mut T {
 
     fn claim(&mut self, seq: SeqId, context: &[TokenId]) -> Result<usize, Self::Error> {
         (**self).claim(seq, context)
+    }
+
+    fn min_prefix_copy(&self) -> Option<usize> {
+        (**self).min_prefix_copy()
     }
 }
 

@@ -9,7 +9,8 @@
 //! computed again. Where a sequence still running shares a longer prefix (requests with the same
 //! system prompt or documents, one arriving while another is answered), the new sequence gets a
 //! cache of its own with a copy of that prefix's keys and values instead (from [`MIN_COPY`]
-//! tokens). Keys and values of a token prefix do not depend on how they were computed (blocks,
+//! tokens; [`Target::min_prefix_copy`], so that a batch lets a new sequence wait while an earlier
+//! one computes the prefix they share, and then copy it). Keys and values of a token prefix do not depend on how they were computed (blocks,
 //! batches and single steps give the same bits), so this changes no output.
 
 use std::collections::HashMap;
@@ -301,6 +302,10 @@ impl Target for Sessions {
         let n = s.common_prefix(context);
         self.seqs.insert(seq, s);
         Ok(n)
+    }
+
+    fn min_prefix_copy(&self) -> Option<usize> {
+        Some(MIN_COPY)
     }
 
     fn commit(&mut self, seq: SeqId, committed: &[TokenId]) -> Result<()> {

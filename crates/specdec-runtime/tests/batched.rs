@@ -247,6 +247,51 @@ fn chunked_prefill_reuses_the_whole_released_prefix() {
     assert_eq!(batch.target().reused_tokens(), 120);
 }
 
+/// Two new sequences sharing a 40-token prefix, added together to a batch with nothing cached:
+/// the second waits, unscored, while the first computes the prefix chunk by chunk, then copies it
+/// (`Target::min_prefix_copy`) instead of computing it too; both decode as alone.
+#[test]
+fn a_new_sequence_waits_for_an_earlier_one_computing_their_shared_prefix() {
+    let model = tiny_model(&TinySpec::new(Arch::Qwen2, GgmlDType::Q8_0));
+    let shared = tokens(40, 3);
+    let prompt = |tail: u32| [shared.clone(), tokens(6, tail)].concat();
+    let config = GenerateConfig {
+        max_new_tokens: 6,
+        sampling: SamplingParams::greedy(),
+        ..GenerateConfig::default()
+    };
+    let alone = |p: &[TokenId]| {
+        let mut t = Session::new(model.clone(), 128);
+        generate(&mut t, &mut NoDraft, p, &config, &mut |_| {
+            ControlFlow::Continue(())
+        })
+        .unwrap()
+        .tokens
+    };
+    let mut batch = Batch::new(Sessions::new(model.clone(), 128, 2), NoDraft);
+    batch.set_prefill_chunk(Some(8));
+    let (p1, p2) = (prompt(8), prompt(9));
+    batch
+        .add(SeqId(1), p1.clone(), config.clone(), None)
+        .unwrap();
+    batch
+        .add(SeqId(2), p2.clone(), config.clone(), None)
+        .unwrap();
+    let mut got = HashMap::new();
+    while got.len() < 2 {
+        for f in batch.step(&mut |_, _| ControlFlow::Continue(())) {
+            got.insert(f.seq, f.result.unwrap().tokens);
+        }
+    }
+    assert_eq!(got[&SeqId(1)], alone(&p1));
+    assert_eq!(got[&SeqId(2)], alone(&p2));
+    assert_eq!(
+        batch.target().reused_tokens(),
+        40,
+        "the second sequence copied the 40 shared tokens from the first"
+    );
+}
+
 #[test]
 fn a_new_sequence_reuses_the_longest_released_prefix_with_the_same_logits() {
     let model = tiny_model(&TinySpec::new(Arch::Qwen2, GgmlDType::Q4K));

@@ -311,37 +311,31 @@ impl Tiles for Hardware {
         b: *const u8,
         c: *mut i32,
     ) {
+        /// The product on tiles `$c` (sums), `$a` (activations) and `$b` (weights).
+        macro_rules! product {
+            ($c:literal, $a:literal, $b:literal) => {
+                std::arch::asm!(
+                    concat!("tilezero ", $c),
+                    concat!("tileloadd ", $a, ", [{a} + {stride}*1]"),
+                    concat!("tileloadd ", $b, ", [{b} + {row}*1]"),
+                    concat!("tdpbsud ", $c, ", ", $a, ", ", $b),
+                    concat!("tilestored [{c} + {row}*1], ", $c),
+                    a = in(reg) a,
+                    stride = in(reg) stride,
+                    b = in(reg) b,
+                    c = in(reg) c,
+                    row = in(reg) 64usize,
+                    options(nostack, preserves_flags)
+                )
+            };
+        }
         // SAFETY: the caller's contract: the tiles are configured, and the rows of `a`, `b` and `c`
         // are in bounds.
         unsafe {
             if S == 0 {
-                std::arch::asm!(
-                    "tilezero tmm0",
-                    "tileloadd tmm2, [{a} + {stride}*1]",
-                    "tileloadd tmm4, [{b} + {row}*1]",
-                    "tdpbsud tmm0, tmm2, tmm4",
-                    "tilestored [{c} + {row}*1], tmm0",
-                    a = in(reg) a,
-                    stride = in(reg) stride,
-                    b = in(reg) b,
-                    c = in(reg) c,
-                    row = in(reg) 64usize,
-                    options(nostack, preserves_flags)
-                );
+                product!("tmm0", "tmm2", "tmm4");
             } else {
-                std::arch::asm!(
-                    "tilezero tmm1",
-                    "tileloadd tmm3, [{a} + {stride}*1]",
-                    "tileloadd tmm5, [{b} + {row}*1]",
-                    "tdpbsud tmm1, tmm3, tmm5",
-                    "tilestored [{c} + {row}*1], tmm1",
-                    a = in(reg) a,
-                    stride = in(reg) stride,
-                    b = in(reg) b,
-                    c = in(reg) c,
-                    row = in(reg) 64usize,
-                    options(nostack, preserves_flags)
-                );
+                product!("tmm1", "tmm3", "tmm5");
             }
         }
     }
@@ -392,6 +386,67 @@ impl Tiles for Emulated {
 
     unsafe fn release(&mut self) {
         self.rows = 0;
+    }
+}
+
+/// Runs [`pass`] on emulated tiles for 1 to 16 activation rows against `rows` (weight rows of `nb`
+/// blocks each, five groups of 8: two pairs and an odd last group) packed as `F::Group`, over the
+/// whole window and over one that cuts groups, and compares every result with `dot` bit for bit.
+#[cfg(all(test, target_arch = "x86_64"))]
+pub(crate) fn check_emulated<F>(
+    rows: &[<F::Group as crate::Interleaved>::Block],
+    nb: usize,
+    dot: fn(&[<F::Group as crate::Interleaved>::Block], &[crate::BlockQ8K]) -> f32,
+) where
+    F: TileFormat,
+    F::Group: crate::Interleaved,
+{
+    use crate::simd::Out;
+    use crate::Interleaved;
+    let groups = rows.len() / (8 * nb);
+    assert_eq!(groups, 5, "two pairs of groups and an odd one");
+    let w: Vec<F::Group> = (0..groups)
+        .flat_map(|g| {
+            (0..nb)
+                .map(move |b| F::Group::pack(std::array::from_fn(|k| &rows[(8 * g + k) * nb + b])))
+        })
+        .collect();
+    let mut seed = 12345u64;
+    let mut next = move || {
+        seed = seed
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        ((seed >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
+    };
+    for n in 1..=16 {
+        let values: Vec<f32> = (0..n * nb * 256).map(|_| next()).collect();
+        let mut x = vec![crate::BlockQ8K::ZERO; n * nb];
+        crate::quantize_row_q8_k(&values, &mut x);
+        let natural = natural_order(&x);
+        for (skip, len) in [(0, 8 * groups), (3, 8 * groups - 7)] {
+            let mut out = vec![f32::NAN; n * len];
+            let window = Window {
+                out: Out {
+                    ptr: out.as_mut_ptr(),
+                    stride: len,
+                },
+                skip,
+                len,
+            };
+            // SAFETY: the caller checked the 512-bit level's features; `out` holds every (row,
+            // column) of the window.
+            unsafe { pass::<F, _>(&mut Emulated::default(), &w, nb, &x, &natural, window) };
+            for i in 0..n {
+                for c in 0..len {
+                    let want = dot(&rows[(skip + c) * nb..][..nb], &x[i * nb..][..nb]);
+                    assert_eq!(
+                        out[i * len + c].to_bits(),
+                        want.to_bits(),
+                        "rows {n}, row {i}, column {c}, skip {skip}"
+                    );
+                }
+            }
+        }
     }
 }
 

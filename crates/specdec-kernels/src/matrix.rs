@@ -732,6 +732,9 @@ impl Kernels {
                 len: columns.len(),
             };
             let level = self.level();
+            // The K-quants' passes of enough rows on AMX tiles, where asked for.
+            #[cfg(target_arch = "x86_64")]
+            let tiles = level == CpuLevel::Amx && rows.len() >= AMX_FROM_ROWS;
             // SAFETY: `level` comes from a `Kernels`, so this CPU supports it; `out` is the caller's.
             unsafe {
                 match (&w.weights, &x.blocks) {
@@ -754,16 +757,13 @@ impl Kernels {
                         pass::<simd::Q4K>(level, &b[blocks.clone()], nb, &a[acts], out)
                     }
                     #[cfg(target_arch = "x86_64")]
-                    (Weights::Q4Kx8(g), ActBlocks::Q8K(a))
-                        if level == CpuLevel::Amx && rows.len() >= AMX_FROM_ROWS =>
-                    {
-                        let natural = &x.natural()[256 * acts.start..256 * acts.end];
-                        crate::amx::pass::<crate::formats::q4_k_x8::amx::Q4Kx8, _>(
-                            &mut crate::amx::Hardware,
+                    (Weights::Q4Kx8(g), ActBlocks::Q8K(a)) if tiles => {
+                        on_tiles::<crate::formats::q4_k_x8::amx::Q4Kx8>(
                             &g[groups.clone()],
                             nb,
-                            &a[acts],
-                            natural,
+                            x,
+                            a,
+                            acts,
                             window,
                         )
                     }
@@ -774,16 +774,13 @@ impl Kernels {
                         pass::<simd::Q6K>(level, &b[blocks.clone()], nb, &a[acts], out)
                     }
                     #[cfg(target_arch = "x86_64")]
-                    (Weights::Q6Kx8(g), ActBlocks::Q8K(a))
-                        if level == CpuLevel::Amx && rows.len() >= AMX_FROM_ROWS =>
-                    {
-                        let natural = &x.natural()[256 * acts.start..256 * acts.end];
-                        crate::amx::pass::<crate::formats::q6_k_x8::amx::Q6Kx8, _>(
-                            &mut crate::amx::Hardware,
+                    (Weights::Q6Kx8(g), ActBlocks::Q8K(a)) if tiles => {
+                        on_tiles::<crate::formats::q6_k_x8::amx::Q6Kx8>(
                             &g[groups.clone()],
                             nb,
-                            &a[acts],
-                            natural,
+                            x,
+                            a,
+                            acts,
                             window,
                         )
                     }
@@ -796,6 +793,25 @@ impl Kernels {
             }
         }
     }
+}
+
+/// [`crate::amx::pass`] on this CPU's tiles: activation rows `acts` (as block indices) of `x`, whose
+/// blocks are `a`, against the groups `w`.
+///
+/// # Safety
+/// As [`crate::amx::pass`] with [`crate::amx::Hardware`].
+#[cfg(target_arch = "x86_64")]
+unsafe fn on_tiles<F: crate::amx::TileFormat>(
+    w: &[F::Group],
+    nb: usize,
+    x: &QuantizedActivations,
+    a: &[BlockQ8K],
+    acts: Range<usize>,
+    out: Window,
+) {
+    let natural = &x.natural()[256 * acts.start..256 * acts.end];
+    // SAFETY: the caller's contract.
+    unsafe { crate::amx::pass::<F, _>(&mut crate::amx::Hardware, w, nb, &a[acts], natural, out) }
 }
 
 /// `f(start, part)` over `blocks` in chunks of at least `min_chunk` blocks, on `pool`'s threads

@@ -24,6 +24,46 @@ fn tokens(n: usize, seed: u32) -> Vec<u32> {
         .collect()
 }
 
+/// Prompts that share their first 40 tokens (each then has 6 of its own, from `tail`) on a tiny
+/// Qwen2 model, generated greedily for 6 tokens, and what each gives decoded alone.
+struct SharedPrefix {
+    model: std::sync::Arc<specdec_runtime::Model>,
+    config: GenerateConfig,
+}
+
+impl SharedPrefix {
+    fn new() -> Self {
+        SharedPrefix {
+            model: tiny_model(&TinySpec::new(Arch::Qwen2, GgmlDType::Q8_0)),
+            config: GenerateConfig {
+                max_new_tokens: 6,
+                sampling: SamplingParams::greedy(),
+                ..GenerateConfig::default()
+            },
+        }
+    }
+
+    fn prompt(tail: u32) -> Vec<TokenId> {
+        [tokens(40, 3), tokens(6, tail)].concat()
+    }
+
+    fn alone(&self, p: &[TokenId]) -> Vec<TokenId> {
+        let mut t = Session::new(self.model.clone(), 128);
+        generate(&mut t, &mut NoDraft, p, &self.config, &mut |_| {
+            ControlFlow::Continue(())
+        })
+        .unwrap()
+        .tokens
+    }
+
+    /// A batch of at most 2 sequences on the model, prefilling chunks of 8 tokens.
+    fn batch(&self) -> Batch<Sessions, NoDraft> {
+        let mut batch = Batch::new(Sessions::new(self.model.clone(), 128, 2), NoDraft);
+        batch.set_prefill_chunk(Some(8));
+        batch
+    }
+}
+
 #[test]
 fn batched_scores_equal_separate_scores_bit_for_bit() {
     for (arch, dtype) in [
@@ -190,24 +230,10 @@ fn continuous_batching_on_tiny_models_gives_each_sequence_its_own_tokens() {
 /// prefix, not only its first chunk, and decodes as it would from scratch.
 #[test]
 fn chunked_prefill_reuses_the_whole_released_prefix() {
-    let model = tiny_model(&TinySpec::new(Arch::Qwen2, GgmlDType::Q8_0));
-    let shared = tokens(40, 3);
-    let prompt = |tail: u32| [shared.clone(), tokens(6, tail)].concat();
-    let config = GenerateConfig {
-        max_new_tokens: 6,
-        sampling: SamplingParams::greedy(),
-        ..GenerateConfig::default()
-    };
-    let alone = |p: &[TokenId]| {
-        let mut t = Session::new(model.clone(), 128);
-        generate(&mut t, &mut NoDraft, p, &config, &mut |_| {
-            ControlFlow::Continue(())
-        })
-        .unwrap()
-        .tokens
-    };
-    let mut batch = Batch::new(Sessions::new(model.clone(), 128, 2), NoDraft);
-    batch.set_prefill_chunk(Some(8));
+    let case = SharedPrefix::new();
+    let (config, prompt) = (&case.config, SharedPrefix::prompt);
+    let alone = |p: &[TokenId]| case.alone(p);
+    let mut batch = case.batch();
     for (id, tail) in [(1, 8), (2, 9)] {
         let p = prompt(tail);
         batch
@@ -252,24 +278,10 @@ fn chunked_prefill_reuses_the_whole_released_prefix() {
 /// (`Target::min_prefix_copy`) instead of computing it too; both decode as alone.
 #[test]
 fn a_new_sequence_waits_for_an_earlier_one_computing_their_shared_prefix() {
-    let model = tiny_model(&TinySpec::new(Arch::Qwen2, GgmlDType::Q8_0));
-    let shared = tokens(40, 3);
-    let prompt = |tail: u32| [shared.clone(), tokens(6, tail)].concat();
-    let config = GenerateConfig {
-        max_new_tokens: 6,
-        sampling: SamplingParams::greedy(),
-        ..GenerateConfig::default()
-    };
-    let alone = |p: &[TokenId]| {
-        let mut t = Session::new(model.clone(), 128);
-        generate(&mut t, &mut NoDraft, p, &config, &mut |_| {
-            ControlFlow::Continue(())
-        })
-        .unwrap()
-        .tokens
-    };
-    let mut batch = Batch::new(Sessions::new(model.clone(), 128, 2), NoDraft);
-    batch.set_prefill_chunk(Some(8));
+    let case = SharedPrefix::new();
+    let (config, prompt) = (&case.config, SharedPrefix::prompt);
+    let alone = |p: &[TokenId]| case.alone(p);
+    let mut batch = case.batch();
     let (p1, p2) = (prompt(8), prompt(9));
     batch
         .add(SeqId(1), p1.clone(), config.clone(), None)

@@ -805,71 +805,12 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn the_amx_pass_with_emulated_tiles_matches_the_reference() {
-        use crate::simd::{Out, Window};
         if !crate::CpuLevel::Avx512Zmm.is_supported() {
             eprintln!("skipped: needs {}", crate::CpuLevel::Avx512Zmm.features());
             return;
         }
-        let nb = 3;
-        let groups = 5;
-        let rows: Vec<BlockQ4K> = (0..8 * groups * nb)
-            .map(|i| q4k((i * 37 % 251) as u8))
-            .collect();
-        let w: Vec<BlockQ4Kx8> = (0..groups)
-            .flat_map(|g| {
-                let rows = &rows;
-                (0..nb).map(move |b| {
-                    BlockQ4Kx8::pack(std::array::from_fn(|k| &rows[(8 * g + k) * nb + b]))
-                })
-            })
-            .collect();
-        let mut seed = 12345u64;
-        let mut next = move || {
-            seed = seed
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1_442_695_040_888_963_407);
-            ((seed >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
-        };
-        for n in 1..=16 {
-            let values: Vec<f32> = (0..n * nb * 256).map(|_| next()).collect();
-            let mut x = vec![BlockQ8K::ZERO; n * nb];
-            crate::formats::quantize_row_q8_k(&values, &mut x);
-            let natural = crate::amx::natural_order(&x);
-            for (skip, len) in [(0, 8 * groups), (3, 8 * groups - 7)] {
-                let mut out = vec![f32::NAN; n * len];
-                let window = Window {
-                    out: Out {
-                        ptr: out.as_mut_ptr(),
-                        stride: len,
-                    },
-                    skip,
-                    len,
-                };
-                // SAFETY: the CPU supports the 512-bit level (checked above); `out` holds every
-                // (row, column) of the window.
-                unsafe {
-                    crate::amx::pass::<amx::Q4Kx8, _>(
-                        &mut crate::amx::Emulated::default(),
-                        &w,
-                        nb,
-                        &x,
-                        &natural,
-                        window,
-                    )
-                };
-                for i in 0..n {
-                    for c in 0..len {
-                        let row = &rows[(skip + c) * nb..][..nb];
-                        let want = dot_q4_kx8_q8_k(row, &x[i * nb..][..nb]);
-                        assert_eq!(
-                            out[i * len + c].to_bits(),
-                            want.to_bits(),
-                            "rows {n}, row {i}, column {c}, skip {skip}"
-                        );
-                    }
-                }
-            }
-        }
+        let rows: Vec<BlockQ4K> = (0..8 * 5 * 3).map(|i| q4k((i * 37 % 251) as u8)).collect();
+        crate::amx::check_emulated::<amx::Q4Kx8>(&rows, 3, dot_q4_kx8_q8_k);
     }
 
     #[test]

@@ -389,6 +389,10 @@ impl Tiles for Emulated {
     }
 }
 
+/// A reference dot product of a weight row with an activation row.
+#[cfg(all(test, target_arch = "x86_64"))]
+type Dot<B> = fn(&[B], &[crate::BlockQ8K]) -> f32;
+
 /// Runs [`pass`] on emulated tiles for 1 to 16 activation rows against `rows` (weight rows of `nb`
 /// blocks each, five groups of 8: two pairs and an odd last group) packed as `F::Group`, over the
 /// whole window and over one that cuts groups, and compares every result with `dot` bit for bit.
@@ -396,7 +400,7 @@ impl Tiles for Emulated {
 pub(crate) fn check_emulated<F>(
     rows: &[<F::Group as crate::Interleaved>::Block],
     nb: usize,
-    dot: fn(&[<F::Group as crate::Interleaved>::Block], &[crate::BlockQ8K]) -> f32,
+    dot: Dot<<F::Group as crate::Interleaved>::Block>,
 ) where
     F: TileFormat,
     F::Group: crate::Interleaved,

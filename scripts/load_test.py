@@ -10,11 +10,11 @@
                 solo answer.
   shared:       requests over the same documents (bench/long.jsonl's ten, about 1,500 tokens), each
                 with its own question: one answering at length (--first-max-tokens), then, once its
-                first token is out, CLIENTS - 1 more at once (--max-tokens). Prints each request's
-                time to first token and latency: what a server that copies a running request's
-                prefix saves the later ones. With --together all CLIENTS requests are sent at once
-                (each with --max-tokens): what a server that computes their shared prefix once
-                saves them.
+                first token is out, CLIENTS - 1 more at once (--max-tokens; 2 to 10 requests in
+                all, one per question). Prints each request's time to first token and latency:
+                what a server that copies a running request's prefix saves the later ones. With
+                --together all of them are sent at once (each with --max-tokens): what a server
+                that computes their shared prefix once saves them.
 
 Exit status 1 if a response is lost or malformed, if --expect-429 saw no 429, or (concurrency) if an
 answer differs. Needs httpx (installed with the openai package).
@@ -197,11 +197,11 @@ async def shared(args):
     docs = raw[0][: raw[0].rindex("Question:")]
     prompts = [docs + p[p.rindex("Question:"):] for p in raw][: max(args.clients, 2)]
     stats = [{"ttft": [], "tpot": [], "latency": [], "tokens": 0, "rejected_429": 0} for _ in prompts]
-    first_args = argparse.Namespace(**{**vars(args), "max_tokens": args.first_max_tokens})
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout)) as client:
         if args.together:
             answers = await asyncio.gather(*(one(client, args, p, s) for p, s in zip(prompts, stats)))
             return shared_report(stats, answers)
+        first_args = argparse.Namespace(**{**vars(args), "max_tokens": args.first_max_tokens})
         started = asyncio.Event()
         first = asyncio.create_task(one(client, first_args, prompts[0], stats[0], started))
         waiting = asyncio.create_task(started.wait())

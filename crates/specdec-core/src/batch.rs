@@ -101,7 +101,7 @@ struct Sequence {
     /// Prompt tokens scored so far by partial prefill steps.
     prefilled: usize,
     /// This step the sequence waits, unscored, for an earlier one still computing a prefix they
-    /// share ([`Target::min_prefix_copy`]).
+    /// share ([`Target::min_prefix_copy`]). Its metrics' prefill time leaves the wait out.
     waits: bool,
     /// This step scores only the first this-many prompt tokens (a partial prefill).
     partial: Option<usize>,
@@ -176,6 +176,8 @@ impl<T: Target, D: Draft> Batch<T, D> {
                     None if s.k == 0 => plans.push((0, &[])),
                     None => return None,
                 },
+                // A waiting sequence is not scored this step.
+                Phase::Prefill if s.waits => {}
                 Phase::Prefill => {
                     other_rows += s
                         .partial
@@ -337,7 +339,8 @@ impl<T: Target, D: Draft> Batch<T, D> {
     /// [`StopReason::Cancelled`]. `None` if it is not in the batch.
     pub fn cancel(&mut self, id: SeqId) -> Option<Output> {
         let i = self.seqs.iter().position(|s| s.id == id)?;
-        let mut s = self.seqs.swap_remove(i);
+        // In order: a new sequence waits only for earlier ones (`plan_waits`).
+        let mut s = self.seqs.remove(i);
         s.close();
         s.output.stop_reason = Some(StopReason::Cancelled);
         Some(s.output)
@@ -594,7 +597,6 @@ impl<T: Target, D: Draft> Batch<T, D> {
         finished
     }
 
-    /// Removes the sequences that failed, highest index first so the others keep theirs.
     /// Which new sequences wait this step: with chunked prefill and a target that copies a running
     /// sequence's prefix ([`Target::min_prefix_copy`]), one whose prompt shares at least that many
     /// tokens with an earlier sequence still computing them, more than the target offers it now
@@ -604,7 +606,12 @@ impl<T: Target, D: Draft> Batch<T, D> {
     fn plan_waits(&mut self) {
         let min = match (self.target.min_prefix_copy(), self.prefill_chunk) {
             (Some(min), Some(_)) => min.max(1),
-            _ => return,
+            _ => {
+                for s in &mut self.seqs {
+                    s.waits = false;
+                }
+                return;
+            }
         };
         for i in 0..self.seqs.len() {
             let (earlier, rest) = self.seqs.split_at_mut(i);
@@ -630,6 +637,7 @@ impl<T: Target, D: Draft> Batch<T, D> {
         }
     }
 
+    /// Removes the sequences that failed, highest index first so the others keep theirs.
     fn take_failed(&mut self, failed: &mut Vec<(usize, Error)>, finished: &mut Vec<Finished>) {
         failed.sort_by_key(|(i, _)| std::cmp::Reverse(*i));
         failed.dedup_by_key(|(i, _)| *i);

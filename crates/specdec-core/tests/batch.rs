@@ -667,3 +667,117 @@ fn the_first_token_comes_before_the_drafter_reads_the_prompt() {
     assert_eq!(e.output.tokens, plain.tokens[..1]);
     assert!(e.to_string().contains("prefill failed"), "{e}");
 }
+
+/// A mock target that says it copies a running sequence's prefix from 4 shared tokens (the mock
+/// copies none, so a sequence computes what it waited for; only the schedule is tested), and
+/// records the sequences of every scoring call.
+struct Copying {
+    inner: MockModel,
+    scored: Vec<Vec<SeqId>>,
+}
+
+impl specdec_core::Target for Copying {
+    type Error = specdec_core::mock::MockError;
+
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+
+    fn capacity(&self) -> usize {
+        self.inner.capacity()
+    }
+
+    fn score(
+        &mut self,
+        batch: &[specdec_core::Score<'_>],
+        out: &mut [specdec_core::Logits],
+    ) -> Result<(), Self::Error> {
+        self.scored.push(batch.iter().map(|s| s.seq).collect());
+        self.inner.score(batch, out)
+    }
+
+    fn commit(&mut self, seq: SeqId, committed: &[TokenId]) -> Result<(), Self::Error> {
+        self.inner.commit(seq, committed)
+    }
+
+    fn release(&mut self, seq: SeqId) {
+        self.inner.release(seq)
+    }
+
+    fn cached(&self, seq: SeqId, context: &[TokenId]) -> usize {
+        self.inner.cached(seq, context)
+    }
+
+    fn min_prefix_copy(&self) -> Option<usize> {
+        Some(4)
+    }
+}
+
+/// Sequences 0 and 1 over a 12-token shared prefix (then 3 tokens of their own), added together
+/// to a batch prefilling chunks of 4 on a target that copies prefixes.
+fn waiting_batch() -> (Batch<Copying, NoDraft>, [Vec<TokenId>; 2], GenerateConfig) {
+    use specdec_core::Target as _;
+    let target = Copying {
+        inner: target(),
+        scored: Vec::new(),
+    };
+    assert_eq!(target.min_prefix_copy(), Some(4));
+    let mut batch = Batch::new(target, NoDraft);
+    batch.set_prefill_chunk(Some(4));
+    let shared: Vec<TokenId> = (0..12).map(|i| (i * 7 + 3) % VOCAB as u32).collect();
+    let prompts = [0u32, 1].map(|t| [shared.clone(), vec![t + 1, t + 2, t + 3]].concat());
+    let config = GenerateConfig {
+        max_new_tokens: 4,
+        sampling: SamplingParams::greedy(),
+        ..GenerateConfig::default()
+    };
+    for (i, p) in prompts.iter().enumerate() {
+        batch
+            .add(SeqId(i as u64), p.clone(), config.clone(), None)
+            .unwrap();
+    }
+    (batch, prompts, config)
+}
+
+#[test]
+fn a_new_sequence_waits_unscored_while_an_earlier_one_computes_their_shared_prefix() {
+    let (mut batch, prompts, config) = waiting_batch();
+    let mut outs = HashMap::new();
+    while !batch.is_empty() {
+        for f in batch.step(&mut |_, _| ControlFlow::Continue(())) {
+            outs.insert(f.seq, f.result.unwrap().tokens);
+        }
+    }
+    // Sequence 0 computes the 12 shared tokens in 3 chunks alone; sequence 1 is scored from then.
+    let scored = &batch.target().scored;
+    assert!(scored[..3].iter().all(|s| s == &[SeqId(0)]), "{scored:?}");
+    assert!(scored[3].contains(&SeqId(1)), "{scored:?}");
+    for (i, p) in prompts.iter().enumerate() {
+        let alone = generate(&mut target(), &mut NoDraft, p, &config, &mut |_| {
+            ControlFlow::Continue(())
+        })
+        .unwrap();
+        assert_eq!(outs[&SeqId(i as u64)], alone.tokens, "sequence {i}");
+    }
+}
+
+#[test]
+fn a_wait_ends_when_the_earlier_sequence_leaves_or_chunks_stop() {
+    // The sequence waited for is cancelled: the other is scored in the next step.
+    let (mut batch, _, _) = waiting_batch();
+    batch.step(&mut |_, _| ControlFlow::Continue(()));
+    assert_eq!(batch.target().scored, [vec![SeqId(0)]]);
+    batch.cancel(SeqId(0)).unwrap();
+    batch.step(&mut |_, _| ControlFlow::Continue(()));
+    assert_eq!(batch.target().scored[1], [SeqId(1)]);
+    // Chunked prefill turned off while a sequence waits: it is scored in the next step.
+    let (mut batch, _, _) = waiting_batch();
+    batch.step(&mut |_, _| ControlFlow::Continue(()));
+    batch.set_prefill_chunk(None);
+    batch.step(&mut |_, _| ControlFlow::Continue(()));
+    assert!(
+        batch.target().scored[1].contains(&SeqId(1)),
+        "{:?}",
+        batch.target().scored
+    );
+}

@@ -458,7 +458,9 @@ pub(crate) fn check_emulated<F>(
 /// operating system lets this process use them. Linux asks each process to request the tiles'
 /// state (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`, Linux 5.16 and later; the
 /// permission holds for all its threads); without it the first tile instruction faults. Asked
-/// once.
+/// once, by the first check of [`crate::CpuLevel::Amx`]'s support (also by
+/// [`crate::CpuLevel::supported`], which `specdec --version` lists), even where the level is then
+/// not used: the request only lets the kernel save the tiles' state for this process.
 #[cfg(target_arch = "x86_64")]
 pub(crate) fn available() -> bool {
     static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();

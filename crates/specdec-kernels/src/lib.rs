@@ -48,6 +48,7 @@
 //! # Ok::<(), specdec_kernels::KernelError>(())
 //! ```
 
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 mod amx;
 pub mod dispatch;
 pub mod f16;

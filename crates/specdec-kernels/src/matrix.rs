@@ -313,12 +313,14 @@ pub struct QuantizedActivations {
     rows: usize,
     cols: usize,
     blocks: ActBlocks,
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     natural: Natural,
 }
 
 /// Q8_K quants in natural order ([`crate::amx::natural_order`]), made at most once per
 /// quantisation by the first pass on AMX tiles that needs them (the threads of a matmul share
-/// them). A cache: it never makes two activations unequal, and a clone starts without it.
+/// them; a new buffer each time, at the opt-in `amx` level only). A cache: it never makes two
+/// activations unequal, and a clone starts without it.
 #[derive(Default)]
 struct Natural(OnceLock<Vec<i8>>);
 

@@ -236,6 +236,16 @@ fn the_scalar_level_is_always_available_and_explicit() {
 }
 
 #[test]
+fn every_level_parses_from_its_name_and_amx_is_never_detected() {
+    for level in CpuLevel::ALL {
+        assert_eq!(CpuLevel::parse(level.name()).unwrap(), level);
+    }
+    // The AMX level measured no faster than the 512-bit one: asked for, never chosen.
+    assert_ne!(CpuLevel::detect(), CpuLevel::Amx);
+    assert_ne!(CpuLevel::parse("auto").unwrap(), CpuLevel::Amx);
+}
+
+#[test]
 fn shape_errors_are_reported_not_panicked() {
     let mut rng = Rng(5);
     let w = random_matrix(&mut rng, BlockFormat::Q4K, 3, 512);

@@ -10,8 +10,9 @@
 //! system prompt or documents, one arriving while another is answered), the new sequence gets a
 //! cache of its own with a copy of that prefix's keys and values instead (from [`MIN_COPY`]
 //! tokens; [`Target::min_prefix_copy`], so that a batch lets a new sequence wait while an earlier
-//! one computes the prefix they share, and then copy it). Keys and values of a token prefix do not depend on how they were computed (blocks,
-//! batches and single steps give the same bits), so this changes no output.
+//! one computes the prefix they share, and then copy it). Keys and values of a token prefix do not
+//! depend on how they were computed (blocks, batches and single steps give the same bits), so this
+//! changes no output.
 
 use std::collections::HashMap;
 use std::sync::Arc;

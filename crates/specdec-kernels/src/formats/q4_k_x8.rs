@@ -730,8 +730,8 @@ pub(crate) mod amx {
                     unsafe {
                         let q = join(g0.qs.as_ptr().add(at), g1.qs.as_ptr().add(at));
                         let row = tiles.as_mut_ptr().add(512 * s);
-                        _mm512_store_si512(row.add(64 * c).cast(), _mm512_and_si512(q, low));
-                        _mm512_store_si512(
+                        _mm512_storeu_si512(row.add(64 * c).cast(), _mm512_and_si512(q, low));
+                        _mm512_storeu_si512(
                             row.add(64 * (c + 4)).cast(),
                             _mm512_and_si512(_mm512_srli_epi16::<4>(q), low),
                         );
@@ -758,8 +758,8 @@ pub(crate) mod amx {
             for (i, acc) in acc.iter_mut().enumerate().take(n) {
                 let mut sumi = _mm512_setzero_si512();
                 for (c, &sc) in c.iter().zip(&sc) {
-                    // SAFETY: row i < 16 of a 16 × 16 `i32` tile, 64-byte aligned.
-                    let c = unsafe { _mm512_load_si512(c.as_ptr().add(16 * i).cast()) };
+                    // SAFETY: row i < 16 of a 16 × 16 `i32` tile.
+                    let c = unsafe { _mm512_loadu_si512(c.as_ptr().add(16 * i).cast()) };
                     sumi = _mm512_add_epi32(sumi, _mm512_mullo_epi32(c, sc));
                 }
                 let xb = &x[i * nb];

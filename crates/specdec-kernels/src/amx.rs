@@ -9,7 +9,10 @@
 //! the same values of 16 weight rows in `b` (a pair of interleaved groups: row `t` of `b` is the
 //! vector `V_t` of both groups, whose lane `n` holds weight row `n`'s values `4t .. 4t + 4`), so
 //! `c[i][n]` is the sub-block's integer sum of activation row `i` and weight row `n`, the same
-//! integer every other level computes. The Q6_K pass does the same per 16-value sub-block.
+//! integer every other level computes. Only Q4_K runs on the tiles: a Q6_K pass built the same way
+//! (16-value sub-blocks, so 16 products of half the depth per block) took 0.83–2.5 times as long as
+//! the 512-bit one (median 1.41 over 120 pairs of row counts 2–16, in cache and from memory), and
+//! was removed.
 //!
 //! Why it is not faster was not measured (the machine showed no counters). A 2-row product of a
 //! 1536 × 8960 matrix took 0.13–0.33 ms more than with the 512-bit passes in cache (where those
@@ -30,14 +33,15 @@ use crate::simd::{Ahead, Window};
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::{__m512, _mm512_setzero_ps};
 
-/// From how many activation rows [`crate::CpuLevel::Amx`] runs the interleaved K-quant passes (Q4_K,
-/// Q6_K) on the tiles; smaller passes take [`crate::CpuLevel::Avx512Zmm`]'s. Measured on a 16-core
-/// Xeon with AMX (stop 54, 2 threads, `rcurve 2 8960 every` alternating the two levels, the tiles
-/// used from 2 rows): no row count below 16 ran faster on the tiles, in cache or from memory,
-/// and 16 rows about as fast; a 64-token prefill of a 4-layer model with the 1.5B target's shapes
-/// (random Q4_K weights, `step_time`) ran at 1,142–1,429 tok/s on the tiles against 820–1,262 in
-/// 8 pairs, 16-token blocks 25.4–32.4 ms against 28.9–32.5. So only 16-row passes (prefill chunks,
-/// 16-token blocks) take the tiles.
+/// From how many activation rows [`crate::CpuLevel::Amx`] runs the interleaved Q4_K passes on the
+/// tiles; smaller passes take [`crate::CpuLevel::Avx512Zmm`]'s. Measured on a 16-core Xeon with AMX
+/// (stop 54, 2 threads, `rcurve 2 8960 every` alternating the two levels, the tiles used from 2
+/// rows; times on the tiles over times on 512-bit vectors, 56 and 64 pairs): 0.85–2.4 (median
+/// 1.36) up to 8 rows, 0.6–1.6 (median 0.95) from 9 to 16; on a 4-layer model with
+/// the 1.5B target's shapes (random Q4_K weights, `step_time`), 8-token blocks 1.1–1.6, 16-token
+/// blocks 0.9–1.3 and a 64-token prefill (passes of 16 rows) 0.85 (1,274 against 1,085 tok/s,
+/// medians of 16 runs each). So only 16-row passes (prefill chunks, 16-token blocks) take the
+/// tiles.
 pub const AMX_FROM_ROWS: usize = 16;
 
 /// The activation quants of `x` (Q8_K blocks, in the kernels' order) in natural order: value `v`
@@ -62,7 +66,7 @@ pub(crate) fn natural_order(x: &[crate::BlockQ8K]) -> Vec<i8> {
 /// weights.
 pub(crate) trait Tiles {
     /// Sets the tiles up for products of `rows` activation rows (1 ..= 16) over `depth` values
-    /// (16 or 32: a sub-block of Q6_K or Q4_K).
+    /// (a multiple of 4 up to 64: 32 for a Q4_K sub-block).
     ///
     /// # Safety
     /// The CPU must support [`crate::CpuLevel::Amx`].

@@ -34,17 +34,16 @@ pub enum CpuLevel {
     /// vectors too. Detected as the best level only where 512-bit operations run at full width
     /// ([`full_width_512`]: Intel).
     Avx512Zmm,
-    /// [`CpuLevel::Avx512Zmm`] with the interleaved K-quant passes (Q4_K, Q6_K) of
-    /// [`crate::AMX_FROM_ROWS`] rows on Intel's AMX tiles (needs AMX-TILE and AMX-INT8, and an
-    /// operating system that lets the process use the tiles: Linux 5.16 or later, asked once with
-    /// `arch_prctl`): per pair of groups and sub-block, one `tdpbsud` multiplies the pass's
-    /// activation rows by 16 weight rows, and 512-bit vectors unpack the weights and do the scales
-    /// and the float arithmetic as at [`CpuLevel::Avx512Zmm`], so the results are the same bits.
-    /// Never detected, only asked for (`SPECDEC_KERNELS=amx`): on a 16-core Xeon with AMX (stop 54,
-    /// 2 threads) its passes of 2 to 15 rows ran slower than the 512-bit ones (`rcurve`, a 1536 ×
-    /// 8960 matrix read from memory: Q4_K r(8) 1.86–2.21 against 1.37–1.38, Q6_K 2.04–2.26
-    /// against 1.51–1.56), and 16-row passes about as fast (Q4_K r(16) 2.48–3.14 against
-    /// 2.38–2.94).
+    /// [`CpuLevel::Avx512Zmm`] with the interleaved Q4_K passes of [`crate::AMX_FROM_ROWS`] rows on
+    /// Intel's AMX tiles (needs AMX-TILE and AMX-INT8, and an operating system that lets the
+    /// process use the tiles: Linux 5.16 or later, asked once with `arch_prctl`): per pair of
+    /// groups and sub-block, one `tdpbsud` multiplies the pass's activation rows by 16 weight rows,
+    /// and 512-bit vectors unpack the weights and do the scales and the float arithmetic as at
+    /// [`CpuLevel::Avx512Zmm`], so the results are the same bits. Never detected, only asked for
+    /// (`SPECDEC_KERNELS=amx`): on a 16-core Xeon with AMX (stop 54, 2 threads, a 1536 × 8960
+    /// matrix) its passes took a median 1.36 times as long as the 512-bit ones up to 8 rows and
+    /// 0.95 times from 9 to 16; verification blocks of a model were no faster, a 64-token prefill
+    /// was (see [`crate::AMX_FROM_ROWS`]).
     Amx,
 }
 

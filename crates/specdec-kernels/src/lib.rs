@@ -15,8 +15,9 @@
 //!   AVX-512 VNNI dot products, and the interleaved formats' passes of 6 or more rows on 512-bit
 //!   vectors, the K-quants' only, from 4 rows, on CPUs that split 512-bit operations in two), detected once per
 //!   process and overridable with
-//!   `SPECDEC_KERNELS=scalar|avx2|avx512vnni|avx512zmm-k|avx512zmm|amx|auto` (`amx`: the K-quants'
-//!   16-row passes on Intel's AMX tiles, never detected since it measured no faster);
+//!   `SPECDEC_KERNELS=scalar|avx2|avx512vnni|avx512zmm-k|avx512zmm|amx|auto` (`amx`: Q4_K's
+//!   16-row passes on Intel's AMX tiles, never detected since it measured no faster for
+//!   verification);
 //!   [`Kernels::matmul_threaded`]
 //!   splits the output columns over a [`ThreadPool`].
 //! - [`pool`]: the fork-join [`ThreadPool`].

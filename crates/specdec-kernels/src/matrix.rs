@@ -734,7 +734,7 @@ impl Kernels {
                 len: columns.len(),
             };
             let level = self.level();
-            // The K-quants' passes of enough rows on AMX tiles, where asked for.
+            // Q4_K's passes of enough rows on AMX tiles, where asked for.
             #[cfg(target_arch = "x86_64")]
             let tiles = level == CpuLevel::Amx && rows.len() >= AMX_FROM_ROWS;
             // SAFETY: `level` comes from a `Kernels`, so this CPU supports it; `out` is the caller's.
@@ -774,17 +774,6 @@ impl Kernels {
                     }
                     (Weights::Q6K(b), ActBlocks::Q8K(a)) => {
                         pass::<simd::Q6K>(level, &b[blocks.clone()], nb, &a[acts], out)
-                    }
-                    #[cfg(target_arch = "x86_64")]
-                    (Weights::Q6Kx8(g), ActBlocks::Q8K(a)) if tiles => {
-                        on_tiles::<crate::formats::q6_k_x8::amx::Q6Kx8>(
-                            &g[groups.clone()],
-                            nb,
-                            x,
-                            a,
-                            acts,
-                            window,
-                        )
                     }
                     (Weights::Q6Kx8(g), ActBlocks::Q8K(a)) => {
                         pass_groups::<simd::Q6Kx8>(level, &g[groups.clone()], nb, &a[acts], window)

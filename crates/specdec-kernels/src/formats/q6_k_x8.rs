@@ -448,16 +448,16 @@ pub(crate) mod avx512 {
     /// Two groups' scales in registers (group `2p` in the low half, `2p + 1` in the high one).
     pub(crate) struct Scales {
         /// Sub-block `j`'s scales as `i32` lanes.
-        pub(crate) sc: [__m512i; 16],
+        sc: [__m512i; 16],
         /// `-32 ·` the scales of sub-blocks `2 j` and `2 j + 1` in the low and high `i16` of each
         /// lane.
-        pub(crate) offset: [__m512i; 8],
-        pub(crate) d: __m512,
+        offset: [__m512i; 8],
+        d: __m512,
     }
 
     #[inline]
     #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni,avx512bw")]
-    pub(crate) fn scales(g0: &BlockQ6Kx8, g1: &BlockQ6Kx8) -> Scales {
+    fn scales(g0: &BlockQ6Kx8, g1: &BlockQ6Kx8) -> Scales {
         let (p0, p1) = (g0.scales.as_ptr(), g1.scales.as_ptr());
         let mut sc = [_mm512_setzero_si512(); 16];
         for (j, sc) in sc.iter_mut().enumerate() {
@@ -493,7 +493,7 @@ pub(crate) mod avx512 {
     /// Bits `2 c .. 2 c + 2` of each byte of `h` moved to bits 4, 5 (the rest masked off by `high`).
     #[inline]
     #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni,avx512bw")]
-    pub(crate) fn high_bits(h: __m512i, c: usize, high: __m512i) -> __m512i {
+    fn high_bits(h: __m512i, c: usize, high: __m512i) -> __m512i {
         let h = match c {
             0 => _mm512_slli_epi16::<4>(h),
             1 => _mm512_slli_epi16::<2>(h),
@@ -506,7 +506,7 @@ pub(crate) mod avx512 {
     /// `avx2::offset_vnni` for two groups.
     #[inline]
     #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni,avx512bw")]
-    pub(crate) fn offset(acc: __m512i, offset: &[__m512i; 8], x: &BlockQ8K) -> __m512i {
+    fn offset(acc: __m512i, offset: &[__m512i; 8], x: &BlockQ8K) -> __m512i {
         let mut acc = acc;
         for (j, &o) in offset.iter().enumerate() {
             // SAFETY: `bsums` is 16 `i16`; the pair 2j, 2j + 1 is in bounds for j < 8.
@@ -607,98 +607,6 @@ pub(crate) mod avx512 {
     }
 }
 
-/// The interleaved Q6_K pass at [`crate::CpuLevel::Amx`] ([`crate::amx::pass`]): per pair of
-/// groups, block and 16-value sub-block, one tile product of the pass's activation rows (up to 16)
-/// by the pair's 16 weight rows gives each (row, weight row)'s exact sum of unsigned quants times
-/// activations; 512-bit vectors unpack the weights for it and then do, per activation row, what
-/// [`avx512`]'s pass does with its sums: the scales, the offset of 32 and the float arithmetic of
-/// [`dot_q6_kx8_q8_k`], in the same order, so the results are the same bits.
-#[cfg(target_arch = "x86_64")]
-pub(crate) mod amx {
-    use super::avx512::{high_bits, offset, scales};
-    use super::{qh_at, ql_at, BlockQ6Kx8, BlockQ8K};
-    use crate::amx::TileFormat;
-    use crate::simd::avx512::join;
-    use crate::simd::{Ahead, Window};
-    use std::arch::x86_64::*;
-
-    /// Interleaved Q6_K as [`TileFormat`].
-    pub(crate) struct Q6Kx8;
-
-    impl TileFormat for Q6Kx8 {
-        type Group = BlockQ6Kx8;
-        const DEPTH: usize = 16;
-        const SUMS: usize = 16;
-        type Constants = ();
-
-        #[inline]
-        #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni,avx512bw")]
-        unsafe fn constants() {}
-
-        /// Sub-block pair `s`'s vectors `V_t` of both groups as 8 rows of 64 bytes: rows 0..4 are
-        /// sub-block `2 s`'s tile, rows 4..8 sub-block `2 s + 1`'s.
-        #[inline]
-        #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni,avx512bw")]
-        unsafe fn unpack(g0: &BlockQ6Kx8, g1: &BlockQ6Kx8, tiles: &mut [u8; 4096], ahead: Ahead) {
-            let (low, high) = (_mm512_set1_epi8(0x0f), _mm512_set1_epi8(0x30));
-            for s in 0..8 {
-                ahead.part(s, 8);
-                let at = qh_at(s);
-                // SAFETY: `q` is 1536 bytes; the pair's 192 bytes are in bounds for s < 8; rows c
-                // and c + 4 of the pair's 512 bytes lie in the 4096 for c < 4.
-                unsafe {
-                    let h0 = join(g0.q.as_ptr().add(at), g1.q.as_ptr().add(at));
-                    let h1 = join(g0.q.as_ptr().add(at + 32), g1.q.as_ptr().add(at + 32));
-                    let row = tiles.as_mut_ptr().add(512 * s);
-                    for c in 0..4 {
-                        let at = ql_at(s) + 32 * c;
-                        let l = join(g0.q.as_ptr().add(at), g1.q.as_ptr().add(at));
-                        let lo = _mm512_or_si512(_mm512_and_si512(l, low), high_bits(h0, c, high));
-                        let hi = _mm512_or_si512(
-                            _mm512_and_si512(_mm512_srli_epi16::<4>(l), low),
-                            high_bits(h1, c, high),
-                        );
-                        _mm512_storeu_si512(row.add(64 * c).cast(), lo);
-                        _mm512_storeu_si512(row.add(64 * (c + 4)).cast(), hi);
-                    }
-                }
-            }
-        }
-
-        #[inline]
-        #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni,avx512bw")]
-        unsafe fn finish(
-            _: &(),
-            g0: &BlockQ6Kx8,
-            g1: &BlockQ6Kx8,
-            c: &[[i32; 256]; 16],
-            x: &[BlockQ8K],
-            nb: usize,
-            n: usize,
-            acc: &mut [__m512; 16],
-        ) {
-            let u = scales(g0, g1);
-            for (i, acc) in acc.iter_mut().enumerate().take(n) {
-                let mut sumi = _mm512_setzero_si512();
-                for (c, &sc) in c.iter().zip(&u.sc) {
-                    // SAFETY: row i < 16 of a 16 × 16 `i32` tile.
-                    let c = unsafe { _mm512_loadu_si512(c.as_ptr().add(16 * i).cast()) };
-                    sumi = _mm512_add_epi32(sumi, _mm512_mullo_epi32(c, sc));
-                }
-                let xb = &x[i * nb];
-                let total = offset(sumi, &u.offset, xb);
-                let block = _mm512_mul_ps(_mm512_cvtepi32_ps(total), u.d);
-                *acc = _mm512_fmadd_ps(block, _mm512_set1_ps(xb.d), *acc);
-            }
-        }
-
-        unsafe fn single(w: &[BlockQ6Kx8], nb: usize, x: &[BlockQ8K], out: Window) {
-            // SAFETY: the caller's contract; the level includes the VNNI level's features.
-            unsafe { super::avx2::pass8_vnni(w, nb, x, out) }
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -719,19 +627,6 @@ mod tests {
     fn the_grouped_arithmetic_agrees_with_the_per_lane_one() {
         let w: Vec<BlockQ6K> = (0..6).map(|b| q6k(17 * b + 5)).collect();
         super::super::assert_arithmetics_agree(&w, dot_q6_kx8_q8_k, super::super::dot_q6_k_q8_k);
-    }
-
-    /// The AMX pass's layout with the tiles emulated: bit for bit the reference for every row
-    /// count, an odd last group and a window that cuts groups (see the Q4_K pass's test).
-    #[cfg(target_arch = "x86_64")]
-    #[test]
-    fn the_amx_pass_with_emulated_tiles_matches_the_reference() {
-        if !crate::CpuLevel::Avx512Zmm.is_supported() {
-            eprintln!("skipped: needs {}", crate::CpuLevel::Avx512Zmm.features());
-            return;
-        }
-        let rows: Vec<BlockQ6K> = (0..8 * 5 * 3).map(|i| q6k((i * 37 % 251) as u8)).collect();
-        crate::amx::check_emulated::<amx::Q6Kx8>(&rows, 3, dot_q6_kx8_q8_k);
     }
 
     #[test]

@@ -94,16 +94,19 @@ pub(crate) trait Tiles {
     unsafe fn release(&mut self);
 }
 
-/// An interleaved K-quant format's part of the pass on tiles ([`pass`]): how a block of a pair of
-/// groups becomes the weights' tiles, and what the vectors do with the tiles' sums.
+/// Values per sub-block of a Q4_K block: the depth of one tile product.
+const DEPTH: usize = 32;
+
+/// Sub-blocks per block: tile products per block of a pair of groups.
+const SUBS: usize = 8;
+
+/// An interleaved format's part of the pass on tiles ([`pass`]; Q4_K's, blocks of [`SUBS`]
+/// sub-blocks of [`DEPTH`] values): how a block of a pair of groups becomes the weights' tiles, and
+/// what the vectors do with the tiles' sums.
 #[cfg(target_arch = "x86_64")]
 pub(crate) trait TileFormat {
     /// The interleaved group.
     type Group;
-    /// Values per sub-block: the depth of one tile product (32 or 16).
-    const DEPTH: usize;
-    /// Sub-blocks per block: tile products per block of a pair.
-    const SUMS: usize;
     /// Constants [`TileFormat::finish`] needs, made once per pass.
     type Constants;
 
@@ -115,7 +118,7 @@ pub(crate) trait TileFormat {
 
     /// Block `b` of both groups as the weights' tiles: sub-block `j`'s (`DEPTH / 4` rows of 64
     /// bytes, row `t` the values `4 t .. 4 t + 4` of the 16 weight rows) at byte `16 · DEPTH · j`
-    /// of `tiles`; prefetching `ahead` a part per 32 values ([`crate::simd::Ahead::part`]).
+    /// (`512 j`) of `tiles`; prefetching `ahead` a part per 32 values ([`crate::simd::Ahead::part`]).
     ///
     /// # Safety
     /// As [`TileFormat::constants`].
@@ -132,7 +135,7 @@ pub(crate) trait TileFormat {
         k: &Self::Constants,
         g0: &Self::Group,
         g1: &Self::Group,
-        c: &[[i32; 256]; 16],
+        c: &[[i32; 256]; SUBS],
         x: &[crate::BlockQ8K],
         nb: usize,
         n: usize,
@@ -155,7 +158,7 @@ struct Buffers {
     b: [[u8; 4096]; 2],
     /// The sums' tiles of a block: per sub-block, row `i` holds activation row `i`'s sums with the
     /// 16 weight rows.
-    c: [[[i32; 256]; 16]; 2],
+    c: [[[i32; 256]; SUBS]; 2],
 }
 
 /// `x.len() / nb` (1 ..= 16) activation rows against the groups of 8 weight rows in `w` (`nb`
@@ -194,7 +197,7 @@ pub(crate) unsafe fn pass<F: TileFormat, T: Tiles>(
     let k = unsafe { F::constants() };
     let mut buf = Buffers {
         b: [[0; 4096]; 2],
-        c: [[[0; 256]; 16]; 2],
+        c: [[[0; 256]; SUBS]; 2],
     };
     let stride = 256 * nb;
     let pair = |j: usize| {
@@ -203,7 +206,7 @@ pub(crate) unsafe fn pass<F: TileFormat, T: Tiles>(
     };
     let mut acc = [_mm512_setzero_ps(); 16];
     // SAFETY: the caller's contract.
-    unsafe { tiles.configure(n, F::DEPTH) };
+    unsafe { tiles.configure(n, DEPTH) };
     for j in 0..items + 2 {
         if (1..=items).contains(&j) {
             // Block j - 1's products, from the weights' tiles unpacked one step ago. Row i's
@@ -212,15 +215,15 @@ pub(crate) unsafe fn pass<F: TileFormat, T: Tiles>(
             let a = natural.as_ptr().wrapping_add(256 * b);
             let bt = buf.b[(j - 1) % 2].as_ptr();
             let ct = &mut buf.c[(j - 1) % 2];
-            for (s, ct) in ct.iter_mut().enumerate().take(F::SUMS) {
+            for (s, ct) in ct.iter_mut().enumerate() {
                 let (a, bt, ct) = (
-                    a.wrapping_add(F::DEPTH * s),
-                    bt.wrapping_add(16 * F::DEPTH * s),
+                    a.wrapping_add(DEPTH * s),
+                    bt.wrapping_add(16 * DEPTH * s),
                     ct.as_mut_ptr(),
                 );
                 // SAFETY: the tiles are configured for n rows of DEPTH values; row i's bytes at
                 // a + i · stride lie in `natural` (i < n); the weights' tile lies in the 4096-byte
-                // buffer (16 · DEPTH · SUMS = 4096) and the sums' tile is 256 `i32`.
+                // buffer (16 · DEPTH · SUBS = 4096) and the sums' tile is 256 `i32`.
                 unsafe {
                     if s % 2 == 0 {
                         tiles.product::<0>(a, stride, bt, ct);

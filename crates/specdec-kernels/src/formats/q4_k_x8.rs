@@ -594,12 +594,24 @@ pub(crate) mod avx512 {
     /// and three `vpdpwssd`, each against a pair of `sums32` broadcast from memory.
     #[inline]
     #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni,avx512bw")]
-    pub(crate) fn mins(mins: &[__m512i; 4], x: &BlockQ8K) -> __m512i {
+    fn mins(mins: &[__m512i; 4], x: &BlockQ8K) -> __m512i {
         let at = |i: usize| _mm512_set1_epi32(super::pair_of_sums(x, i));
         let m = _mm512_madd_epi16(mins[0], at(0));
         let m = _mm512_dpwssd_epi32(m, mins[1], at(1));
         let m = _mm512_dpwssd_epi32(m, mins[2], at(2));
         _mm512_dpwssd_epi32(m, mins[3], at(3))
+    }
+
+    /// The float arithmetic of [`super::dot_q4_kx8_q8_k`] for one activation block and the 16
+    /// weight rows of a pair of groups: `acc += (sumi · d - mins · dmin) · x.d`, `sumi` the
+    /// block's scaled integer sums and the mins from `x`'s sums of 32 values. Every 512-bit pass
+    /// (on vectors or on tiles) ends a block with it, so they round alike.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni,avx512bw")]
+    pub(crate) fn finish_block(u: &Scales, sumi: __m512i, x: &BlockQ8K, acc: &mut __m512) {
+        let m = _mm512_cvtepi32_ps(mins(&u.mins, x));
+        let block = _mm512_fmsub_ps(_mm512_cvtepi32_ps(sumi), u.d, _mm512_mul_ps(m, u.dmin));
+        *acc = _mm512_fmadd_ps(block, _mm512_set1_ps(x.d), *acc);
     }
 
     /// Interleaved Q4_K as [`Pairs`].
@@ -674,12 +686,8 @@ pub(crate) mod avx512 {
                     sumi[i] = _mm512_dpwssd_epi32(sumi[i], ab, sc);
                 }
             }
-            for (i, (sumi, acc)) in sumi.iter().zip(acc.iter_mut()).enumerate() {
-                let xb = &x[i * nb];
-                let m = _mm512_cvtepi32_ps(mins(&u.mins, xb));
-                let block =
-                    _mm512_fmsub_ps(_mm512_cvtepi32_ps(*sumi), u.d, _mm512_mul_ps(m, u.dmin));
-                *acc = _mm512_fmadd_ps(block, _mm512_set1_ps(xb.d), *acc);
+            for (i, (&sumi, acc)) in sumi.iter().zip(acc.iter_mut()).enumerate() {
+                finish_block(u, sumi, &x[i * nb], acc);
             }
         }
     }
@@ -693,7 +701,7 @@ pub(crate) mod avx512 {
 /// the results are the same bits.
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod amx {
-    use super::avx512::{mins, scales, Patterns};
+    use super::avx512::{finish_block, scales, Patterns};
     use super::{BlockQ4Kx8, BlockQ8K};
     use crate::amx::TileFormat;
     use crate::simd::avx512::join;
@@ -705,8 +713,6 @@ pub(crate) mod amx {
 
     impl TileFormat for Q4Kx8 {
         type Group = BlockQ4Kx8;
-        const DEPTH: usize = 32;
-        const SUMS: usize = 8;
         type Constants = Patterns;
 
         #[inline]
@@ -746,7 +752,7 @@ pub(crate) mod amx {
             pat: &Patterns,
             g0: &BlockQ4Kx8,
             g1: &BlockQ4Kx8,
-            c: &[[i32; 256]; 16],
+            c: &[[i32; 256]; 8],
             x: &[BlockQ8K],
             nb: usize,
             n: usize,
@@ -762,11 +768,7 @@ pub(crate) mod amx {
                     let c = unsafe { _mm512_loadu_si512(c.as_ptr().add(16 * i).cast()) };
                     sumi = _mm512_add_epi32(sumi, _mm512_mullo_epi32(c, sc));
                 }
-                let xb = &x[i * nb];
-                let m = _mm512_cvtepi32_ps(mins(&u.mins, xb));
-                let block =
-                    _mm512_fmsub_ps(_mm512_cvtepi32_ps(sumi), u.d, _mm512_mul_ps(m, u.dmin));
-                *acc = _mm512_fmadd_ps(block, _mm512_set1_ps(xb.d), *acc);
+                finish_block(&u, sumi, &x[i * nb], acc);
             }
         }
 

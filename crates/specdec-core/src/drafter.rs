@@ -1,11 +1,13 @@
 //! Drafting with a model: any [`Target`] (a smaller model of the same family) becomes a [`Draft`].
 
 use crate::kernels;
-use crate::model::{Draft, DraftRequest, Logits, PrefillRequest, Proposal, Score, SeqId, Target};
+use crate::model::{
+    Draft, DraftRequest, Logits, PrefillRequest, Proposal, RecentAnswers, Score, SeqId, Target,
+};
 use crate::rng::Stream;
 use crate::sampling::{Probs, Sampler};
 use crate::TokenId;
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 /// Drafts by running a model one token at a time, sampling each token with the target's sampling
 /// parameters (greedy stays greedy) and the draft stream of the RNG. All sequences of a batch advance
@@ -25,6 +27,10 @@ pub struct ModelDrafter<M> {
     /// Sequences whose prompt the model left unread ([`Draft::prefill_priced`]): nothing is
     /// drafted for them.
     unread: HashSet<SeqId>,
+    /// Per sequence: its prompt's length and its committed length, for [`RecentAnswers`].
+    lens: HashMap<SeqId, (usize, usize)>,
+    /// The answers of the sequences it drafted for lately (none covered by a lookup).
+    answers: RecentAnswers,
 }
 
 impl<M: Target> ModelDrafter<M> {
@@ -38,6 +44,22 @@ impl<M: Target> ModelDrafter<M> {
             scratch: Vec::new(),
             spare: Vec::new(),
             unread: HashSet::new(),
+            lens: HashMap::new(),
+            answers: RecentAnswers::default(),
+        }
+    }
+
+    /// The answers of the sequences it drafted for lately, which price a prompt's reading
+    /// ([`Draft::prefill_priced`]).
+    pub fn recent_answers(&self) -> &RecentAnswers {
+        &self.answers
+    }
+
+    /// A sequence starts with a prompt of `prompt_len` tokens: the answer it held before (a
+    /// caller that reuses the id, like [`crate::generate`] for chat turns) is recorded.
+    fn start(&mut self, seq: SeqId, prompt_len: usize) {
+        if let Some((p, n)) = self.lens.insert(seq, (prompt_len, prompt_len)) {
+            self.answers.record(n.saturating_sub(p), 0);
         }
     }
 
@@ -105,6 +127,7 @@ impl<M: Target> Draft for ModelDrafter<M> {
             scratch,
             spare,
             unread,
+            ..
         } = self;
         let vocab = model.vocab_size();
         logits.resize_with(batch.len(), || Logits::new(vocab));
@@ -166,10 +189,14 @@ impl<M: Target> Draft for ModelDrafter<M> {
     }
 
     fn commit(&mut self, seq: SeqId, committed: &[TokenId]) -> Result<(), Self::Error> {
+        if let Some(len) = self.lens.get_mut(&seq) {
+            len.1 = committed.len();
+        }
         self.model.commit(seq, committed).map_err(DraftError::Model)
     }
 
     fn prefill(&mut self, seq: SeqId, context: &[TokenId]) -> Result<(), Self::Error> {
+        self.start(seq, context.len());
         self.unread.remove(&seq);
         let vocab = self.model.vocab_size();
         self.logits.resize_with(1, || Logits::new(vocab));
@@ -186,11 +213,12 @@ impl<M: Target> Draft for ModelDrafter<M> {
     }
 
     /// [`Draft::prefill`], except where the cost model says that reading the prompt (the part the
-    /// model does not hold) cannot pay for itself within the tokens the sequence may emit
-    /// ([`crate::RoundCosts::prompt_read_pays`]): the model then leaves it unread and drafts
-    /// nothing for the sequence, which decodes plainly.
+    /// model does not hold) cannot pay for itself within the tokens the sequence is expected to
+    /// emit ([`crate::RoundCosts::prompt_read_pays`], [`RecentAnswers::model_tokens`]): the model
+    /// then leaves it unread and drafts nothing for the sequence, which decodes plainly.
     fn prefill_priced(&mut self, req: &PrefillRequest<'_>) -> Result<(), Self::Error> {
-        if req.read_pays(self.model.cached(req.seq, req.prompt)) {
+        self.start(req.seq, req.prompt.len());
+        if req.read_pays(self.model.cached(req.seq, req.prompt), &self.answers) {
             return self.prefill(req.seq, req.prompt);
         }
         self.unread.insert(req.seq);
@@ -206,6 +234,9 @@ impl<M: Target> Draft for ModelDrafter<M> {
     }
 
     fn release(&mut self, seq: SeqId) {
+        if let Some((p, n)) = self.lens.remove(&seq) {
+            self.answers.record(n.saturating_sub(p), 0);
+        }
         self.unread.remove(&seq);
         self.model.release(seq);
     }
@@ -239,12 +270,15 @@ mod tests {
 
     #[test]
     fn a_prompt_the_model_could_not_repay_is_not_read_and_nothing_is_drafted() {
-        // Reading a prompt token costs 0.05 steps; at best the model saves about 0.6 a token.
+        // Reading a prompt token costs 0.05 steps; the model's drafts are predicted at 1.25 tokens
+        // per step, a saving of 0.2 steps per token it drafts for.
         let costs = RoundCosts {
             r: (1..=17).map(|m| 1.0 + 0.1 * (m - 1) as f64).collect(),
             draft_per_token: 0.25,
             prompt_read: 0.05,
             model_len: 3,
+            model_rate: 1.25,
+            model_steps: 2.05,
             ..RoundCosts::default()
         };
         let prompt: Vec<TokenId> = (0..1_000).map(|i| i % 40).collect();
@@ -279,13 +313,25 @@ mod tests {
             remaining,
             costs: Some(&costs),
         };
-        // 50 steps of reading, not repaid within 16 tokens: nothing read, nothing drafted.
-        d.prefill_priced(&read(16)).unwrap();
+        // 50 steps of reading, not repaid within 200 tokens: nothing read, nothing drafted.
+        d.prefill_priced(&read(200)).unwrap();
         assert_eq!(draft(&mut d), 0);
         assert_eq!(d.model().stats().calls, 0);
-        // Repaid within 1,000: read, then drafted.
+        // Repaid within 1,000 (no answers seen yet: the whole limit is expected): read, then
+        // drafted.
         d.prefill_priced(&read(1_000)).unwrap();
         assert_eq!(d.model().stats().calls, 1);
         assert_eq!(draft(&mut d), 3);
+        // Once the sequences it drafted for answered in 100 tokens, a limit of 1,000 no longer
+        // repays the reading.
+        let mut answer = prompt.clone();
+        answer.extend(std::iter::repeat_n(7, 100));
+        d.commit(seq, &answer).unwrap();
+        d.release(seq);
+        assert_eq!(d.recent_answers().expected_len(1_000), 100.0);
+        let calls = d.model().stats().calls;
+        d.prefill_priced(&read(1_000)).unwrap();
+        assert_eq!(d.model().stats().calls, calls);
+        assert_eq!(draft(&mut d), 0);
     }
 }

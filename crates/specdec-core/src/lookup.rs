@@ -23,7 +23,7 @@
 
 use std::collections::HashMap;
 
-use crate::model::{Draft, DraftRequest, Proposal, SeqId};
+use crate::model::{Draft, DraftRequest, Proposal, RecentAnswers, SeqId};
 use crate::sampling::Probs;
 use crate::TokenId;
 
@@ -190,6 +190,8 @@ struct Pending {
     tokens: Vec<TokenId>,
     /// Each token's bucket and that bucket's estimate when the token was walked.
     buckets: Vec<(u8, f32)>,
+    /// The first this-many tokens were drafted (the rest of the walk is kept for learning only).
+    kept: usize,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -201,6 +203,9 @@ struct SeqState {
     pending: Option<Pending>,
     /// This sequence's drafts against their estimates.
     calibration: Calibration,
+    /// Output tokens that a draft of this drafter had right (drafted and committed, and the token
+    /// the target emitted after them), whether or not the round used it.
+    covered: usize,
 }
 
 /// The lookup drafter; see the module documentation.
@@ -215,6 +220,8 @@ pub struct LookupDrafter {
     cands: Vec<Cand>,
     /// Per next token: its votes and the first source bucket that holds one.
     tally: Vec<(TokenId, usize, usize)>,
+    /// The finished sequences' answers, with the tokens its drafts had right.
+    answers: RecentAnswers,
 }
 
 impl Default for LookupDrafter {
@@ -245,7 +252,15 @@ impl LookupDrafter {
             buckets,
             cands: Vec::new(),
             tally: Vec::new(),
+            answers: RecentAnswers::default(),
         }
+    }
+
+    /// The answers of its finished sequences, each with the tokens its drafts had right: how much
+    /// of an answer it can be expected to draft, which prices a draft model's reading of a prompt
+    /// ([`crate::HybridDrafter`]).
+    pub fn recent_answers(&self) -> &RecentAnswers {
+        &self.answers
     }
 
     /// The settings.
@@ -284,6 +299,9 @@ impl LookupDrafter {
                 let ends = out.ends_at(req.stop_tokens);
                 let (len, rate) = costs.best_free_len(&out.confidence, ends);
                 out.truncate(len);
+                if let Some(p) = self.seqs.get_mut(&req.seq).and_then(|s| s.pending.as_mut()) {
+                    p.kept = len;
+                }
                 rate
             }
             None => f64::NAN,
@@ -317,6 +335,7 @@ impl LookupDrafter {
                 at: req.context.len(),
                 tokens: out.tokens.clone(),
                 buckets,
+                kept: out.tokens.len(),
             });
         }
     }
@@ -434,6 +453,12 @@ impl LookupDrafter {
         }
     }
 
+    /// A sequence is over: its output goes to the history and its answer to the recent ones.
+    fn finish(&mut self, state: &SeqState) {
+        self.answers.record(state.output.len(), state.covered);
+        self.add_history(&state.output);
+    }
+
     /// Appends a finished output to the history, dropping the oldest half when it is full.
     fn add_history(&mut self, output: &[TokenId]) {
         let cap = self.config.history_tokens;
@@ -509,6 +534,7 @@ impl Draft for LookupDrafter {
             state.output.extend_from_slice(new);
         }
         if let Some(p) = state.pending.take() {
+            let mut right = 0;
             for (i, (&t, &(b, raw))) in p.tokens.iter().zip(&p.buckets).enumerate() {
                 let Some(&c) = committed.get(p.at + i) else {
                     break;
@@ -519,6 +545,12 @@ impl Draft for LookupDrafter {
                 if c != t {
                     break;
                 }
+                right += usize::from(i < p.kept);
+            }
+            // The drafted tokens it had right, and the target's token after them, which the same
+            // round emits.
+            if right > 0 {
+                state.covered += right + usize::from(committed.len() > p.at + right);
             }
         }
         Ok(())
@@ -528,7 +560,7 @@ impl Draft for LookupDrafter {
     /// like [`crate::generate`] for chat turns) goes to the history first.
     fn prefill(&mut self, seq: SeqId, context: &[TokenId]) -> Result<(), Self::Error> {
         if let Some(old) = self.seqs.remove(&seq) {
-            self.add_history(&old.output);
+            self.finish(&old);
         }
         self.seqs.insert(
             seq,
@@ -543,7 +575,7 @@ impl Draft for LookupDrafter {
     /// Adds the sequence's output to the history.
     fn release(&mut self, seq: SeqId) {
         if let Some(state) = self.seqs.remove(&seq) {
-            self.add_history(&state.output);
+            self.finish(&state);
         }
     }
 

@@ -323,11 +323,103 @@ pub struct PrefillRequest<'a> {
 
 impl PrefillRequest<'_> {
     /// Whether a model that holds the first `cached` tokens of the prompt should read the rest:
-    /// always without prices, else where [`RoundCosts::prompt_read_pays`] says it can pay.
-    pub fn read_pays(&self, cached: usize) -> bool {
+    /// always without prices, else where [`RoundCosts::prompt_read_pays`] says it can pay within
+    /// the tokens a model is expected to draft for ([`RecentAnswers::model_tokens`] of the
+    /// drafter's recent answers).
+    pub fn read_pays(&self, cached: usize, recent: &RecentAnswers) -> bool {
         self.costs.is_none_or(|c| {
-            c.prompt_read_pays(self.prompt.len().saturating_sub(cached), self.remaining)
+            c.prompt_read_pays(
+                self.prompt.len().saturating_sub(cached),
+                recent.model_tokens(self.remaining),
+            )
         })
+    }
+}
+
+/// Answers kept in [`RecentAnswers`], the oldest dropped first.
+pub const RECENT_ANSWERS: usize = 16;
+
+/// The weight of an answer in [`RecentAnswers`]' means against the one after it: the estimates
+/// follow a change in the kind of request within a few answers (a benchmark's categories run in
+/// turn: stop 55's first version, unweighted over 16 answers, still priced the questions on a
+/// passage by the code edits and completions before them and read 8 of 10 grounded prompts).
+pub const RECENT_ANSWER_DECAY: f64 = 0.6;
+
+/// What a drafter's recent sequences emitted: how many tokens, and how many of them a lookup draft
+/// had right (drafted and accepted, or would have been where the round drafted otherwise). A
+/// prompt's reading by the draft model pays only through the tokens the model drafts for, which a
+/// short answer, or one the lookup copies from the prompt, leaves few of (stop 55: questions on a
+/// given passage, answers of 18–60 tokens, where the hybrid's reading of the prompt made it as
+/// slow end to end as plain decoding and a third slower than the lookup alone).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RecentAnswers {
+    /// `(emitted, covered)` per answer, oldest first.
+    answers: std::collections::VecDeque<(usize, usize)>,
+}
+
+impl RecentAnswers {
+    /// A finished answer of `emitted` tokens, `covered` of them a lookup draft had right (at most
+    /// `emitted`). An empty answer is not one.
+    pub fn record(&mut self, emitted: usize, covered: usize) {
+        if emitted == 0 {
+            return;
+        }
+        if self.answers.len() == RECENT_ANSWERS {
+            self.answers.pop_front();
+        }
+        self.answers.push_back((emitted, covered.min(emitted)));
+    }
+
+    /// Answers recorded (at most [`RECENT_ANSWERS`]).
+    pub fn len(&self) -> usize {
+        self.answers.len()
+    }
+
+    /// Whether none is recorded.
+    pub fn is_empty(&self) -> bool {
+        self.answers.is_empty()
+    }
+
+    /// The answers with their weights, newest first: [`RECENT_ANSWER_DECAY`] to the power of
+    /// their age.
+    fn weighted(&self) -> impl Iterator<Item = (f64, usize, usize)> + '_ {
+        self.answers.iter().rev().scan(1.0, |w, &(n, c)| {
+            let item = (*w, n, c);
+            *w *= RECENT_ANSWER_DECAY;
+            Some(item)
+        })
+    }
+
+    /// The tokens a sequence that may emit `remaining` more is expected to emit: the weighted mean
+    /// of the recent answers' lengths, each cut at `remaining`; `remaining` without any.
+    pub fn expected_len(&self, remaining: usize) -> f64 {
+        let (sum, weight) = self.weighted().fold((0.0, 0.0), |(s, t), (w, n, _)| {
+            (s + w * n.min(remaining) as f64, t + w)
+        });
+        if weight > 0.0 {
+            sum / weight
+        } else {
+            remaining as f64
+        }
+    }
+
+    /// The weighted share of the recent answers' tokens that lookup drafts had right (0 without
+    /// any).
+    pub fn coverage(&self) -> f64 {
+        let (n, c) = self.weighted().fold((0.0, 0.0), |(n, c), (w, e, v)| {
+            (n + w * e as f64, c + w * v as f64)
+        });
+        if n > 0.0 {
+            c / n
+        } else {
+            0.0
+        }
+    }
+
+    /// The tokens a model is expected to draft for in a sequence that may emit `remaining` more:
+    /// [`RecentAnswers::expected_len`] less the [`RecentAnswers::coverage`] share of it.
+    pub fn model_tokens(&self, remaining: usize) -> f64 {
+        self.expected_len(remaining) * (1.0 - self.coverage())
     }
 }
 
@@ -434,5 +526,46 @@ impl<D: Draft + ?Sized> Draft for &mut D {
 
     fn release(&mut self, seq: SeqId) {
         (**self).release(seq)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn recent_answers_expect_their_mean_length_cut_at_the_limit_less_what_lookup_drafts() {
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-9;
+        let mut a = RecentAnswers::default();
+        // Nothing seen: the whole limit, none of it covered.
+        assert_eq!(a.expected_len(128), 128.0);
+        assert_eq!(a.model_tokens(128), 128.0);
+        a.record(20, 5);
+        a.record(200, 45);
+        a.record(0, 0);
+        assert_eq!(a.len(), 2);
+        // 200 (cut at 128) and, one answer older, 20.
+        let d = RECENT_ANSWER_DECAY;
+        let len = (128.0 + d * 20.0) / (1.0 + d);
+        assert!(close(a.expected_len(128), len));
+        assert!(close(a.expected_len(10), 10.0));
+        let coverage = (45.0 + d * 5.0) / (200.0 + d * 20.0);
+        assert!(close(a.coverage(), coverage));
+        assert!(close(a.model_tokens(128), len * (1.0 - coverage)));
+        // Covered tokens past the answer's length count as the answer.
+        a.record(10, 99);
+        assert!(close(
+            a.coverage(),
+            (10.0 + d * 45.0 + d * d * 5.0) / (10.0 + d * 200.0 + d * d * 20.0)
+        ));
+        // The oldest are dropped, and the newest weigh most.
+        for _ in 0..RECENT_ANSWERS {
+            a.record(40, 0);
+        }
+        assert_eq!(a.len(), RECENT_ANSWERS);
+        assert!(close(a.expected_len(128), 40.0));
+        assert_eq!(a.coverage(), 0.0);
+        a.record(100, 100);
+        assert!(a.expected_len(128) > 60.0 && a.coverage() > 0.6, "{a:?}");
     }
 }

@@ -3,7 +3,7 @@
 
 use crate::lookup::LookupDrafter;
 use crate::model::{Draft, DraftRequest, PrefillRequest, Proposal, SeqId};
-use crate::policy::PAY_MARGIN;
+use crate::policy::{RoundCosts, PAY_MARGIN};
 use crate::sampling::Probs;
 use crate::TokenId;
 use std::collections::{HashMap, HashSet};
@@ -81,11 +81,12 @@ impl Draft for NGramDrafter {
 /// ([`plan_hybrid`]).
 ///
 /// The model reads the prompt at prefill, unless the cost model says that reading it cannot pay
-/// for itself within the tokens the sequence may still emit ([`RoundCosts::prompt_read_pays`],
-/// through [`Draft::prefill_priced`]): the sequence is then drafted by the lookup alone, and the
-/// model never reads it.
-///
-/// [`RoundCosts::prompt_read_pays`]: crate::RoundCosts::prompt_read_pays
+/// for itself within the tokens the sequence is expected to emit that the lookup is not expected
+/// to draft ([`RoundCosts::prompt_read_pays`], [`LookupDrafter::recent_answers`], through
+/// [`Draft::prefill_priced`]): the sequence is then drafted by the lookup alone until the savings
+/// the model's drafts were expected to bring in its rounds since reach the price of reading what
+/// it has not read ([`forgone`]), and the model then reads it, as a catch-up, in the next round
+/// without a lookup draft.
 #[derive(Debug)]
 pub struct HybridDrafter<D> {
     /// The lookup drafter.
@@ -93,8 +94,11 @@ pub struct HybridDrafter<D> {
     /// The model drafter.
     pub model: D,
     lag: ModelLag,
-    /// Sequences whose prompt the model did not read: drafted by the lookup alone.
-    unread: HashSet<SeqId>,
+    /// Sequences whose prompt the model did not read, drafted by the lookup alone, with the
+    /// savings the model's drafts were expected to bring in their rounds since ([`forgone`]).
+    unread: HashMap<SeqId, f64>,
+    /// Sequences whose prompt is read after all, at their next round without a lookup draft.
+    due: HashSet<SeqId>,
 }
 
 impl<D> HybridDrafter<D> {
@@ -104,14 +108,15 @@ impl<D> HybridDrafter<D> {
             lookup,
             model,
             lag: ModelLag::default(),
-            unread: HashSet::new(),
+            unread: HashMap::new(),
+            due: HashSet::new(),
         }
     }
 
     /// Whether the model left the sequence's prompt unread ([`Draft::prefill_priced`]), so that
     /// the lookup alone drafts for it.
     pub fn left_unread(&self, seq: SeqId) -> bool {
-        self.unread.contains(&seq)
+        self.unread.contains_key(&seq)
     }
 }
 
@@ -169,6 +174,32 @@ pub enum HybridPlan {
     Model,
     /// The lookup draft, extended by this many tokens the model drafts after it.
     Extend(usize),
+}
+
+/// What a round of a sequence whose prompt the model left unread forwent, in target steps: where
+/// the model's draft, at the rate the cost model predicts for it
+/// ([`RoundCosts::predicted_model_rate_after`], nothing read to catch up), beats the lookup's
+/// draft at `lookup_rate` expected tokens per step (times [`RoundCosts::lookup_factor`]; plain
+/// decoding, `1 / r(1)`, where the lookup has none), the time the round's expected tokens take at
+/// the lookup's rate less their time at the model's. Summed over the rounds since the prompt was
+/// left unread, it is the rent of a ski-rental rule: the prompt is read once the sum reaches the
+/// price of reading it, so that a sequence mispriced at its start (an answer longer, or less
+/// copied from the prompt, than the recent ones) loses at most about that price again.
+pub fn forgone(costs: &RoundCosts, lookup: &Proposal, lookup_rate: f64) -> f64 {
+    if costs.model_len == 0 {
+        return 0.0;
+    }
+    let (rate, tokens) = if lookup.tokens.is_empty() {
+        (1.0 / costs.r(1), 1.0)
+    } else {
+        let rate = lookup_rate * costs.lookup_factor;
+        (rate, rate * costs.r(lookup.tokens.len() + 1))
+    };
+    let model = costs.predicted_model_rate_after(0);
+    if !(rate > 0.0 && model > rate) {
+        return 0.0;
+    }
+    tokens * (1.0 / rate - 1.0 / model)
 }
 
 /// The plan with the most expected tokens per unit of time, after the lookup proposed `lookup` at
@@ -427,17 +458,40 @@ impl<D: Draft> Draft for HybridDrafter<D> {
         batch: &[DraftRequest<'_>],
         out: &mut [Proposal],
     ) -> Result<(), Self::Error> {
-        let plans: Vec<HybridPlan> = batch
-            .iter()
-            .zip(out.iter_mut())
-            .map(|(req, out)| {
-                let rate = self.lookup.propose_one(req, out);
-                if self.unread.contains(&req.seq) {
-                    return HybridPlan::Lookup;
+        let mut plans = Vec::with_capacity(batch.len());
+        for (req, out) in batch.iter().zip(out.iter_mut()) {
+            let rate = self.lookup.propose_one(req, out);
+            if let Some(saved) = self.unread.get_mut(&req.seq) {
+                // A prompt left unread is read after all (as a catch-up the next model round
+                // makes) once the model's drafts would have saved its price in the rounds since.
+                let Some(c) = req.costs else {
+                    plans.push(HybridPlan::Lookup);
+                    continue;
+                };
+                *saved += forgone(c, out, rate);
+                let unread = req
+                    .context
+                    .len()
+                    .saturating_sub(self.model.cached(req.seq, req.context));
+                if *saved < c.prompt_read * unread as f64 {
+                    plans.push(HybridPlan::Lookup);
+                    continue;
                 }
+                self.unread.remove(&req.seq);
+                self.due.insert(req.seq);
+            }
+            // The reading was paid for by the rounds before, so a model draft then reads the
+            // context, as its catch-up, whatever that costs; the round's prediction includes it,
+            // so the model's realised rate is judged fairly.
+            let read_now = out.tokens.is_empty()
+                && req.costs.is_some_and(|c| c.model_len > 0)
+                && self.due.remove(&req.seq);
+            plans.push(if read_now {
+                HybridPlan::Model
+            } else {
                 plan_hybrid(req, out, rate, self.lag.lag(req.seq, req.context))
-            })
-            .collect();
+            });
+        }
         draft_planned(&mut self.model, &mut self.lag, batch, out, &plans)?;
         for ((req, out), plan) in batch.iter().zip(out.iter_mut()).zip(&plans) {
             if *plan == HybridPlan::Model {
@@ -458,19 +512,29 @@ impl<D: Draft> Draft for HybridDrafter<D> {
     fn prefill(&mut self, seq: SeqId, context: &[TokenId]) -> Result<(), Self::Error> {
         let Ok(()) = self.lookup.prefill(seq, context);
         self.unread.remove(&seq);
+        self.due.remove(&seq);
         self.lag.prefill(seq, context.len());
         self.model.prefill(seq, context)
     }
 
     /// [`Draft::prefill`], except that the model leaves a prompt unread where the cost model says
     /// reading it cannot pay ([`crate::RoundCosts::prompt_read_pays`], for the tokens the model
-    /// does not hold already): the lookup then drafts the sequence alone.
+    /// does not hold already, over the tokens of an answer the lookup is not expected to draft,
+    /// [`LookupDrafter::recent_answers`]): the lookup then drafts the sequence alone.
     fn prefill_priced(&mut self, req: &PrefillRequest<'_>) -> Result<(), Self::Error> {
-        if req.read_pays(self.model.cached(req.seq, req.prompt)) {
-            return self.prefill(req.seq, req.prompt);
-        }
+        // The lookup first, which records the answer the sequence held before (a reused id).
         let Ok(()) = self.lookup.prefill(req.seq, req.prompt);
-        self.unread.insert(req.seq);
+        if req.read_pays(
+            self.model.cached(req.seq, req.prompt),
+            self.lookup.recent_answers(),
+        ) {
+            self.unread.remove(&req.seq);
+            self.due.remove(&req.seq);
+            self.lag.prefill(req.seq, req.prompt.len());
+            return self.model.prefill(req.seq, req.prompt);
+        }
+        self.due.remove(&req.seq);
+        self.unread.insert(req.seq, 0.0);
         self.lag.prefill(req.seq, 0);
         Ok(())
     }
@@ -487,6 +551,7 @@ impl<D: Draft> Draft for HybridDrafter<D> {
         self.lookup.release(seq);
         self.lag.release(seq);
         self.unread.remove(&seq);
+        self.due.remove(&seq);
         self.model.release(seq);
     }
 }
@@ -810,7 +875,8 @@ mod tests {
     #[test]
     fn a_prompt_the_model_could_not_repay_is_left_to_the_lookup() {
         let sampling = SamplingParams::greedy();
-        // Reading a prompt token costs 0.05 steps; at best the model saves about 0.6 a token.
+        // Reading a prompt token costs 0.05 steps; the model's drafts are predicted at 1.5 tokens
+        // per step, a saving of a third of a step per token it drafts for.
         let costs = RoundCosts {
             r: (1..=17).map(|m| 1.0 + 0.1 * (m - 1) as f64).collect(),
             draft_per_token: 0.25,
@@ -869,6 +935,134 @@ mod tests {
         assert!(!hybrid.left_unread(SeqId(3)));
         hybrid.release(short);
         assert!(!hybrid.left_unread(short));
+    }
+
+    #[test]
+    fn a_prompt_left_unread_is_read_once_the_rounds_since_forwent_its_price() {
+        let sampling = SamplingParams::greedy();
+        // The model's drafts are predicted at 1.5 tokens per step: a plain round forgoes a third
+        // of a step.
+        let costs = RoundCosts {
+            r: (1..=17).map(|m| 1.0 + 0.1 * (m - 1) as f64).collect(),
+            draft_per_token: 0.25,
+            prompt_read: 0.05,
+            model_len: 2,
+            model_rate: 1.5,
+            model_steps: 2.0,
+            model_acceptance: vec![0.8; 2],
+            ..RoundCosts::default()
+        };
+        let prompt: Vec<TokenId> = (100..1_100).collect();
+        let mut hybrid = HybridDrafter::new(LookupDrafter::default(), Counting::default());
+        // 30 tokens unread: 1.5 steps, more than 4 tokens repay (1.33 steps).
+        hybrid.model.held = 970;
+        let Ok(()) = hybrid.prefill_priced(&PrefillRequest {
+            seq: SeqId(1),
+            prompt: &prompt,
+            remaining: 4,
+            costs: Some(&costs),
+        });
+        assert!(hybrid.left_unread(SeqId(1)));
+        // Tokens the lookup never saw: every round is plain, and forgoes a third of a step. After
+        // n rounds of one token each the price is 0.05 (30 + n) steps: reached at n = 6.
+        let mut context = prompt.clone();
+        let mut rounds = 0;
+        while hybrid.left_unread(SeqId(1)) {
+            assert!(rounds < 6, "still unread after {rounds} rounds");
+            let mut out = [Proposal::default()];
+            let Ok(()) = hybrid.propose(
+                &[DraftRequest {
+                    seq: SeqId(1),
+                    context: &context,
+                    max_len: 8,
+                    sampling: &sampling,
+                    rng: CounterRng::new(0),
+                    min_confidence: 0.0,
+                    costs: Some(&costs),
+                    stop_tokens: &[],
+                }],
+                &mut out,
+            );
+            rounds += 1;
+            if hybrid.left_unread(SeqId(1)) {
+                assert!(out[0].tokens.is_empty(), "{:?}", out[0]);
+                assert_eq!(hybrid.model.proposals, 0);
+            } else {
+                // The round that found the price forgone drafts with the model, which reads the
+                // whole context first: a lag of all of it.
+                assert_eq!(out[0].tokens, [7]);
+                assert_eq!(out[0].lag, context.len());
+            }
+            context.push(5_000 + rounds);
+        }
+        assert_eq!(rounds, 6);
+        assert_eq!(hybrid.model.proposals, 1);
+        assert!(hybrid.model_drafts(SeqId(1)));
+    }
+
+    #[test]
+    fn a_prompt_is_left_unread_where_the_lookup_drafted_the_recent_answers() {
+        let sampling = SamplingParams::greedy();
+        let costs = RoundCosts {
+            r: (1..=17).map(|m| 1.0 + 0.1 * (m - 1) as f64).collect(),
+            draft_per_token: 0.25,
+            prompt_read: 0.05,
+            model_len: 2,
+            model_rate: 1.5,
+            model_steps: 2.0,
+            model_acceptance: vec![0.8; 2],
+            ..RoundCosts::default()
+        };
+        let prompt: Vec<TokenId> = (100..1_100).collect();
+        let mut hybrid = HybridDrafter::new(LookupDrafter::default(), Counting::default());
+        // 400 of the prompt's tokens unread: 20 steps, repaid by a third of a step per token
+        // within 60 of them.
+        hybrid.model.held = 600;
+        let read = |seq| PrefillRequest {
+            seq,
+            prompt: &prompt,
+            remaining: 128,
+            costs: Some(&costs),
+        };
+        let Ok(()) = hybrid.prefill_priced(&read(SeqId(1)));
+        assert!(!hybrid.left_unread(SeqId(1)));
+        // An answer of 100 tokens that copies the prompt from token 500 on: after its first token
+        // the lookup drafts every one (unpriced rounds draft the lookup's whole walk).
+        let mut context = prompt.clone();
+        context.push(500);
+        let Ok(()) = hybrid.commit(SeqId(1), &context);
+        while context.len() < prompt.len() + 100 {
+            let mut out = [Proposal::default()];
+            let req = DraftRequest {
+                seq: SeqId(1),
+                context: &context,
+                max_len: 8,
+                sampling: &sampling,
+                rng: CounterRng::new(0),
+                min_confidence: 0.0,
+                costs: None,
+                stop_tokens: &[],
+            };
+            let Ok(()) = hybrid.propose(&[req], &mut out);
+            // The target copies on: what was drafted right, then the next token.
+            let next = context[context.len() - 1] + 1;
+            let right = out[0]
+                .tokens
+                .iter()
+                .zip(next..)
+                .take_while(|(&t, n)| t == *n)
+                .count();
+            context.extend((0..=right as u32).map(|i| next + i));
+            let Ok(()) = hybrid.commit(SeqId(1), &context);
+        }
+        hybrid.release(SeqId(1));
+        let recent = hybrid.lookup.recent_answers().clone();
+        assert_eq!(recent.len(), 1);
+        assert!(recent.coverage() > 0.9, "{recent:?}");
+        // The next prompt's reading would pay back within 60 tokens of 100 drafted by the model,
+        // but the lookup is expected to draft nearly all of them.
+        let Ok(()) = hybrid.prefill_priced(&read(SeqId(2)));
+        assert!(hybrid.left_unread(SeqId(2)), "{recent:?}");
     }
 
     #[test]

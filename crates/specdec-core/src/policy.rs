@@ -1227,27 +1227,28 @@ impl RoundCosts {
     }
 
     /// Whether the draft model's reading of `unread` prompt tokens ([`RoundCosts::prompt_read`]
-    /// each) can pay for itself within the `remaining` tokens the sequence may emit: whether it
-    /// costs no more than the model would save against plain decoding if it drafted every one of
-    /// them and the target accepted them all, at the best draft length the cost curve prices (up
-    /// to its end, which may lie past the model's longest draft: a looser bound, never a tighter
-    /// one). Where it cannot, reading the prompt only loses: on a long prompt with a short answer
-    /// (stop 52: questions on ten passages of about 1,700 tokens in all, answers of 18–128 tokens,
-    /// where the hybrid drafter's reading took 3.4–5.8 s and made it 1.33 times as slow as plain
-    /// decoding end to end).
-    pub fn prompt_read_pays(&self, unread: usize, remaining: usize) -> bool {
+    /// each) can pay for itself over the `model_tokens` tokens it is expected to draft for
+    /// ([`crate::RecentAnswers::model_tokens`]): whether it costs no more than the model would
+    /// save against plain decoding over them at the rate the cost model predicts for its drafts
+    /// ([`RoundCosts::predicted_model_rate_after`], its acceptance estimates, not every token
+    /// accepted). Where it cannot, reading the prompt only loses: on a long prompt with a short
+    /// answer (stop 52: questions on ten passages of about 1,700 tokens in all, answers of 18–128
+    /// tokens, where the hybrid drafter's reading took 3.4–5.8 s and made it 1.33 times as slow
+    /// as plain decoding end to end), and on a medium prompt whose answer is short or copied by
+    /// the lookup (stop 55: the grounded questions, about 200 prompt tokens, where a bound that
+    /// took every drafted token as accepted and the whole token limit as the answer read every
+    /// prompt). A cost model that drafts nothing with the model this round expects no saving.
+    pub fn prompt_read_pays(&self, unread: usize, model_tokens: f64) -> bool {
         let price = self.prompt_read * unread as f64;
         if price <= 0.0 {
             return true;
         }
-        // Every token accepted, at every length the curve prices.
-        let all_accepted = vec![1.0; self.r.len().saturating_sub(1)];
-        let best =
-            best_draft_len_with(&all_accepted, self.draft_fixed, self.draft_per_token, |m| {
-                self.r(m)
-            });
-        let saving = (self.r(1) - 1.0 / best.tokens_per_step).max(0.0);
-        price <= saving * remaining as f64
+        if self.model_len == 0 {
+            return false;
+        }
+        let rate = self.predicted_model_rate_after(0);
+        let saving = (self.r(1) - 1.0 / rate.max(f64::MIN_POSITIVE)).max(0.0);
+        price <= saving * model_tokens
     }
 
     /// What a model draft costs beyond its steady price when the model has `lag` committed tokens
@@ -2151,30 +2152,50 @@ mod tests {
             r: (1..=17).map(|m| 1.0 + 0.1 * (m - 1) as f64).collect(),
             draft_per_token: 0.25,
             prompt_read: 0.05,
+            model_len: 3,
+            model_rate: 1.25,
+            model_steps: 2.05,
             ..RoundCosts::default()
         };
-        // At best (every token accepted) a draft of k tokens yields k + 1 for 0.25 k + 1 + 0.1 k
-        // steps: 17 tokens for 6.6 at k = 16, a saving of 1 - 6.6 / 17 steps per token.
-        let saving = 1.0 - (16.0 * 0.35 + 1.0) / 17.0;
-        let repaid = |tokens: f64| (0.05 * tokens / saving).ceil() as usize;
+        // The model's drafts are predicted at 1.25 tokens per step: a saving of 1 - 1 / 1.25 = 0.2
+        // steps per token it drafts for, against 0.05 per prompt token read.
+        let needed = |unread: usize| 0.05 * unread as f64 / 0.2;
         for unread in [1, 200, 1_700] {
-            let needed = repaid(unread as f64);
-            assert!(costs.prompt_read_pays(unread, needed), "{unread}");
-            assert!(!costs.prompt_read_pays(unread, needed - 1), "{unread}");
+            assert!(
+                costs.prompt_read_pays(unread, needed(unread) * 1.01),
+                "{unread}"
+            );
+            assert!(
+                !costs.prompt_read_pays(unread, needed(unread) * 0.99),
+                "{unread}"
+            );
         }
+        // The realised factor is left out: the model is priced as predicted.
+        let unlucky = RoundCosts {
+            model_rate: 1.25 * 0.5,
+            model_factor: 0.5,
+            ..costs.clone()
+        };
+        assert!(unlucky.prompt_read_pays(200, needed(200) * 1.01));
         // Nothing to read, or no known price: read.
-        assert!(costs.prompt_read_pays(0, 0));
+        assert!(costs.prompt_read_pays(0, 0.0));
         let unpriced = RoundCosts {
             prompt_read: 0.0,
             ..costs.clone()
         };
-        assert!(unpriced.prompt_read_pays(1_700, 1));
-        // A model that cannot beat plain decoding even when every token is accepted never repays.
+        assert!(unpriced.prompt_read_pays(1_700, 1.0));
+        // A cost model that drafts nothing with the model, or a model slower than plain decoding,
+        // never repays.
+        let idle = RoundCosts {
+            model_len: 0,
+            ..costs.clone()
+        };
+        assert!(!idle.prompt_read_pays(10, 100_000.0));
         let dear = RoundCosts {
-            draft_per_token: 2.0,
+            model_rate: 0.9,
             ..costs
         };
-        assert!(!dear.prompt_read_pays(10, 100_000));
+        assert!(!dear.prompt_read_pays(10, 100_000.0));
     }
 
     #[test]

@@ -18,8 +18,8 @@ use std::time::{Duration, Instant};
 
 use specdec_core::{
     Batch, Draft, DraftLenPolicy, DraftRequest, Emitted, GenerateConfig, HybridPlan, LookupDrafter,
-    Metrics, ModelDrafter, ModelLag, PrefillRequest, Proposal, SeqId, StopReason, Target, TokenId,
-    TokenLogprob,
+    Metrics, ModelDrafter, ModelLag, PrefillRequest, Proposal, RecentAnswers, SeqId, StopReason,
+    Target, TokenId, TokenLogprob,
 };
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 
@@ -124,8 +124,11 @@ pub struct MultiDrafter<M: Target> {
     lag: ModelLag,
     choice: HashMap<SeqId, DrafterKind>,
     /// Sequences whose prompt the draft model is not to read: it could not repay it
-    /// ([`Draft::prefill_priced`]).
-    unread: HashSet<SeqId>,
+    /// ([`Draft::prefill_priced`]); with the savings its drafts were expected to bring in their
+    /// rounds since ([`specdec_core::forgone`]), which read it once they reach its price.
+    unread: HashMap<SeqId, f64>,
+    /// Sequences whose prompt is read after all, at their next round without a lookup draft.
+    due: HashSet<SeqId>,
 }
 
 impl<M: Target> MultiDrafter<M> {
@@ -136,7 +139,8 @@ impl<M: Target> MultiDrafter<M> {
             model,
             lag: ModelLag::default(),
             choice: HashMap::new(),
-            unread: HashSet::new(),
+            unread: HashMap::new(),
+            due: HashSet::new(),
         }
     }
 
@@ -184,10 +188,32 @@ impl<M: Target> Draft for MultiDrafter<M> {
             } else {
                 f64::NAN
             };
+            if let Some(saved) = self.unread.get_mut(&req.seq) {
+                // A prompt left unread is read after all once the model's drafts would have
+                // saved its price in the rounds since (as `HybridDrafter` does); the model then
+                // reads the whole context as its catch-up.
+                let model = self.model.as_ref();
+                let due = req.costs.is_some_and(|c| {
+                    *saved += specdec_core::forgone(c, out, rate);
+                    let held = model.map_or(0, |m| m.cached(req.seq, req.context));
+                    *saved >= c.prompt_read * req.context.len().saturating_sub(held) as f64
+                });
+                if due {
+                    self.unread.remove(&req.seq);
+                    self.due.insert(req.seq);
+                    self.lag.prefill(req.seq, 0);
+                }
+            }
+            // A prompt read after all is read by a model draft, at the first round without a
+            // lookup draft.
+            let read_now = out.tokens.is_empty()
+                && req.costs.is_some_and(|c| c.model_len > 0)
+                && self.due.remove(&req.seq);
             plans.push(match kind {
                 // A model that is not to read the prompt drafts nothing: the lookup's draft, if
                 // any, for the hybrid; plain decoding for the model alone.
-                _ if self.unread.contains(&req.seq) => HybridPlan::Lookup,
+                _ if self.unread.contains_key(&req.seq) => HybridPlan::Lookup,
+                _ if read_now => HybridPlan::Model,
                 DrafterKind::Model => HybridPlan::Model,
                 DrafterKind::Hybrid => {
                     specdec_core::plan_hybrid(req, out, rate, self.lag.lag(req.seq, req.context))
@@ -229,19 +255,31 @@ impl<M: Target> Draft for MultiDrafter<M> {
             let Ok(()) = self.lookup.prefill(seq, context);
         }
         self.unread.remove(&seq);
+        self.due.remove(&seq);
         self.lag.prefill(seq, context.len());
         Ok(())
     }
 
     /// [`Draft::prefill`]; where the cost model says that the draft model's reading of the prompt
     /// (what it does not hold already, a released sequence's cache or a copy of a running one's
-    /// included) cannot pay for itself within the tokens the request may still emit
-    /// ([`specdec_core::RoundCosts::prompt_read_pays`]), the model never reads it: the hybrid
+    /// included) cannot pay for itself within the tokens the request is expected to emit
+    /// ([`specdec_core::RoundCosts::prompt_read_pays`], [`RecentAnswers::model_tokens`]), the
+    /// model never reads it: the hybrid
     /// drafts from the lookup alone, the model kind decodes plainly.
     fn prefill_priced(&mut self, req: &PrefillRequest<'_>) -> Result<(), Self::Error> {
         self.prefill(req.seq, req.prompt)?;
-        if self.kind(req.seq).needs_model() && !req.read_pays(self.cached(req.seq, req.prompt)) {
-            self.unread.insert(req.seq);
+        // The lookup's recent answers say how much of an answer it drafts, for the kinds that
+        // use it; the model kind expects the whole limit.
+        let none = RecentAnswers::default();
+        let recent = if self.kind(req.seq).uses_lookup() {
+            self.lookup.recent_answers()
+        } else {
+            &none
+        };
+        if self.kind(req.seq).needs_model()
+            && !req.read_pays(self.cached(req.seq, req.prompt), recent)
+        {
+            self.unread.insert(req.seq, 0.0);
         }
         Ok(())
     }
@@ -251,11 +289,12 @@ impl<M: Target> Draft for MultiDrafter<M> {
     }
 
     fn model_drafts(&self, seq: SeqId) -> bool {
-        self.model.is_some() && self.kind(seq).needs_model() && !self.unread.contains(&seq)
+        self.model.is_some() && self.kind(seq).needs_model() && !self.unread.contains_key(&seq)
     }
 
     fn release(&mut self, seq: SeqId) {
         self.unread.remove(&seq);
+        self.due.remove(&seq);
         if self.kind(seq).uses_lookup() {
             self.lookup.release(seq);
         }
@@ -1004,6 +1043,74 @@ mod tests {
         assert!(d.select(lookup, DrafterKind::Ngram));
         assert!(!d.model_drafts(hybrid) && !d.model_drafts(model) && !d.model_drafts(lookup));
         assert!(d.model_drafts(roomy));
+    }
+
+    /// A prompt left unread is read after all, by a model draft, once the plain rounds since
+    /// forwent the price of reading it (a third of a step each here, against 0.05 a token).
+    #[test]
+    fn a_prompt_left_unread_is_read_once_the_rounds_since_forwent_its_price() {
+        let costs = RoundCosts {
+            r: (1..=17).map(|m| 1.0 + 0.1 * (m - 1) as f64).collect(),
+            draft_per_token: 0.25,
+            prompt_read: 0.05,
+            model_len: 2,
+            model_rate: 1.5,
+            model_steps: 2.0,
+            model_acceptance: vec![0.8; 2],
+            ..RoundCosts::default()
+        };
+        let prompt: Vec<TokenId> = (0..40).collect();
+        let mut d = MultiDrafter::new(Some(ModelDrafter::new(MockModel::new(
+            MockLogits::Hashed {
+                vocab: 1_024,
+                seed: 3,
+                scale: 2.0,
+            },
+        ))));
+        let seq = SeqId(1);
+        assert!(d.select(seq, DrafterKind::Model));
+        // 40 tokens at 0.05 are 2 steps, more than 4 tokens repay.
+        d.prefill_priced(&PrefillRequest {
+            seq,
+            prompt: &prompt,
+            remaining: 4,
+            costs: Some(&costs),
+        })
+        .unwrap();
+        assert!(!d.model_drafts(seq));
+        let sampling = SamplingParams::greedy();
+        let mut context = prompt.clone();
+        let mut rounds = 0;
+        loop {
+            let mut out = vec![Proposal::default()];
+            d.propose(
+                &[DraftRequest {
+                    seq,
+                    context: &context,
+                    max_len: 8,
+                    sampling: &sampling,
+                    rng: CounterRng::new(0),
+                    min_confidence: 0.0,
+                    costs: Some(&costs),
+                    stop_tokens: &[],
+                }],
+                &mut out,
+            )
+            .unwrap();
+            rounds += 1;
+            if !out[0].tokens.is_empty() {
+                // The whole context read as the catch-up of the first model draft.
+                assert_eq!(out[0].lag, context.len());
+                break;
+            }
+            assert!(rounds < 8, "nothing drafted after {rounds} rounds");
+            context.push(100 + rounds);
+        }
+        // The price after n plain rounds is 0.05 (40 + n - 1) steps, forgone at n = 7.
+        assert_eq!(rounds, 7);
+        assert!(d.model_drafts(seq));
+        let m = d.model.as_ref().unwrap().model();
+        assert_eq!(m.cached_tokens(seq).len(), context.len() + 1);
     }
 
     #[test]

@@ -167,6 +167,9 @@ struct Record {
     per_position: Vec<(u64, u64)>,
     matches_ar: bool,
     speedup_vs_ar: f64,
+    /// The plain run's end-to-end time over this run's (the same repetition's): prefill, the
+    /// draft model's reading of the prompt and decoding.
+    e2e_speedup_vs_ar: f64,
     /// Prefill and decoding, seconds.
     end_to_end_s: f64,
     /// Seconds to the first token (the target's prefill; the drafter reads the prompt after it).
@@ -360,6 +363,7 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
                     matches_ar: matches,
                     // Set below, once this repetition's plain run is done.
                     speedup_vs_ar: f64::NAN,
+                    e2e_speedup_vs_ar: f64::NAN,
                     end_to_end_s: m.prefill_secs + m.decode_secs,
                     first_token_s: m.first_token_secs,
                     predicted_speedup: m.predicted_speedup_with(
@@ -373,12 +377,15 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
                 });
             }
             let runs = &mut records[first_record..];
-            let ar_tps = runs
+            let (ar_tps, ar_e2e) = runs
                 .iter()
                 .find(|r| r.mode == "ar")
-                .map_or(f64::NAN, |r| r.decode_tokens_per_s);
+                .map_or((f64::NAN, f64::NAN), |r| {
+                    (r.decode_tokens_per_s, r.end_to_end_s)
+                });
             for r in runs.iter_mut() {
                 r.speedup_vs_ar = r.decode_tokens_per_s / ar_tps;
+                r.e2e_speedup_vs_ar = ar_e2e / r.end_to_end_s;
             }
             runs.sort_by_key(|r| modes.iter().position(|&k| mode_name(k) == r.mode));
             if !ui.quiet {
@@ -479,6 +486,9 @@ pub struct Row {
     pub median_prediction_ratio: Option<f64>,
     /// Median seconds per prompt, prefill included.
     pub median_end_to_end_s: f64,
+    /// Median over prompts of the per-prompt end-to-end speedup vs ar (prefill, the draft
+    /// model's reading of the prompt and decoding).
+    pub median_e2e_speedup: f64,
     /// Median seconds to the first token.
     pub median_first_token_s: f64,
 }
@@ -515,6 +525,7 @@ fn per_prompt(records: &[Record]) -> Vec<Record> {
             merged.decode_tokens_per_s = med(&|r| r.decode_tokens_per_s);
             merged.speedup_vs_ar = med(&|r| r.speedup_vs_ar);
             merged.end_to_end_s = med(&|r| r.end_to_end_s);
+            merged.e2e_speedup_vs_ar = med(&|r| r.e2e_speedup_vs_ar);
             merged.first_token_s = med(&|r| r.first_token_s);
             let mut predicted: Vec<f64> = g.iter().filter_map(|r| r.predicted_speedup).collect();
             merged.predicted_speedup = (!predicted.is_empty()).then(|| median(&mut predicted));
@@ -535,7 +546,7 @@ fn summarize(records: &[Record], modes: &[&str], cal: &Calibration) -> Summary {
     let mut rows = Vec::new();
     let mut table = String::new();
     table.push_str(&format!(
-        "{:<10} {:<7} {:>7} {:>8} {:>8} {:>8} {:>9} {:>10} {:>10} {:>7} {:>7}\n",
+        "{:<10} {:<7} {:>7} {:>8} {:>8} {:>8} {:>9} {:>10} {:>10} {:>7} {:>7} {:>7}\n",
         "category",
         "mode",
         "prompts",
@@ -546,6 +557,7 @@ fn summarize(records: &[Record], modes: &[&str], cal: &Calibration) -> Summary {
         "predicted",
         "pred/meas",
         "e2e s",
+        "e2e x",
         "ttft s"
     ));
     for (cat, rs) in &cats {
@@ -570,6 +582,7 @@ fn summarize(records: &[Record], modes: &[&str], cal: &Calibration) -> Summary {
                 .collect();
             let ratio = (!ratios.is_empty()).then(|| median(&mut ratios));
             let mut e2e: Vec<f64> = mine.iter().map(|r| r.end_to_end_s).collect();
+            let mut e2e_sp: Vec<f64> = mine.iter().map(|r| r.e2e_speedup_vs_ar).collect();
             let mut ttft: Vec<f64> = mine.iter().map(|r| r.first_token_s).collect();
             let row = Row {
                 category: cat.clone(),
@@ -590,10 +603,11 @@ fn summarize(records: &[Record], modes: &[&str], cal: &Calibration) -> Summary {
                 predicted_speedup: predicted,
                 median_prediction_ratio: ratio,
                 median_end_to_end_s: median(&mut e2e),
+                median_e2e_speedup: median(&mut e2e_sp),
                 median_first_token_s: median(&mut ttft),
             };
             table.push_str(&format!(
-                "{:<10} {:<7} {:>7} {:>8.2} {:>7.2}x {:>7.1}% {:>9.2} {:>10} {:>10} {:>7.2} {:>7.2}\n",
+                "{:<10} {:<7} {:>7} {:>8.2} {:>7.2}x {:>7.1}% {:>9.2} {:>10} {:>10} {:>7.2} {:>6.2}x {:>7.2}\n",
                 row.category,
                 row.mode,
                 row.prompts,
@@ -606,6 +620,7 @@ fn summarize(records: &[Record], modes: &[&str], cal: &Calibration) -> Summary {
                 row.median_prediction_ratio
                     .map_or("-".into(), |p| format!("{p:.2}")),
                 row.median_end_to_end_s,
+                row.median_e2e_speedup,
                 row.median_first_token_s,
             ));
             rows.push(row);
@@ -682,6 +697,7 @@ mod tests {
             per_position: Vec::new(),
             matches_ar: true,
             speedup_vs_ar: speedup,
+            e2e_speedup_vs_ar: speedup / 2.0,
             end_to_end_s: tps / 10.0,
             first_token_s: tps / 100.0,
             predicted_speedup: (mode != "ar").then_some(speedup * 0.9),
@@ -714,6 +730,7 @@ mod tests {
         assert_eq!(hybrid.speedup_vs_ar, 2.5);
         assert_eq!(hybrid.decode_tokens_per_s, 70.0);
         assert_eq!(hybrid.end_to_end_s, 7.0);
+        assert_eq!(hybrid.e2e_speedup_vs_ar, 1.25);
         assert_eq!(hybrid.first_token_s, 0.7);
         assert_eq!(hybrid.predicted_speedup, Some(2.5 * 0.9));
         assert_eq!(

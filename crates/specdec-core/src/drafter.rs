@@ -29,7 +29,8 @@ pub struct ModelDrafter<M> {
     unread: HashSet<SeqId>,
     /// Per sequence: its prompt's length and its committed length, for [`RecentAnswers`].
     lens: HashMap<SeqId, (usize, usize)>,
-    /// The answers of the sequences it drafted for lately (none covered by a lookup).
+    /// The answers of the sequences it was given the prompt of lately ([`Draft::prefill`],
+    /// [`Draft::prefill_priced`]), read or left unread (none covered by a lookup).
     answers: RecentAnswers,
 }
 
@@ -49,8 +50,10 @@ impl<M: Target> ModelDrafter<M> {
         }
     }
 
-    /// The answers of the sequences it drafted for lately, which price a prompt's reading
-    /// ([`Draft::prefill_priced`]).
+    /// The answers of the sequences it was given the prompt of lately, which price a prompt's
+    /// reading ([`Draft::prefill_priced`]). A drafter that holds it (the hybrid) and leaves a
+    /// reused id's prompt unread without telling it records that answer with the next prompt's
+    /// tokens in it; the hybrid prices its reading by the lookup's answers instead.
     pub fn recent_answers(&self) -> &RecentAnswers {
         &self.answers
     }

@@ -609,6 +609,47 @@ mod tests {
     }
 
     #[test]
+    fn an_answer_records_the_tokens_its_drafts_had_right_and_the_token_after_them() {
+        let sampling = SamplingParams::greedy();
+        let mut d = LookupDrafter::default();
+        // The prompt holds 1 ..= 10 once.
+        let prompt: Vec<TokenId> = [9].into_iter().chain(1..=10).chain([9, 8]).collect();
+        let Ok(()) = d.prefill(SeqId(0), &prompt);
+        let mut ctx = prompt.clone();
+        ctx.extend(1..=6);
+        let Ok(()) = d.commit(SeqId(0), &ctx);
+        // After 1 ..= 6 the walk drafts 7 8 9 10 (unpriced: kept whole).
+        let mut out = Proposal::default();
+        d.propose_one(&request(&ctx, 4, &sampling, None), &mut out);
+        assert_eq!(out.tokens, [7, 8, 9, 10]);
+        // The target accepts 7 8, rejects 9 and emits 77: 2 right, and the token after them.
+        ctx.extend([7, 8, 77]);
+        let Ok(()) = d.commit(SeqId(0), &ctx);
+        // Nothing to draft after 77: nothing covered.
+        d.propose_one(&request(&ctx, 4, &sampling, None), &mut out);
+        assert!(out.tokens.is_empty());
+        ctx.push(11);
+        let Ok(()) = d.commit(SeqId(0), &ctx);
+        // A walk its costs cut to nothing covers nothing, even where it would have been right.
+        let dear = RoundCosts {
+            r: vec![1.0, 100.0, 100.0, 100.0, 100.0],
+            ..RoundCosts::default()
+        };
+        ctx.extend(1..=6);
+        let Ok(()) = d.commit(SeqId(0), &ctx);
+        d.propose_one(&request(&ctx, 4, &sampling, Some(&dear)), &mut out);
+        assert!(out.tokens.is_empty());
+        ctx.extend([7, 8]);
+        let Ok(()) = d.commit(SeqId(0), &ctx);
+        d.release(SeqId(0));
+        // The answer: 1 ..= 8, 77, 11, 1 ..= 8: 18 tokens, of which 7, 8 and 77 were covered.
+        let recent = d.recent_answers();
+        assert_eq!(recent.len(), 1);
+        assert_eq!(recent.expected_len(100), 18.0);
+        assert_eq!(recent.coverage(), 3.0 / 18.0);
+    }
+
+    #[test]
     fn drafts_the_continuation_of_the_longest_match() {
         let greedy = SamplingParams::greedy();
         let mut d = LookupDrafter::default();

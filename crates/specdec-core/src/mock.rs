@@ -243,3 +243,20 @@ impl Target for MockModel {
             .count()
     }
 }
+
+/// The prices the tests of a prompt's reading use: a linear cost curve (`r(m) = 1 + 0.1 (m - 1)`,
+/// to 17 tokens), a draft token at 0.25 steps, a prompt token read at 0.05, and 2-token model
+/// drafts accepted at 0.8 and predicted at 1.5 tokens per step (2 steps a round), so that each
+/// token the model drafts for saves a third of a step against plain decoding.
+pub fn reading_costs() -> crate::RoundCosts {
+    crate::RoundCosts {
+        r: (1..=17).map(|m| 1.0 + 0.1 * (m - 1) as f64).collect(),
+        draft_per_token: 0.25,
+        prompt_read: 0.05,
+        model_len: 2,
+        model_rate: 1.5,
+        model_steps: 2.0,
+        model_acceptance: vec![0.8; 2],
+        ..crate::RoundCosts::default()
+    }
+}

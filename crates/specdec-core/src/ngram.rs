@@ -473,7 +473,9 @@ impl<D: Draft> Draft for HybridDrafter<D> {
                     .context
                     .len()
                     .saturating_sub(self.model.cached(req.seq, req.context));
-                if *saved < c.prompt_read * unread as f64 {
+                // A price that is not a number is never reached (as in the server).
+                let due = *saved >= c.prompt_read * unread as f64;
+                if !due {
                     plans.push(HybridPlan::Lookup);
                     continue;
                 }
@@ -485,12 +487,17 @@ impl<D: Draft> Draft for HybridDrafter<D> {
             // so the model's realised rate is judged fairly.
             let read_now = out.tokens.is_empty()
                 && req.costs.is_some_and(|c| c.model_len > 0)
-                && self.due.remove(&req.seq);
-            plans.push(if read_now {
+                && self.due.contains(&req.seq);
+            let plan = if read_now {
                 HybridPlan::Model
             } else {
                 plan_hybrid(req, out, rate, self.lag.lag(req.seq, req.context))
-            });
+            };
+            // Any round that calls the model reads what it has not read.
+            if plan != HybridPlan::Lookup {
+                self.due.remove(&req.seq);
+            }
+            plans.push(plan);
         }
         draft_planned(&mut self.model, &mut self.lag, batch, out, &plans)?;
         for ((req, out), plan) in batch.iter().zip(out.iter_mut()).zip(&plans) {
@@ -559,6 +566,7 @@ impl<D: Draft> Draft for HybridDrafter<D> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::mock::reading_costs;
     use crate::{CounterRng, RoundCosts, SamplingParams, Stream};
 
     #[test]
@@ -877,16 +885,7 @@ mod tests {
         let sampling = SamplingParams::greedy();
         // Reading a prompt token costs 0.05 steps; the model's drafts are predicted at 1.5 tokens
         // per step, a saving of a third of a step per token it drafts for.
-        let costs = RoundCosts {
-            r: (1..=17).map(|m| 1.0 + 0.1 * (m - 1) as f64).collect(),
-            draft_per_token: 0.25,
-            prompt_read: 0.05,
-            model_len: 2,
-            model_rate: 1.5,
-            model_steps: 2.0,
-            model_acceptance: vec![0.8; 2],
-            ..RoundCosts::default()
-        };
+        let costs = reading_costs();
         let prompt: Vec<TokenId> = (100..1_100).collect();
         let (long, short) = (SeqId(1), SeqId(2));
         let mut hybrid = HybridDrafter::new(LookupDrafter::default(), Counting::default());
@@ -942,16 +941,7 @@ mod tests {
         let sampling = SamplingParams::greedy();
         // The model's drafts are predicted at 1.5 tokens per step: a plain round forgoes a third
         // of a step.
-        let costs = RoundCosts {
-            r: (1..=17).map(|m| 1.0 + 0.1 * (m - 1) as f64).collect(),
-            draft_per_token: 0.25,
-            prompt_read: 0.05,
-            model_len: 2,
-            model_rate: 1.5,
-            model_steps: 2.0,
-            model_acceptance: vec![0.8; 2],
-            ..RoundCosts::default()
-        };
+        let costs = reading_costs();
         let prompt: Vec<TokenId> = (100..1_100).collect();
         let mut hybrid = HybridDrafter::new(LookupDrafter::default(), Counting::default());
         // 30 tokens unread: 1.5 steps, more than 4 tokens repay (1.33 steps).
@@ -963,8 +953,9 @@ mod tests {
             costs: Some(&costs),
         });
         assert!(hybrid.left_unread(SeqId(1)));
-        // Tokens the lookup never saw: every round is plain, and forgoes a third of a step. After
-        // n rounds of one token each the price is 0.05 (30 + n) steps: reached at n = 6.
+        // Tokens the lookup never saw: every round is plain, and forgoes a third of a step. At
+        // round n the context holds n - 1 new tokens, so the price is 0.05 (29 + n) steps:
+        // reached at n = 6.
         let mut context = prompt.clone();
         let mut rounds = 0;
         while hybrid.left_unread(SeqId(1)) {
@@ -1003,16 +994,7 @@ mod tests {
     #[test]
     fn a_prompt_is_left_unread_where_the_lookup_drafted_the_recent_answers() {
         let sampling = SamplingParams::greedy();
-        let costs = RoundCosts {
-            r: (1..=17).map(|m| 1.0 + 0.1 * (m - 1) as f64).collect(),
-            draft_per_token: 0.25,
-            prompt_read: 0.05,
-            model_len: 2,
-            model_rate: 1.5,
-            model_steps: 2.0,
-            model_acceptance: vec![0.8; 2],
-            ..RoundCosts::default()
-        };
+        let costs = reading_costs();
         let prompt: Vec<TokenId> = (100..1_100).collect();
         let mut hybrid = HybridDrafter::new(LookupDrafter::default(), Counting::default());
         // 400 of the prompt's tokens unread: 20 steps, repaid by a third of a step per token

@@ -1237,16 +1237,27 @@ impl RoundCosts {
     /// as plain decoding end to end), and on a medium prompt whose answer is short or copied by
     /// the lookup (stop 55: the grounded questions, about 200 prompt tokens, where a bound that
     /// took every drafted token as accepted and the whole token limit as the answer read every
-    /// prompt). A cost model that drafts nothing with the model this round expects no saving.
+    /// prompt). Where this round drafts nothing with the model, the rate is that of the best
+    /// length at the acceptance estimates ([`best_draft_len_with`]): a model drafter alone reads
+    /// no prompt later, so a first round at length 0 must not leave it unread for good.
     pub fn prompt_read_pays(&self, unread: usize, model_tokens: f64) -> bool {
         let price = self.prompt_read * unread as f64;
         if price <= 0.0 {
             return true;
         }
-        if self.model_len == 0 {
-            return false;
-        }
-        let rate = self.predicted_model_rate_after(0);
+        let rate = if self.model_len > 0 {
+            self.predicted_model_rate_after(0)
+        } else {
+            // A first round that drafts nothing (the cost model probes lengths soon after): the
+            // best length its acceptance estimates price.
+            best_draft_len_with(
+                &self.model_acceptance,
+                self.draft_fixed,
+                self.draft_per_token,
+                |m| self.r(m),
+            )
+            .tokens_per_step
+        };
         let saving = (self.r(1) - 1.0 / rate.max(f64::MIN_POSITIVE)).max(0.0);
         price <= saving * model_tokens
     }
@@ -2184,13 +2195,22 @@ mod tests {
             ..costs.clone()
         };
         assert!(unpriced.prompt_read_pays(1_700, 1.0));
-        // A cost model that drafts nothing with the model, or a model slower than plain decoding,
-        // never repays.
+        // A round that drafts nothing with the model prices its best length at the acceptance
+        // estimates: at 0.8, 2 tokens yield 2.44 for 1.7 steps, a saving of 1 - 1.7 / 2.44.
         let idle = RoundCosts {
             model_len: 0,
+            model_acceptance: vec![0.8; 2],
             ..costs.clone()
         };
-        assert!(!idle.prompt_read_pays(10, 100_000.0));
+        let idle_saving = 1.0 - 1.7 / 2.44;
+        assert!(idle.prompt_read_pays(200, 0.05 * 200.0 / idle_saving * 1.01));
+        assert!(!idle.prompt_read_pays(200, 0.05 * 200.0 / idle_saving * 0.99));
+        let none = RoundCosts {
+            model_acceptance: Vec::new(),
+            ..idle
+        };
+        assert!(!none.prompt_read_pays(10, 100_000.0));
+        // A model slower than plain decoding never repays.
         let dear = RoundCosts {
             model_rate: 0.9,
             ..costs

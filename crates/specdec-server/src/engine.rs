@@ -208,8 +208,8 @@ impl<M: Target> Draft for MultiDrafter<M> {
             // lookup draft.
             let read_now = out.tokens.is_empty()
                 && req.costs.is_some_and(|c| c.model_len > 0)
-                && self.due.remove(&req.seq);
-            plans.push(match kind {
+                && self.due.contains(&req.seq);
+            let plan = match kind {
                 // A model that is not to read the prompt drafts nothing: the lookup's draft, if
                 // any, for the hybrid; plain decoding for the model alone.
                 _ if self.unread.contains_key(&req.seq) => HybridPlan::Lookup,
@@ -219,7 +219,12 @@ impl<M: Target> Draft for MultiDrafter<M> {
                     specdec_core::plan_hybrid(req, out, rate, self.lag.lag(req.seq, req.context))
                 }
                 _ => HybridPlan::Lookup,
-            });
+            };
+            // Any round that calls the model reads what it has not read.
+            if plan != HybridPlan::Lookup {
+                self.due.remove(&req.seq);
+            }
+            plans.push(plan);
         }
         if let Some(model) = self.model.as_mut() {
             specdec_core::draft_planned(model, &mut self.lag, batch, out, &plans)?;
@@ -269,7 +274,9 @@ impl<M: Target> Draft for MultiDrafter<M> {
     fn prefill_priced(&mut self, req: &PrefillRequest<'_>) -> Result<(), Self::Error> {
         self.prefill(req.seq, req.prompt)?;
         // The lookup's recent answers say how much of an answer it drafts, for the kinds that
-        // use it; the model kind expects the whole limit.
+        // use it; the model kind expects the whole limit (unlike a `ModelDrafter` alone, whose
+        // own answers price it: this drafter's model never reads a prompt at prefill), and like
+        // the hybrid it reads a prompt left unread once the rounds since forwent its price.
         let none = RecentAnswers::default();
         let recent = if self.kind(req.seq).uses_lookup() {
             self.lookup.recent_answers()
@@ -972,10 +979,10 @@ pub async fn collect(
 #[cfg(test)]
 mod tests {
     use super::{token_string, DrafterKind, MultiDrafter};
-    use specdec_core::mock::{MockLogits, MockModel};
+    use specdec_core::mock::{reading_costs, MockLogits, MockModel};
     use specdec_core::{
-        CounterRng, Draft, DraftRequest, ModelDrafter, PrefillRequest, Proposal, RoundCosts,
-        SamplingParams, SeqId, TokenId,
+        CounterRng, Draft, DraftRequest, ModelDrafter, PrefillRequest, Proposal, SamplingParams,
+        SeqId, TokenId,
     };
 
     /// Reading a prompt the draft model could not repay within the request's tokens is left
@@ -983,16 +990,7 @@ mod tests {
     /// request with room to repay it drafts with the model as before.
     #[test]
     fn a_prompt_the_draft_model_could_not_repay_is_never_read() {
-        let costs = RoundCosts {
-            r: (1..=17).map(|m| 1.0 + 0.1 * (m - 1) as f64).collect(),
-            draft_per_token: 0.25,
-            prompt_read: 0.05,
-            model_len: 2,
-            model_rate: 1.5,
-            model_steps: 2.0,
-            model_acceptance: vec![0.8; 2],
-            ..RoundCosts::default()
-        };
+        let costs = reading_costs();
         // 1,000 distinct tokens: nothing for the lookup to find.
         let prompt: Vec<TokenId> = (0..1_000).collect();
         let mut d = MultiDrafter::new(Some(ModelDrafter::new(MockModel::new(
@@ -1049,16 +1047,7 @@ mod tests {
     /// forwent the price of reading it (a third of a step each here, against 0.05 a token).
     #[test]
     fn a_prompt_left_unread_is_read_once_the_rounds_since_forwent_its_price() {
-        let costs = RoundCosts {
-            r: (1..=17).map(|m| 1.0 + 0.1 * (m - 1) as f64).collect(),
-            draft_per_token: 0.25,
-            prompt_read: 0.05,
-            model_len: 2,
-            model_rate: 1.5,
-            model_steps: 2.0,
-            model_acceptance: vec![0.8; 2],
-            ..RoundCosts::default()
-        };
+        let costs = reading_costs();
         let prompt: Vec<TokenId> = (0..40).collect();
         let mut d = MultiDrafter::new(Some(ModelDrafter::new(MockModel::new(
             MockLogits::Hashed {

@@ -83,8 +83,8 @@ pub use model::{
     Target, RECENT_ANSWERS, RECENT_ANSWER_DECAY,
 };
 pub use ngram::{
-    continue_by_lookup, draft_planned, forgone, plan_hybrid, HybridDrafter, HybridPlan, ModelLag,
-    NGramDrafter,
+    continue_by_lookup, draft_planned, forgone, plan_hybrid, DeferredReads, HybridDrafter,
+    HybridPlan, ModelLag, NGramDrafter,
 };
 pub use policy::{
     best_batch_draft_cap, best_draft_len, best_draft_len_with, isotonic_curve, ContextCost,

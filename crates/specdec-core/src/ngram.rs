@@ -94,11 +94,8 @@ pub struct HybridDrafter<D> {
     /// The model drafter.
     pub model: D,
     lag: ModelLag,
-    /// Sequences whose prompt the model did not read, drafted by the lookup alone, with the
-    /// savings the model's drafts were expected to bring in their rounds since ([`forgone`]).
-    unread: HashMap<SeqId, f64>,
-    /// Sequences whose prompt is read after all, at their next round without a lookup draft.
-    due: HashSet<SeqId>,
+    /// Sequences whose prompt the model did not read, drafted by the lookup alone until it is due.
+    reads: DeferredReads,
 }
 
 impl<D> HybridDrafter<D> {
@@ -108,15 +105,14 @@ impl<D> HybridDrafter<D> {
             lookup,
             model,
             lag: ModelLag::default(),
-            unread: HashMap::new(),
-            due: HashSet::new(),
+            reads: DeferredReads::default(),
         }
     }
 
     /// Whether the model left the sequence's prompt unread ([`Draft::prefill_priced`]), so that
     /// the lookup alone drafts for it.
     pub fn left_unread(&self, seq: SeqId) -> bool {
-        self.unread.contains_key(&seq)
+        self.reads.is_unread(seq)
     }
 }
 
@@ -162,6 +158,85 @@ impl ModelLag {
     /// The sequence is finished.
     pub fn release(&mut self, seq: SeqId) {
         self.read.remove(&seq);
+    }
+}
+
+/// The sequences whose prompt a hybrid's model left unread ([`Draft::prefill_priced`]), and the
+/// ski-rental rule that reads it after all: each round adds what it forwent ([`forgone`]), and once
+/// the sum reaches the price of reading what the model does not hold, the prompt is due, read by
+/// the model as the catch-up of its next draft (forced at the next round without a lookup draft).
+/// Both [`HybridDrafter`] and the server's drafter plan their rounds through it.
+#[derive(Debug, Default)]
+pub struct DeferredReads {
+    /// Sequences whose prompt is unread, with the savings forgone in their rounds since.
+    unread: HashMap<SeqId, f64>,
+    /// Sequences whose prompt is read after all, at their next round that calls the model.
+    due: HashSet<SeqId>,
+}
+
+impl DeferredReads {
+    /// The model leaves the sequence's prompt unread: its rounds go to the lookup alone until they
+    /// forgo the price of reading it.
+    pub fn leave_unread(&mut self, seq: SeqId) {
+        self.due.remove(&seq);
+        self.unread.insert(seq, 0.0);
+    }
+
+    /// Whether the sequence's prompt is unread and not yet due.
+    pub fn is_unread(&self, seq: SeqId) -> bool {
+        self.unread.contains_key(&seq)
+    }
+
+    /// Whether the sequence's prompt is due: to be read by its next round that calls the model.
+    pub fn is_due(&self, seq: SeqId) -> bool {
+        self.due.contains(&seq)
+    }
+
+    /// The plan of one round of `req`, after the lookup proposed `lookup` at `lookup_rate`
+    /// ([`LookupDrafter::propose_one`]): for an unread prompt, [`HybridPlan::Lookup`] until the
+    /// rounds since forwent the price of reading what the model does not hold (`cached`, asked
+    /// only then); for a due one, [`HybridPlan::Model`] where the lookup has no draft and the
+    /// costs allow a model draft; otherwise `plan`. Any plan that calls the model reads what it
+    /// has not read, so it clears the prompt's due read.
+    pub fn plan(
+        &mut self,
+        req: &DraftRequest<'_>,
+        lookup: &Proposal,
+        lookup_rate: f64,
+        cached: impl FnOnce() -> usize,
+        plan: impl FnOnce() -> HybridPlan,
+    ) -> HybridPlan {
+        if let Some(saved) = self.unread.get_mut(&req.seq) {
+            let Some(c) = req.costs else {
+                return HybridPlan::Lookup;
+            };
+            *saved += forgone(c, lookup, lookup_rate);
+            let unread = req.context.len().saturating_sub(cached());
+            // A price that is not a number is never reached.
+            let due = *saved >= c.prompt_read * unread as f64;
+            if !due {
+                return HybridPlan::Lookup;
+            }
+            self.unread.remove(&req.seq);
+            self.due.insert(req.seq);
+        }
+        // The reading was paid for by the rounds before, so a model draft then reads the context,
+        // as its catch-up, whatever that costs; the round's prediction includes it, so the
+        // model's realised rate is judged fairly.
+        let read_now = lookup.tokens.is_empty()
+            && req.costs.is_some_and(|c| c.model_len > 0)
+            && self.due.contains(&req.seq);
+        let plan = if read_now { HybridPlan::Model } else { plan() };
+        if plan != HybridPlan::Lookup {
+            self.due.remove(&req.seq);
+        }
+        plan
+    }
+
+    /// The sequence is finished, or its prompt was read at prefill.
+    pub fn release(&mut self, seq: SeqId) {
+        self.unread.remove(&seq);
+        self.due.remove(&seq);
     }
 }
 
@@ -461,43 +536,14 @@ impl<D: Draft> Draft for HybridDrafter<D> {
         let mut plans = Vec::with_capacity(batch.len());
         for (req, out) in batch.iter().zip(out.iter_mut()) {
             let rate = self.lookup.propose_one(req, out);
-            if let Some(saved) = self.unread.get_mut(&req.seq) {
-                // A prompt left unread is read after all (as a catch-up the next model round
-                // makes) once the model's drafts would have saved its price in the rounds since.
-                let Some(c) = req.costs else {
-                    plans.push(HybridPlan::Lookup);
-                    continue;
-                };
-                *saved += forgone(c, out, rate);
-                let unread = req
-                    .context
-                    .len()
-                    .saturating_sub(self.model.cached(req.seq, req.context));
-                // A price that is not a number is never reached (as in the server).
-                let due = *saved >= c.prompt_read * unread as f64;
-                if !due {
-                    plans.push(HybridPlan::Lookup);
-                    continue;
-                }
-                self.unread.remove(&req.seq);
-                self.due.insert(req.seq);
-            }
-            // The reading was paid for by the rounds before, so a model draft then reads the
-            // context, as its catch-up, whatever that costs; the round's prediction includes it,
-            // so the model's realised rate is judged fairly.
-            let read_now = out.tokens.is_empty()
-                && req.costs.is_some_and(|c| c.model_len > 0)
-                && self.due.contains(&req.seq);
-            let plan = if read_now {
-                HybridPlan::Model
-            } else {
-                plan_hybrid(req, out, rate, self.lag.lag(req.seq, req.context))
-            };
-            // Any round that calls the model reads what it has not read.
-            if plan != HybridPlan::Lookup {
-                self.due.remove(&req.seq);
-            }
-            plans.push(plan);
+            let (model, lag) = (&self.model, &self.lag);
+            plans.push(self.reads.plan(
+                req,
+                out,
+                rate,
+                || model.cached(req.seq, req.context),
+                || plan_hybrid(req, out, rate, lag.lag(req.seq, req.context)),
+            ));
         }
         draft_planned(&mut self.model, &mut self.lag, batch, out, &plans)?;
         for ((req, out), plan) in batch.iter().zip(out.iter_mut()).zip(&plans) {
@@ -518,8 +564,7 @@ impl<D: Draft> Draft for HybridDrafter<D> {
     /// drafter reads it lazily instead, where a sequence that never drafts with the model is common.)
     fn prefill(&mut self, seq: SeqId, context: &[TokenId]) -> Result<(), Self::Error> {
         let Ok(()) = self.lookup.prefill(seq, context);
-        self.unread.remove(&seq);
-        self.due.remove(&seq);
+        self.reads.release(seq);
         self.lag.prefill(seq, context.len());
         self.model.prefill(seq, context)
     }
@@ -535,13 +580,11 @@ impl<D: Draft> Draft for HybridDrafter<D> {
             self.model.cached(req.seq, req.prompt),
             self.lookup.recent_answers(),
         ) {
-            self.unread.remove(&req.seq);
-            self.due.remove(&req.seq);
+            self.reads.release(req.seq);
             self.lag.prefill(req.seq, req.prompt.len());
             return self.model.prefill(req.seq, req.prompt);
         }
-        self.due.remove(&req.seq);
-        self.unread.insert(req.seq, 0.0);
+        self.reads.leave_unread(req.seq);
         self.lag.prefill(req.seq, 0);
         Ok(())
     }
@@ -557,8 +600,7 @@ impl<D: Draft> Draft for HybridDrafter<D> {
     fn release(&mut self, seq: SeqId) {
         self.lookup.release(seq);
         self.lag.release(seq);
-        self.unread.remove(&seq);
-        self.due.remove(&seq);
+        self.reads.release(seq);
         self.model.release(seq);
     }
 }
@@ -934,6 +976,64 @@ mod tests {
         assert!(!hybrid.left_unread(SeqId(3)));
         hybrid.release(short);
         assert!(!hybrid.left_unread(short));
+    }
+
+    /// A due read waits through rounds with a lookup draft, and any round that calls the model (an
+    /// extension of the lookup's draft too) reads it: the prompt is then neither unread nor due.
+    #[test]
+    fn a_due_read_waits_for_a_round_that_calls_the_model_and_an_extension_is_one() {
+        let sampling = SamplingParams::greedy();
+        let costs = reading_costs();
+        let context: Vec<TokenId> = (100..140).collect();
+        let req = DraftRequest {
+            seq: SeqId(1),
+            context: &context,
+            max_len: 8,
+            sampling: &sampling,
+            rng: CounterRng::new(0),
+            min_confidence: 0.0,
+            costs: Some(&costs),
+            stop_tokens: &[],
+        };
+        let plain = Proposal::default();
+        let mut lookup = Proposal::default();
+        lookup.push(7, Probs::OneHot(7));
+        lookup.confidence.push(0.9);
+        let mut reads = DeferredReads::default();
+        reads.leave_unread(SeqId(1));
+        // 40 tokens unread cost 2 steps; a plain round forgoes a third of one (the model's
+        // drafts are predicted at 1.5 tokens a step), five of them 1.67 steps.
+        for round in 1..=5 {
+            let plan = reads.plan(&req, &plain, f64::NAN, || 0, || unreachable!());
+            assert_eq!(plan, HybridPlan::Lookup, "round {round}");
+            assert!(reads.is_unread(SeqId(1)), "round {round}");
+        }
+        // A lookup draft of one token at a token a step forgoes 1.1 (1 - 1 / 1.5) = 0.37 steps:
+        // the read is due, and waits, as the planner keeps the lookup's draft.
+        let plan = reads.plan(&req, &lookup, 1.0, || 0, || HybridPlan::Lookup);
+        assert_eq!(plan, HybridPlan::Lookup);
+        assert!(reads.is_due(SeqId(1)) && !reads.is_unread(SeqId(1)));
+        let plan = reads.plan(&req, &lookup, 1.0, || 0, || HybridPlan::Lookup);
+        assert_eq!(plan, HybridPlan::Lookup);
+        assert!(reads.is_due(SeqId(1)));
+        // One that the model extends reads it.
+        let plan = reads.plan(&req, &lookup, 1.0, || 0, || HybridPlan::Extend(2));
+        assert_eq!(plan, HybridPlan::Extend(2));
+        assert!(!reads.is_due(SeqId(1)) && !reads.is_unread(SeqId(1)));
+        // Without a lookup draft, the round that finds the price forgone reads the prompt by a
+        // model draft, whatever the planner would say.
+        reads.leave_unread(SeqId(2));
+        let req2 = DraftRequest {
+            seq: SeqId(2),
+            ..req
+        };
+        let mut plans = Vec::new();
+        while plans.last() != Some(&HybridPlan::Model) {
+            assert!(plans.len() < 8, "{plans:?}");
+            plans.push(reads.plan(&req2, &plain, f64::NAN, || 0, || HybridPlan::Lookup));
+        }
+        assert_eq!(plans.len(), 6);
+        assert!(!reads.is_due(SeqId(2)) && !reads.is_unread(SeqId(2)));
     }
 
     #[test]

@@ -9,7 +9,7 @@
 //!   to the handler; a handler that went away (client disconnected) ends its sequence before the
 //!   next step.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::ops::ControlFlow;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TryRecvError, TrySendError};
@@ -17,9 +17,9 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use specdec_core::{
-    Batch, Draft, DraftLenPolicy, DraftRequest, Emitted, GenerateConfig, HybridPlan, LookupDrafter,
-    Metrics, ModelDrafter, ModelLag, PrefillRequest, Proposal, RecentAnswers, SeqId, StopReason,
-    Target, TokenId, TokenLogprob,
+    Batch, DeferredReads, Draft, DraftLenPolicy, DraftRequest, Emitted, GenerateConfig, HybridPlan,
+    LookupDrafter, Metrics, ModelDrafter, ModelLag, PrefillRequest, Proposal, RecentAnswers, SeqId,
+    StopReason, Target, TokenId, TokenLogprob,
 };
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 
@@ -124,11 +124,8 @@ pub struct MultiDrafter<M: Target> {
     lag: ModelLag,
     choice: HashMap<SeqId, DrafterKind>,
     /// Sequences whose prompt the draft model is not to read: it could not repay it
-    /// ([`Draft::prefill_priced`]); with the savings its drafts were expected to bring in their
-    /// rounds since ([`specdec_core::forgone`]), which read it once they reach its price.
-    unread: HashMap<SeqId, f64>,
-    /// Sequences whose prompt is read after all, at their next round without a lookup draft.
-    due: HashSet<SeqId>,
+    /// ([`Draft::prefill_priced`]), until the rounds since forgo its price.
+    reads: DeferredReads,
 }
 
 impl<M: Target> MultiDrafter<M> {
@@ -139,8 +136,7 @@ impl<M: Target> MultiDrafter<M> {
             model,
             lag: ModelLag::default(),
             choice: HashMap::new(),
-            unread: HashMap::new(),
-            due: HashSet::new(),
+            reads: DeferredReads::default(),
         }
     }
 
@@ -188,41 +184,26 @@ impl<M: Target> Draft for MultiDrafter<M> {
             } else {
                 f64::NAN
             };
-            if let Some(saved) = self.unread.get_mut(&req.seq) {
-                // A prompt left unread is read after all once the model's drafts would have
-                // saved its price in the rounds since (as `HybridDrafter` does); the model then
-                // reads the whole context as its catch-up.
-                let model = self.model.as_ref();
-                let due = req.costs.is_some_and(|c| {
-                    *saved += specdec_core::forgone(c, out, rate);
-                    let held = model.map_or(0, |m| m.cached(req.seq, req.context));
-                    *saved >= c.prompt_read * req.context.len().saturating_sub(held) as f64
-                });
-                if due {
-                    self.unread.remove(&req.seq);
-                    self.due.insert(req.seq);
-                    self.lag.prefill(req.seq, 0);
-                }
-            }
-            // A prompt read after all is read by a model draft, at the first round without a
-            // lookup draft.
-            let read_now = out.tokens.is_empty()
-                && req.costs.is_some_and(|c| c.model_len > 0)
-                && self.due.contains(&req.seq);
-            let plan = match kind {
-                // A model that is not to read the prompt drafts nothing: the lookup's draft, if
-                // any, for the hybrid; plain decoding for the model alone.
-                _ if self.unread.contains_key(&req.seq) => HybridPlan::Lookup,
-                _ if read_now => HybridPlan::Model,
-                DrafterKind::Model => HybridPlan::Model,
-                DrafterKind::Hybrid => {
-                    specdec_core::plan_hybrid(req, out, rate, self.lag.lag(req.seq, req.context))
-                }
-                _ => HybridPlan::Lookup,
-            };
-            // Any round that calls the model reads what it has not read.
-            if plan != HybridPlan::Lookup {
-                self.due.remove(&req.seq);
+            // A prompt left unread is read after all once the model's drafts would have saved
+            // its price in the rounds since (as `HybridDrafter` does); the model then reads the
+            // whole context as its catch-up (counted as its lag).
+            let was_unread = self.reads.is_unread(req.seq);
+            let (model, lag) = (self.model.as_ref(), &self.lag);
+            let plan = self.reads.plan(
+                req,
+                out,
+                rate,
+                || model.map_or(0, |m| m.cached(req.seq, req.context)),
+                || match kind {
+                    DrafterKind::Model => HybridPlan::Model,
+                    DrafterKind::Hybrid => {
+                        specdec_core::plan_hybrid(req, out, rate, lag.lag(req.seq, req.context))
+                    }
+                    _ => HybridPlan::Lookup,
+                },
+            );
+            if was_unread && !self.reads.is_unread(req.seq) {
+                self.lag.prefill(req.seq, 0);
             }
             plans.push(plan);
         }
@@ -259,8 +240,7 @@ impl<M: Target> Draft for MultiDrafter<M> {
         if self.kind(seq).uses_lookup() {
             let Ok(()) = self.lookup.prefill(seq, context);
         }
-        self.unread.remove(&seq);
-        self.due.remove(&seq);
+        self.reads.release(seq);
         self.lag.prefill(seq, context.len());
         Ok(())
     }
@@ -286,7 +266,7 @@ impl<M: Target> Draft for MultiDrafter<M> {
         if self.kind(req.seq).needs_model()
             && !req.read_pays(self.cached(req.seq, req.prompt), recent)
         {
-            self.unread.insert(req.seq, 0.0);
+            self.reads.leave_unread(req.seq);
         }
         Ok(())
     }
@@ -296,12 +276,11 @@ impl<M: Target> Draft for MultiDrafter<M> {
     }
 
     fn model_drafts(&self, seq: SeqId) -> bool {
-        self.model.is_some() && self.kind(seq).needs_model() && !self.unread.contains_key(&seq)
+        self.model.is_some() && self.kind(seq).needs_model() && !self.reads.is_unread(seq)
     }
 
     fn release(&mut self, seq: SeqId) {
-        self.unread.remove(&seq);
-        self.due.remove(&seq);
+        self.reads.release(seq);
         if self.kind(seq).uses_lookup() {
             self.lookup.release(seq);
         }

@@ -104,6 +104,13 @@ pub struct FixedCost {
     /// [`RoundCosts::prompt_read`] prices a prompt's reading with. Without it, `r(16) / 16`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub draft_read: Option<f64>,
+    /// Seconds of one draft step, as calibrated, where measured. The draft's step does not follow
+    /// the target's through the machine's stretches (stop 56's six calibrations, minutes apart:
+    /// target steps of 22.2–32.4 ms, draft steps of 6.9–8.9 ms and no faster with the target), so
+    /// where the target's step is known now (timed lately, [`FixedCost::step_secs`], or by the
+    /// run), `c` is this over that step rather than the calibration's ratio ([`FixedCost::c_at`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub draft_step_secs: Option<f64>,
 }
 
 /// The target's attention cost as a function of context: scoring `m` tokens after `n` tokens of
@@ -188,6 +195,15 @@ impl ContextCost {
 }
 
 impl FixedCost {
+    /// The draft's cost per token in target steps of `step` seconds: the draft's calibrated step
+    /// over `step` where both are known and positive, else `c`.
+    pub fn c_at(&self, step: Option<f64>) -> f64 {
+        match (self.draft_step_secs, step) {
+            (Some(d), Some(s)) if d.is_finite() && d > 0.0 && s.is_finite() && s > 0.0 => d / s,
+            _ => self.c,
+        }
+    }
+
     /// `r(m)`, extended past the measured lengths with the last slope.
     pub fn r(&self, m: usize) -> f64 {
         curve_r(&self.r, m)
@@ -216,6 +232,7 @@ impl FixedCost {
             step_secs: self.step_secs.map(|s| s * unit),
             acceptance: self.acceptance.clone(),
             draft_read: self.draft_read,
+            draft_step_secs: self.draft_step_secs,
         }
     }
 }
@@ -309,6 +326,9 @@ impl DraftLenPolicy {
                         && cost.r.iter().all(|v| v.is_finite() && *v > 0.0)
                         && cost.step_secs.is_none_or(|s| s.is_finite() && s > 0.0)
                         && cost.draft_read.is_none_or(|d| d.is_finite() && d >= 0.0)
+                        && cost
+                            .draft_step_secs
+                            .is_none_or(|s| s.is_finite() && s > 0.0)
                         && cost.acceptance.iter().all(|a| (0.0..=1.0).contains(a))
                         && cost.context.is_none_or(|cc| {
                             cc.shared.is_finite()
@@ -320,11 +340,18 @@ impl DraftLenPolicy {
                         return Err(Error::config(
                             "cost",
                             format!(
-                                "c {} r {:?} step {:?} acceptance {:?} draft read {:?}",
-                                cost.c, cost.r, cost.step_secs, cost.acceptance, cost.draft_read
+                                "c {} r {:?} step {:?} acceptance {:?} draft read {:?} draft \
+                                 step {:?}",
+                                cost.c,
+                                cost.r,
+                                cost.step_secs,
+                                cost.acceptance,
+                                cost.draft_read,
+                                cost.draft_step_secs
                             ),
                             "c >= 0, a non-empty r of positive finite numbers, context costs \
-                             >= 0, a positive step, acceptance in [0, 1], a draft read >= 0",
+                             >= 0, a positive step, acceptance in [0, 1], a draft read >= 0, a \
+                             positive draft step",
                         ));
                     }
                 }
@@ -759,7 +786,8 @@ impl Controller {
         let t1 = fit.target_step_secs;
         let (fixed, c) = match fit_draft_cost(&self.draft_costs) {
             Some((a, b)) => (a / t1, b / t1),
-            None => prior.map_or((0.0, 0.0), |p| (p.draft_fixed, p.c)),
+            // The draft not timed yet: its calibrated step over the target's step now.
+            None => prior.map_or((0.0, 0.0), |p| (p.draft_fixed, p.c_at(Some(t1)))),
         };
         let samples = |m: usize| {
             if m == 1 && seeded {
@@ -1038,7 +1066,7 @@ impl Profile {
     fn fixed(f: &FixedCost) -> Self {
         Self {
             fixed: f.draft_fixed,
-            c: f.c,
+            c: f.c_at(f.step_secs),
             r: (1..=MAX_DRAFT_LEN + 1).map(|m| f.r(m)).collect(),
         }
     }
@@ -1550,6 +1578,7 @@ mod tests {
             step_secs: None,
             acceptance: Vec::new(),
             draft_read: None,
+            draft_step_secs: None,
         };
         // At the calibrated context nothing moves.
         let same = cost.at_context(64);
@@ -1649,6 +1678,7 @@ mod tests {
                 step_secs: None,
                 acceptance: Vec::new(),
                 draft_read: None,
+                draft_step_secs: None,
             }),
             probe_every: 1000,
             prior: None,
@@ -1723,6 +1753,7 @@ mod tests {
             step_secs: None,
             acceptance: Vec::new(),
             draft_read: None,
+            draft_step_secs: None,
         };
         let p = DraftLenPolicy::CostModel {
             max: 4,
@@ -1781,6 +1812,7 @@ mod tests {
                 step_secs: None,
                 acceptance: Vec::new(),
                 draft_read: None,
+                draft_step_secs: None,
             }),
             probe_every: 1000,
             prior: None,
@@ -1938,6 +1970,7 @@ mod tests {
             step_secs: None,
             acceptance: Vec::new(),
             draft_read: None,
+            draft_step_secs: None,
         };
         let p = DraftLenPolicy::auto(Some(prior));
         p.validate().unwrap();
@@ -1997,6 +2030,64 @@ mod tests {
         );
     }
 
+    /// A calibrated draft step in seconds ([`FixedCost::draft_step_secs`]) is priced against the
+    /// target's step now: a calibration made in a fast stretch of the target (22 ms a step, 8.8 ms a
+    /// draft step: c 0.4) prices a draft token, and a prompt token's reading, at 0.29 of a step once
+    /// the target's step is known at 30 ms, timed lately or by the run; without either time, at
+    /// the calibration's ratio.
+    #[test]
+    fn a_draft_step_in_seconds_is_priced_against_the_targets_step_now() {
+        let prior = |step_secs, draft_step_secs| FixedCost {
+            c: 0.4,
+            draft_fixed: 0.0,
+            r: (1..=17).map(|m| 1.0 + 0.1 * (m - 1) as f64).collect(),
+            context: None,
+            step_secs,
+            acceptance: Vec::new(),
+            draft_read: Some(0.25),
+            draft_step_secs,
+        };
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-9;
+        // The first round's prices, after plain rounds of 30 ms where none were priced.
+        let first_costs = |p: FixedCost| {
+            let policy = DraftLenPolicy::auto(Some(p));
+            policy.validate().unwrap();
+            let mut c = policy.controller();
+            for _ in 0..8 {
+                c.next_draft_len();
+                if let Some(costs) = c.costs() {
+                    return (costs.draft_per_token, costs.prompt_read);
+                }
+                c.observe(&Round {
+                    emitted: 1,
+                    verify_secs: 0.030,
+                    verified: 1,
+                    ..Default::default()
+                });
+            }
+            panic!("no round was priced");
+        };
+        let now = 0.0088 / 0.030;
+        let (c, read) = first_costs(prior(Some(0.030), Some(0.0088)));
+        assert!(close(c, now) && close(read, now * 0.25), "{c} {read}");
+        assert!(close(first_costs(prior(None, Some(0.0088))).0, 0.4));
+        assert!(close(first_costs(prior(Some(0.030), None)).0, 0.4));
+        // Timed by the run: plain steps of 30 ms, no draft step timed.
+        let mut c = DraftLenPolicy::auto(Some(prior(None, Some(0.0088)))).controller();
+        for _ in 0..WARMUP_ROUNDS + 2 {
+            c.next_draft_len();
+            c.observe(&Round {
+                emitted: 1,
+                verify_secs: 0.030,
+                verified: 1,
+                ..Default::default()
+            });
+        }
+        c.next_draft_len();
+        let c = c.costs().map(|c| c.draft_per_token);
+        assert!(c.is_some_and(|c| (c - now).abs() < 1e-6), "{c:?}");
+    }
+
     /// A step timed lately by an earlier generation ([`FixedCost::step_secs`]) is the unit of a
     /// measuring cost model that has not timed one itself: where the machine's blocks cost far more
     /// steps than the calibration says (a fast stretch of memory), drafting stops as soon as the
@@ -2016,6 +2107,7 @@ mod tests {
                 step_secs,
                 acceptance: Vec::new(),
                 draft_read: None,
+                draft_step_secs: None,
             };
             let p = DraftLenPolicy::auto(Some(prior));
             p.validate().unwrap();
@@ -2059,6 +2151,7 @@ mod tests {
             step_secs,
             acceptance: Vec::new(),
             draft_read: None,
+            draft_step_secs: None,
         };
         let mut a = DraftLenPolicy::auto(Some(prior(Some(1.0)))).controller();
         let mut b = DraftLenPolicy::auto(Some(prior(None))).controller();
@@ -2095,6 +2188,7 @@ mod tests {
             step_secs: None,
             acceptance,
             draft_read: None,
+            draft_step_secs: None,
         };
         let fresh = DraftLenPolicy::auto(Some(prior(Vec::new())));
         let seen = DraftLenPolicy::auto(Some(prior(vec![0.3, 0.2])));
@@ -2274,6 +2368,7 @@ mod tests {
                 step_secs: None,
                 acceptance: Vec::new(),
                 draft_read: None,
+                draft_step_secs: None,
             }),
             probe_every: 8,
             prior: None,

@@ -415,6 +415,7 @@ fn cost_model(r: Vec<f64>, draft_read: Option<f64>) -> DraftLenPolicy {
             step_secs: None,
             acceptance: Vec::new(),
             draft_read,
+            draft_step_secs: None,
         }),
         probe_every: 1000,
         prior: None,

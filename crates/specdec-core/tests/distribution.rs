@@ -238,6 +238,7 @@ fn rejection_mode_is_exact_for_every_drafter_option() {
                     step_secs: None,
                     acceptance: Vec::new(),
                     draft_read: None,
+                    draft_step_secs: None,
                 }),
             },
             ..config(min_confidence)
@@ -474,6 +475,7 @@ fn a_batch_draft_cap_keeps_sampled_output_on_the_target_distribution() {
                 step_secs: None,
                 acceptance: Vec::new(),
                 draft_read: None,
+                draft_step_secs: None,
             }),
             probe_every: 1000,
             prior: None,

@@ -55,6 +55,7 @@ fn policies(k: usize) -> Vec<DraftLenPolicy> {
                 step_secs: None,
                 acceptance: Vec::new(),
                 draft_read: None,
+                draft_step_secs: None,
             }),
             probe_every: 3,
             prior: None,
@@ -77,6 +78,7 @@ fn policies(k: usize) -> Vec<DraftLenPolicy> {
                 step_secs: None,
                 acceptance: Vec::new(),
                 draft_read: None,
+                draft_step_secs: None,
             }),
         },
     ]
@@ -188,6 +190,7 @@ fn greedy_speculative_equals_greedy_target_only() {
                             probe_every: 3,
                             prior: Some(FixedCost {
                                 draft_read: Some(1_000.0),
+                                draft_step_secs: None,
                                 ..prior.clone()
                             }),
                         });

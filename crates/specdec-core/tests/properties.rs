@@ -78,8 +78,8 @@ proptest! {
             DraftLenPolicy::Fixed { draft_len: max },
             DraftLenPolicy::Adaptive { initial: min, min, max, target_acceptance: 0.6, smoothing: 0.4 },
             DraftLenPolicy::CostModel { max, cost: None, probe_every: 4, prior: None },
-            DraftLenPolicy::CostModel { max, cost: Some(FixedCost { c: 0.2, draft_fixed: 0.0, r: vec![1.0, 1.2], context: None, step_secs: None, acceptance: Vec::new(), draft_read: None }), probe_every: 3, prior: None },
-            DraftLenPolicy::CostModel { max, cost: None, probe_every: 5, prior: Some(FixedCost { c: 0.3, draft_fixed: 0.2, r: vec![1.0, 1.1, 1.3], context: None, step_secs: None, acceptance: Vec::new(), draft_read: None }) },
+            DraftLenPolicy::CostModel { max, cost: Some(FixedCost { c: 0.2, draft_fixed: 0.0, r: vec![1.0, 1.2], context: None, step_secs: None, acceptance: Vec::new(), draft_read: None, draft_step_secs: None }), probe_every: 3, prior: None },
+            DraftLenPolicy::CostModel { max, cost: None, probe_every: 5, prior: Some(FixedCost { c: 0.3, draft_fixed: 0.2, r: vec![1.0, 1.1, 1.3], context: None, step_secs: None, acceptance: Vec::new(), draft_read: None, draft_step_secs: None }) },
         ];
         for policy in policies {
             policy.validate().unwrap();

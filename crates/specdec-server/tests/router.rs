@@ -770,6 +770,7 @@ impl Learner for Counting {
                 step_secs: None,
                 acceptance: vec![0.5; n + 1],
                 draft_read: None,
+                draft_step_secs: None,
             });
         }
     }

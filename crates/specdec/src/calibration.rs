@@ -507,6 +507,7 @@ pub fn as_prior(cal: &Calibration) -> Option<FixedCost> {
             .zip(cal.draft_step_s)
             .filter(|&(_, step)| step > 0.0)
             .map(|(read, step)| read / step),
+        draft_step_secs: cal.draft_step_s,
     };
     let policy = DraftLenPolicy::auto(Some(cost.clone()));
     policy.validate().ok()?;

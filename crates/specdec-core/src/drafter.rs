@@ -269,7 +269,7 @@ pub enum DraftError<E: std::error::Error + 'static> {
 mod tests {
     use super::*;
     use crate::mock::{MockLogits, MockModel};
-    use crate::{CounterRng, RoundCosts, SamplingParams};
+    use crate::{RoundCosts, SamplingParams};
 
     #[test]
     fn a_prompt_the_model_could_not_repay_is_not_read_and_nothing_is_drafted() {
@@ -295,16 +295,12 @@ mod tests {
         let draft = |d: &mut ModelDrafter<MockModel>| {
             let mut out = [Proposal::default()];
             d.propose(
-                &[DraftRequest {
+                &[crate::mock::draft_request(
                     seq,
-                    context: &prompt,
-                    max_len: 8,
-                    sampling: &sampling,
-                    rng: CounterRng::new(0),
-                    min_confidence: 0.0,
-                    costs: Some(&costs),
-                    stop_tokens: &[],
-                }],
+                    &prompt,
+                    &sampling,
+                    Some(&costs),
+                )],
                 &mut out,
             )
             .unwrap();

@@ -260,3 +260,23 @@ pub fn reading_costs() -> crate::RoundCosts {
         ..crate::RoundCosts::default()
     }
 }
+
+/// A request of up to 8 tokens of `seq` after `context`, sampled by `sampling` with the RNG of
+/// seed 0, no confidence floor and no stop tokens: the request most drafter tests make.
+pub fn draft_request<'a>(
+    seq: crate::SeqId,
+    context: &'a [crate::TokenId],
+    sampling: &'a crate::SamplingParams,
+    costs: Option<&'a crate::RoundCosts>,
+) -> crate::DraftRequest<'a> {
+    crate::DraftRequest {
+        seq,
+        context,
+        max_len: 8,
+        sampling,
+        rng: crate::CounterRng::new(0),
+        min_confidence: 0.0,
+        costs,
+        stop_tokens: &[],
+    }
+}

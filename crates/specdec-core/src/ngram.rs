@@ -946,16 +946,7 @@ mod tests {
         assert_eq!(hybrid.model.prefills, 1);
         // The lookup has nothing after token 1,099; the read sequence drafts with the model, the
         // other decodes plainly.
-        let req = |seq| DraftRequest {
-            seq,
-            context: &prompt,
-            max_len: 8,
-            sampling: &sampling,
-            rng: CounterRng::new(0),
-            min_confidence: 0.0,
-            costs: Some(&costs),
-            stop_tokens: &[],
-        };
+        let req = |seq| crate::mock::draft_request(seq, &prompt, &sampling, Some(&costs));
         let mut out = [Proposal::default(), Proposal::default()];
         let Ok(()) = hybrid.propose(&[req(short), req(long)], &mut out);
         assert!(out[0].tokens.is_empty(), "{:?}", out[0]);
@@ -985,16 +976,7 @@ mod tests {
         let sampling = SamplingParams::greedy();
         let costs = reading_costs();
         let context: Vec<TokenId> = (100..140).collect();
-        let req = DraftRequest {
-            seq: SeqId(1),
-            context: &context,
-            max_len: 8,
-            sampling: &sampling,
-            rng: CounterRng::new(0),
-            min_confidence: 0.0,
-            costs: Some(&costs),
-            stop_tokens: &[],
-        };
+        let req = crate::mock::draft_request(SeqId(1), &context, &sampling, Some(&costs));
         let plain = Proposal::default();
         let mut lookup = Proposal::default();
         lookup.push(7, Probs::OneHot(7));
@@ -1062,16 +1044,12 @@ mod tests {
             assert!(rounds < 6, "still unread after {rounds} rounds");
             let mut out = [Proposal::default()];
             let Ok(()) = hybrid.propose(
-                &[DraftRequest {
-                    seq: SeqId(1),
-                    context: &context,
-                    max_len: 8,
-                    sampling: &sampling,
-                    rng: CounterRng::new(0),
-                    min_confidence: 0.0,
-                    costs: Some(&costs),
-                    stop_tokens: &[],
-                }],
+                &[crate::mock::draft_request(
+                    SeqId(1),
+                    &context,
+                    &sampling,
+                    Some(&costs),
+                )],
                 &mut out,
             );
             rounds += 1;
@@ -1115,16 +1093,7 @@ mod tests {
         let Ok(()) = hybrid.commit(SeqId(1), &context);
         while context.len() < prompt.len() + 100 {
             let mut out = [Proposal::default()];
-            let req = DraftRequest {
-                seq: SeqId(1),
-                context: &context,
-                max_len: 8,
-                sampling: &sampling,
-                rng: CounterRng::new(0),
-                min_confidence: 0.0,
-                costs: None,
-                stop_tokens: &[],
-            };
+            let req = crate::mock::draft_request(SeqId(1), &context, &sampling, None);
             let Ok(()) = hybrid.propose(&[req], &mut out);
             // The target copies on: what was drafted right, then the next token.
             let next = context[context.len() - 1] + 1;

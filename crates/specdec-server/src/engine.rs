@@ -960,8 +960,7 @@ mod tests {
     use super::{token_string, DrafterKind, MultiDrafter};
     use specdec_core::mock::{reading_costs, MockLogits, MockModel};
     use specdec_core::{
-        CounterRng, Draft, DraftRequest, ModelDrafter, PrefillRequest, Proposal, SamplingParams,
-        SeqId, TokenId,
+        Draft, ModelDrafter, PrefillRequest, Proposal, SamplingParams, SeqId, TokenId,
     };
 
     /// Reading a prompt the draft model could not repay within the request's tokens is left
@@ -995,16 +994,7 @@ mod tests {
             .unwrap();
         }
         let sampling = SamplingParams::greedy();
-        let req = |seq| DraftRequest {
-            seq,
-            context: &prompt,
-            max_len: 8,
-            sampling: &sampling,
-            rng: CounterRng::new(0),
-            min_confidence: 0.0,
-            costs: Some(&costs),
-            stop_tokens: &[],
-        };
+        let req = |seq| specdec_core::mock::draft_request(seq, &prompt, &sampling, Some(&costs));
         let mut out = vec![Proposal::default(); 3];
         d.propose(&[req(hybrid), req(model), req(roomy)], &mut out)
             .unwrap();
@@ -1052,16 +1042,12 @@ mod tests {
         loop {
             let mut out = vec![Proposal::default()];
             d.propose(
-                &[DraftRequest {
+                &[specdec_core::mock::draft_request(
                     seq,
-                    context: &context,
-                    max_len: 8,
-                    sampling: &sampling,
-                    rng: CounterRng::new(0),
-                    min_confidence: 0.0,
-                    costs: Some(&costs),
-                    stop_tokens: &[],
-                }],
+                    &context,
+                    &sampling,
+                    Some(&costs),
+                )],
                 &mut out,
             )
             .unwrap();

@@ -4,10 +4,11 @@ use crate::kernels;
 use crate::model::{
     Draft, DraftRequest, Logits, PrefillRequest, Proposal, RecentAnswers, Score, SeqId, Target,
 };
+use crate::ngram::{DeferredReads, HybridPlan};
 use crate::rng::Stream;
 use crate::sampling::{Probs, Sampler};
 use crate::TokenId;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 
 /// Drafts by running a model one token at a time, sampling each token with the target's sampling
 /// parameters (greedy stays greedy) and the draft stream of the RNG. All sequences of a batch advance
@@ -25,8 +26,8 @@ pub struct ModelDrafter<M> {
     /// Dense buffers of the previous round's draft distributions, reused for the next round's.
     spare: Vec<Vec<f32>>,
     /// Sequences whose prompt the model left unread ([`Draft::prefill_priced`]): nothing is
-    /// drafted for them.
-    unread: HashSet<SeqId>,
+    /// drafted for them until the rounds since forgo the price of reading it ([`DeferredReads`]).
+    reads: DeferredReads,
     /// Per sequence: its prompt's length and its committed length, for [`RecentAnswers`].
     lens: HashMap<SeqId, (usize, usize)>,
     /// The answers of the sequences it was given the prompt of lately ([`Draft::prefill`],
@@ -44,7 +45,7 @@ impl<M: Target> ModelDrafter<M> {
             logits: Vec::new(),
             scratch: Vec::new(),
             spare: Vec::new(),
-            unread: HashSet::new(),
+            reads: DeferredReads::default(),
             lens: HashMap::new(),
             answers: RecentAnswers::default(),
         }
@@ -129,15 +130,29 @@ impl<M: Target> Draft for ModelDrafter<M> {
             logits,
             scratch,
             spare,
-            unread,
+            reads,
             ..
         } = self;
         let vocab = model.vocab_size();
         logits.resize_with(batch.len(), || Logits::new(vocab));
-        let mut active: Vec<bool> = batch
-            .iter()
-            .map(|r| r.model_len() > 0 && !unread.contains(&r.seq))
-            .collect();
+        let mut active = Vec::with_capacity(batch.len());
+        for (req, out) in batch.iter().zip(out.iter_mut()) {
+            out.lag = 0;
+            let mut drafts = req.model_len() > 0;
+            if drafts && (reads.is_unread(req.seq) || reads.is_due(req.seq)) {
+                // A round with nothing but plain decoding to weigh the model's draft against; once
+                // the rounds since forwent the price of the prompt, the model reads it now, as the
+                // catch-up of this round's draft (its lag, which the cost model prices).
+                let cached = || model.cached(req.seq, req.context);
+                let empty = Proposal::default();
+                drafts = reads.plan(req, &empty, f64::NAN, cached, || HybridPlan::Model)
+                    != HybridPlan::Lookup;
+                if drafts {
+                    out.lag = req.context.len().saturating_sub(cached());
+                }
+            }
+            active.push(drafts);
+        }
         let mut live = Vec::with_capacity(batch.len());
         loop {
             live.clear();
@@ -200,7 +215,7 @@ impl<M: Target> Draft for ModelDrafter<M> {
 
     fn prefill(&mut self, seq: SeqId, context: &[TokenId]) -> Result<(), Self::Error> {
         self.start(seq, context.len());
-        self.unread.remove(&seq);
+        self.reads.release(seq);
         let vocab = self.model.vocab_size();
         self.logits.resize_with(1, || Logits::new(vocab));
         self.model
@@ -218,13 +233,15 @@ impl<M: Target> Draft for ModelDrafter<M> {
     /// [`Draft::prefill`], except where the cost model says that reading the prompt (the part the
     /// model does not hold) cannot pay for itself within the tokens the sequence is expected to
     /// emit ([`crate::RoundCosts::prompt_read_pays`], [`RecentAnswers::model_tokens`]): the model
-    /// then leaves it unread and drafts nothing for the sequence, which decodes plainly.
+    /// then leaves it unread and drafts nothing for the sequence, which decodes plainly, until the
+    /// savings its drafts were expected to bring in the rounds since ([`crate::forgone`], against
+    /// plain decoding) reach the price of reading it; the next round's draft then reads it first.
     fn prefill_priced(&mut self, req: &PrefillRequest<'_>) -> Result<(), Self::Error> {
         self.start(req.seq, req.prompt.len());
         if req.read_pays(self.model.cached(req.seq, req.prompt), &self.answers) {
             return self.prefill(req.seq, req.prompt);
         }
-        self.unread.insert(req.seq);
+        self.reads.leave_unread(req.seq);
         Ok(())
     }
 
@@ -233,14 +250,14 @@ impl<M: Target> Draft for ModelDrafter<M> {
     }
 
     fn model_drafts(&self, seq: SeqId) -> bool {
-        !self.unread.contains(&seq)
+        !self.reads.is_unread(seq)
     }
 
     fn release(&mut self, seq: SeqId) {
         if let Some((p, n)) = self.lens.remove(&seq) {
             self.answers.record(n.saturating_sub(p), 0);
         }
-        self.unread.remove(&seq);
+        self.reads.release(seq);
         self.model.release(seq);
     }
 }
@@ -332,5 +349,82 @@ mod tests {
         d.prefill_priced(&read(1_000)).unwrap();
         assert_eq!(d.model().stats().calls, calls);
         assert_eq!(draft(&mut d), 0);
+    }
+
+    #[test]
+    fn a_prompt_left_unread_is_read_once_the_rounds_since_forwent_its_price() {
+        // As above: the model's drafts save 1 - 1 / 1.25 = 0.2 steps per round of plain decoding,
+        // and reading the 1,000 prompt tokens costs 50 steps, which 200 tokens cannot repay.
+        let costs = RoundCosts {
+            r: (1..=17).map(|m| 1.0 + 0.1 * (m - 1) as f64).collect(),
+            draft_per_token: 0.25,
+            prompt_read: 0.05,
+            model_len: 3,
+            model_rate: 1.25,
+            model_steps: 2.05,
+            ..RoundCosts::default()
+        };
+        let prompt: Vec<TokenId> = (0..1_000).map(|i| i % 40).collect();
+        let sampling = SamplingParams::greedy();
+        let mut d = ModelDrafter::new(MockModel::new(MockLogits::Hashed {
+            vocab: 48,
+            seed: 1,
+            scale: 1.0,
+        }));
+        let seq = SeqId(0);
+        let draft = |d: &mut ModelDrafter<MockModel>, costs: Option<&RoundCosts>| {
+            let mut out = [Proposal::default()];
+            d.propose(
+                &[crate::mock::draft_request(seq, &prompt, &sampling, costs)],
+                &mut out,
+            )
+            .unwrap();
+            let [p] = out;
+            (p.tokens.len(), p.lag)
+        };
+        d.prefill_priced(&PrefillRequest {
+            seq,
+            prompt: &prompt,
+            remaining: 200,
+            costs: Some(&costs),
+        })
+        .unwrap();
+        assert!(!d.model_drafts(seq));
+        // A round without prices forgoes nothing.
+        assert_eq!(draft(&mut d, None), (0, 0));
+        // 50 / 0.2 = 250 rounds of rent (one more where the sum rounds below 50).
+        let mut rounds = 0;
+        let read = loop {
+            rounds += 1;
+            let (tokens, lag) = draft(&mut d, Some(&costs));
+            if tokens > 0 {
+                break lag;
+            }
+            assert_eq!(d.model().stats().calls, 0, "round {rounds}");
+            assert!(rounds < 300, "the prompt was never read");
+        };
+        assert!((250..=251).contains(&rounds), "{rounds}");
+        // The draft read the whole prompt first, and reports it as its catch-up.
+        assert_eq!(read, prompt.len());
+        assert!(d.model_drafts(seq));
+        assert_eq!(draft(&mut d, Some(&costs)), (3, 0));
+        // A model slower than plain decoding forgoes nothing: its prompt stays unread.
+        let slow = RoundCosts {
+            model_rate: 0.9,
+            ..costs.clone()
+        };
+        d.release(seq);
+        d.prefill_priced(&PrefillRequest {
+            seq,
+            prompt: &prompt,
+            remaining: 1,
+            costs: Some(&slow),
+        })
+        .unwrap();
+        let calls = d.model().stats().calls;
+        for _ in 0..1_000 {
+            assert_eq!(draft(&mut d, Some(&slow)), (0, 0));
+        }
+        assert_eq!(d.model().stats().calls, calls);
     }
 }

@@ -353,17 +353,9 @@ mod tests {
 
     #[test]
     fn a_prompt_left_unread_is_read_once_the_rounds_since_forwent_its_price() {
-        // As above: the model's drafts save 1 - 1 / 1.25 = 0.2 steps per round of plain decoding,
-        // and reading the 1,000 prompt tokens costs 50 steps, which 200 tokens cannot repay.
-        let costs = RoundCosts {
-            r: (1..=17).map(|m| 1.0 + 0.1 * (m - 1) as f64).collect(),
-            draft_per_token: 0.25,
-            prompt_read: 0.05,
-            model_len: 3,
-            model_rate: 1.25,
-            model_steps: 2.05,
-            ..RoundCosts::default()
-        };
+        // The model's drafts save 1 - 1 / 1.5 = 1/3 of a step per round of plain decoding, and
+        // reading the 1,000 prompt tokens costs 50 steps, which 100 tokens cannot repay.
+        let costs = crate::mock::reading_costs();
         let prompt: Vec<TokenId> = (0..1_000).map(|i| i % 40).collect();
         let sampling = SamplingParams::greedy();
         let mut d = ModelDrafter::new(MockModel::new(MockLogits::Hashed {
@@ -385,14 +377,14 @@ mod tests {
         d.prefill_priced(&PrefillRequest {
             seq,
             prompt: &prompt,
-            remaining: 200,
+            remaining: 100,
             costs: Some(&costs),
         })
         .unwrap();
         assert!(!d.model_drafts(seq));
         // A round without prices forgoes nothing.
         assert_eq!(draft(&mut d, None), (0, 0));
-        // 50 / 0.2 = 250 rounds of rent (one more where the sum rounds below 50).
+        // 50 / (1/3) = 150 rounds of rent (one more where the sum rounds below 50).
         let mut rounds = 0;
         let read = loop {
             rounds += 1;
@@ -403,11 +395,11 @@ mod tests {
             assert_eq!(d.model().stats().calls, 0, "round {rounds}");
             assert!(rounds < 300, "the prompt was never read");
         };
-        assert!((250..=251).contains(&rounds), "{rounds}");
+        assert!((150..=151).contains(&rounds), "{rounds}");
         // The draft read the whole prompt first, and reports it as its catch-up.
         assert_eq!(read, prompt.len());
         assert!(d.model_drafts(seq));
-        assert_eq!(draft(&mut d, Some(&costs)), (3, 0));
+        assert_eq!(draft(&mut d, Some(&costs)), (2, 0));
         // A model slower than plain decoding forgoes nothing: its prompt stays unread.
         let slow = RoundCosts {
             model_rate: 0.9,

@@ -2,7 +2,8 @@
 
 use crate::kernels;
 use crate::model::{
-    Draft, DraftRequest, Logits, PrefillRequest, Proposal, RecentAnswers, Score, SeqId, Target,
+    Draft, DraftRequest, Logits, PrefillRequest, Proposal, ReadSavings, RecentAnswers, Score,
+    SeqId, Target,
 };
 use crate::ngram::{DeferredReads, HybridPlan};
 use crate::rng::Stream;
@@ -33,6 +34,8 @@ pub struct ModelDrafter<M> {
     /// The answers of the sequences it was given the prompt of lately ([`Draft::prefill`],
     /// [`Draft::prefill_priced`]), read or left unread (none covered by a lookup).
     answers: RecentAnswers,
+    /// What its drafts saved against plain decoding in the sequences whose prompt it read.
+    savings: ReadSavings,
 }
 
 impl<M: Target> ModelDrafter<M> {
@@ -48,7 +51,14 @@ impl<M: Target> ModelDrafter<M> {
             reads: DeferredReads::default(),
             lens: HashMap::new(),
             answers: RecentAnswers::default(),
+            savings: ReadSavings::default(),
         }
+    }
+
+    /// What its drafts saved in recent answers whose prompt it read, which prices the next
+    /// prompt's reading ([`Draft::prefill_priced`]).
+    pub fn read_savings(&self) -> &ReadSavings {
+        &self.savings
     }
 
     /// The answers of the sequences it was given the prompt of lately, which price a prompt's
@@ -65,6 +75,7 @@ impl<M: Target> ModelDrafter<M> {
         if let Some((p, n)) = self.lens.insert(seq, (prompt_len, prompt_len)) {
             self.answers.record(n.saturating_sub(p), 0);
         }
+        self.savings.finish(seq);
     }
 
     /// The model.
@@ -131,6 +142,7 @@ impl<M: Target> Draft for ModelDrafter<M> {
             scratch,
             spare,
             reads,
+            savings,
             ..
         } = self;
         let vocab = model.vocab_size();
@@ -158,7 +170,7 @@ impl<M: Target> Draft for ModelDrafter<M> {
             live.clear();
             live.extend((0..batch.len()).filter(|&b| active[b]));
             if live.is_empty() {
-                return Ok(());
+                break;
             }
             let requests: Vec<Score<'_>> = live
                 .iter()
@@ -204,18 +216,42 @@ impl<M: Target> Draft for ModelDrafter<M> {
                 }
             }
         }
+        // Each round that drafted is priced against plain decoding for [`ReadSavings`]; a round
+        // that reads a due prompt as its catch-up is not charged for it (the rounds before
+        // forwent its price).
+        for (req, out) in batch.iter().zip(out.iter()) {
+            let (Some(c), false) = (req.costs, out.tokens.is_empty()) else {
+                continue;
+            };
+            let lag = if savings.is_open(req.seq) { out.lag } else { 0 };
+            savings.read(req.seq, req.context.len());
+            let cost = c.draft_fixed
+                + c.draft_per_token * out.tokens.len() as f64
+                + c.catch_up(lag)
+                + c.r(out.tokens.len() + 1);
+            savings.drafted(
+                req.seq,
+                req.context.len(),
+                out.tokens.len(),
+                cost,
+                1.0 / c.r(1),
+            );
+        }
+        Ok(())
     }
 
     fn commit(&mut self, seq: SeqId, committed: &[TokenId]) -> Result<(), Self::Error> {
         if let Some(len) = self.lens.get_mut(&seq) {
             len.1 = committed.len();
         }
+        self.savings.committed(seq, committed.len());
         self.model.commit(seq, committed).map_err(DraftError::Model)
     }
 
     fn prefill(&mut self, seq: SeqId, context: &[TokenId]) -> Result<(), Self::Error> {
         self.start(seq, context.len());
         self.reads.release(seq);
+        self.savings.read(seq, context.len());
         let vocab = self.model.vocab_size();
         self.logits.resize_with(1, || Logits::new(vocab));
         self.model
@@ -238,7 +274,11 @@ impl<M: Target> Draft for ModelDrafter<M> {
     /// plain decoding) reach the price of reading it; the next round's draft then reads it first.
     fn prefill_priced(&mut self, req: &PrefillRequest<'_>) -> Result<(), Self::Error> {
         self.start(req.seq, req.prompt.len());
-        if req.read_pays(self.model.cached(req.seq, req.prompt), &self.answers) {
+        if req.read_pays(
+            self.model.cached(req.seq, req.prompt),
+            &self.answers,
+            &self.savings,
+        ) {
             return self.prefill(req.seq, req.prompt);
         }
         self.reads.leave_unread(req.seq);
@@ -258,6 +298,7 @@ impl<M: Target> Draft for ModelDrafter<M> {
             self.answers.record(n.saturating_sub(p), 0);
         }
         self.reads.release(seq);
+        self.savings.finish(seq);
         self.model.release(seq);
     }
 }
@@ -418,5 +459,63 @@ mod tests {
             assert_eq!(draft(&mut d, Some(&slow)), (0, 0));
         }
         assert_eq!(d.model().stats().calls, calls);
+    }
+
+    #[test]
+    fn its_rounds_are_settled_against_plain_decoding_and_not_charged_a_deferred_read() {
+        let costs = crate::mock::reading_costs();
+        let prompt: Vec<TokenId> = (0..1_000).map(|i| i % 40).collect();
+        let sampling = SamplingParams::greedy();
+        let mut d = ModelDrafter::new(MockModel::new(MockLogits::Hashed {
+            vocab: 48,
+            seed: 1,
+            scale: 1.0,
+        }));
+        let seq = SeqId(0);
+        d.prefill_priced(&PrefillRequest {
+            seq,
+            prompt: &prompt,
+            remaining: 100,
+            costs: Some(&costs),
+        })
+        .unwrap();
+        assert!(!d.model_drafts(seq));
+        let mut context = prompt.clone();
+        let mut drafted = 0;
+        for round in 0..400 {
+            let mut out = [Proposal::default()];
+            let req = crate::mock::draft_request(seq, &context, &sampling, Some(&costs));
+            d.propose(&[req], &mut out).unwrap();
+            if !out[0].tokens.is_empty() {
+                drafted += 1;
+            }
+            // Nothing drafted is accepted: the target's token differs from the first drafted
+            // one, and the round emits it alone.
+            let next = out[0].tokens.first().map_or(47, |&t| (t + 1) % 48);
+            context.push(next);
+            d.commit(seq, &context).unwrap();
+            assert!(round < 399, "never drafted");
+            if drafted == 10 {
+                break;
+            }
+        }
+        d.release(seq);
+        // Each drafting round: 2 tokens at 0.25 and r(3) = 1.2, 1.7 steps for the one token plain
+        // decoding emits in 1: 0.7 lost a round, the first one's reading of the 1,000-token prompt
+        // (paid for by the rounds before) not charged. The rounds before the read are not
+        // accounted, so the answer's tokens are the 10 since.
+        let saved = d.read_savings().saved_per_token().unwrap_or(f64::NAN);
+        assert!((saved + 0.7).abs() < 1e-9, "{saved}");
+        // The next prompt, which the prediction would read (100 tokens, 5 steps, within a third
+        // of a step for each of the 1,000 expected), is left unread.
+        let short: Vec<TokenId> = (0..100).collect();
+        d.prefill_priced(&PrefillRequest {
+            seq,
+            prompt: &short,
+            remaining: 1_000,
+            costs: Some(&costs),
+        })
+        .unwrap();
+        assert!(!d.model_drafts(seq));
     }
 }

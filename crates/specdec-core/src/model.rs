@@ -326,13 +326,138 @@ impl PrefillRequest<'_> {
     /// always without prices, else where [`RoundCosts::prompt_read_pays`] says it can pay within
     /// the tokens a model is expected to draft for ([`RecentAnswers::model_tokens`] of the
     /// drafter's recent answers).
-    pub fn read_pays(&self, cached: usize, recent: &RecentAnswers) -> bool {
+    ///
+    /// Where the drafter measured what its model's drafts saved in recent answers whose prompt it
+    /// read (`saved`, [`ReadSavings::saved_per_token`]), the prediction gives way to that measure:
+    /// reading pays where its price is within the steps saved per answer token times the tokens
+    /// the sequence is expected to emit ([`RecentAnswers::expected_len`]).
+    pub fn read_pays(&self, cached: usize, recent: &RecentAnswers, saved: &ReadSavings) -> bool {
         self.costs.is_none_or(|c| {
-            c.prompt_read_pays(
-                self.prompt.len().saturating_sub(cached),
-                recent.model_tokens(self.remaining),
-            )
+            let unread = self.prompt.len().saturating_sub(cached);
+            match saved.saved_per_token() {
+                Some(s) => c.prompt_read * unread as f64 <= s * recent.expected_len(self.remaining),
+                None => c.prompt_read_pays(unread, recent.model_tokens(self.remaining)),
+            }
         })
+    }
+}
+
+/// What a draft model's drafts saved, in target steps, in the answers whose prompt it read: the
+/// measure that prices the next prompt's reading ([`PrefillRequest::read_pays`]) once there is one.
+/// The cost model's prediction of a model draft's rate holds over the rounds the model drafts, but
+/// the rounds it is asked to draft in a hybrid are the ones the lookup had nothing for, where the
+/// answer is new text and the model's drafts fare worse: in stop 57's benchmark the hybrid read
+/// the prompts (170–520 tokens, 0.6–2.2 s each) of all ten code edit runs, as the prediction said
+/// each reading would pay, and decoded them 0.04 s faster in all than the lookup alone for 12.2 s
+/// of reading (faster by more than its reading in 2 of the 10 runs, and in 2 of the 8 summary
+/// runs it read), 1.36× end to end against the lookup's 1.54× on edits.
+///
+/// Each model round is priced when it is drafted ([`ReadSavings::drafted`]: its cost in target
+/// steps, and the rate of what the round would have done without the model) and settled when the
+/// target commits ([`ReadSavings::committed`]): it saved the steps its emitted tokens would have
+/// taken at that rate, less its cost. Rounds without the model save nothing and count their tokens.
+#[derive(Clone, Debug, Default)]
+pub struct ReadSavings {
+    /// Per sequence whose prompt the model read: what its rounds saved since.
+    open: std::collections::HashMap<SeqId, Ledger>,
+    /// `(saved, tokens)` per finished answer whose prompt the model read, oldest first.
+    answers: std::collections::VecDeque<(f64, usize)>,
+}
+
+/// One sequence's account in [`ReadSavings`].
+#[derive(Clone, Debug, Default)]
+struct Ledger {
+    /// Steps saved so far.
+    saved: f64,
+    /// Tokens committed since the model read the prompt.
+    tokens: usize,
+    /// The committed length at the last commit (or the read).
+    len: usize,
+    /// A model round drafted and not yet settled: the committed length it drafted after, the
+    /// most tokens it can emit (its draft and the target's token after it), its cost, and the
+    /// rate of the round without the model.
+    pending: Option<(usize, usize, f64, f64)>,
+}
+
+impl ReadSavings {
+    /// The model read the first `len` tokens of the sequence (its prompt, at prefill or as the
+    /// catch-up of a round after [`DeferredReads`](crate::DeferredReads) found it due): its
+    /// rounds are accounted from here. A sequence already open keeps its account.
+    pub fn read(&mut self, seq: SeqId, len: usize) {
+        self.open.entry(seq).or_insert(Ledger {
+            len,
+            ..Ledger::default()
+        });
+    }
+
+    /// Whether the sequence is accounted (its prompt read).
+    pub fn is_open(&self, seq: SeqId) -> bool {
+        self.open.contains_key(&seq)
+    }
+
+    /// A round of the sequence, after `len` committed tokens, whose draft of `tokens` tokens the
+    /// model made (in whole or in part) at `cost` target steps (its drafting and the target's
+    /// scoring of the whole draft), where the round would otherwise have emitted `alt_rate`
+    /// tokens per step (`1 / r(1)` for plain decoding, the lookup draft's rate where it had one).
+    /// Ignored for a sequence not open or a rate that is not positive.
+    pub fn drafted(&mut self, seq: SeqId, len: usize, tokens: usize, cost: f64, alt_rate: f64) {
+        if let Some(l) = self.open.get_mut(&seq) {
+            l.pending =
+                (alt_rate > 0.0 && cost.is_finite()).then_some((len, tokens + 1, cost, alt_rate));
+        }
+    }
+
+    /// The target committed the sequence's first `len` tokens: the pending round, if any, is
+    /// settled, for at most the tokens it could emit (a caller may commit more at once, a chat
+    /// turn's next prompt).
+    pub fn committed(&mut self, seq: SeqId, len: usize) {
+        let Some(l) = self.open.get_mut(&seq) else {
+            return;
+        };
+        l.tokens += len.saturating_sub(l.len);
+        l.len = len;
+        if let Some((at, most, cost, alt_rate)) = l.pending.take() {
+            l.saved += len.saturating_sub(at).min(most) as f64 / alt_rate - cost;
+        }
+    }
+
+    /// The sequence is over (released, or its id given a new prompt): its answer is recorded if
+    /// it emitted anything since the read.
+    pub fn finish(&mut self, seq: SeqId) {
+        let Some(l) = self.open.remove(&seq) else {
+            return;
+        };
+        if l.tokens == 0 {
+            return;
+        }
+        if self.answers.len() == RECENT_ANSWERS {
+            self.answers.pop_front();
+        }
+        self.answers.push_back((l.saved, l.tokens));
+    }
+
+    /// Answers recorded (at most [`RECENT_ANSWERS`]).
+    pub fn len(&self) -> usize {
+        self.answers.len()
+    }
+
+    /// Whether none is recorded.
+    pub fn is_empty(&self) -> bool {
+        self.answers.is_empty()
+    }
+
+    /// The target steps the model's drafts saved per token of the recent answers whose prompt it
+    /// read, weighted like [`RecentAnswers`] ([`RECENT_ANSWER_DECAY`] to the power of an answer's
+    /// age); negative where they cost more than they saved, `None` without any.
+    pub fn saved_per_token(&self) -> Option<f64> {
+        let mut w = 1.0;
+        let (mut saved, mut tokens) = (0.0, 0.0);
+        for &(s, n) in self.answers.iter().rev() {
+            saved += w * s;
+            tokens += w * n as f64;
+            w *= RECENT_ANSWER_DECAY;
+        }
+        (tokens > 0.0).then(|| saved / tokens)
     }
 }
 
@@ -532,6 +657,82 @@ impl<D: Draft + ?Sized> Draft for &mut D {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn read_savings_settle_each_model_round_against_what_the_round_would_have_done() {
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-9;
+        let (a, b, never) = (SeqId(1), SeqId(2), SeqId(3));
+        let mut s = ReadSavings::default();
+        assert_eq!(s.saved_per_token(), None);
+        s.read(a, 100);
+        // A model round after 100 tokens at 1.5 steps against plain decoding (1 token a step):
+        // 3 tokens emitted save 1.5 steps.
+        s.drafted(a, 100, 4, 1.5, 1.0);
+        s.committed(a, 103);
+        // A round without the model: its tokens count, nothing saved.
+        s.committed(a, 104);
+        // A model round against a lookup draft of 2 tokens a step: 2 tokens emitted, worth 1
+        // step, cost 1.5: half a step lost.
+        s.drafted(a, 104, 3, 1.5, 2.0);
+        s.committed(a, 106);
+        // A sequence never read is not accounted.
+        s.drafted(never, 0, 1, 1.0, 1.0);
+        s.committed(never, 50);
+        s.finish(never);
+        s.finish(a);
+        assert_eq!(s.len(), 1);
+        assert!(close(s.saved_per_token().unwrap_or(f64::NAN), 1.0 / 6.0));
+        // A newer answer weighs more: 2 tokens at a loss of 2.5 steps.
+        s.read(b, 10);
+        s.drafted(b, 10, 8, 3.5, 1.0);
+        s.committed(b, 11);
+        s.committed(b, 12);
+        s.finish(b);
+        let w = RECENT_ANSWER_DECAY;
+        let expected = (-2.5 + w * 1.0) / (2.0 + w * 6.0);
+        assert!(close(s.saved_per_token().unwrap_or(f64::NAN), expected));
+        // A round emits at most its draft and one token: committing more at once (a chat turn's
+        // next prompt) settles it for 2 + 1 tokens, 3 steps at 2 steps' cost.
+        s.read(a, 0);
+        s.drafted(a, 0, 2, 2.0, 1.0);
+        s.committed(a, 50);
+        s.finish(a);
+        let expected = (1.0 + w * -2.5 + w * w * 1.0) / (50.0 + w * 2.0 + w * w * 6.0);
+        assert!(close(s.saved_per_token().unwrap_or(f64::NAN), expected));
+        // An answer of no tokens is not one.
+        s.read(a, 5);
+        s.finish(a);
+        assert_eq!(s.len(), 3);
+    }
+
+    #[test]
+    fn measured_savings_price_a_prompt_in_place_of_the_prediction() {
+        let costs = crate::mock::reading_costs();
+        let prompt: Vec<TokenId> = (0..100).collect();
+        let req = PrefillRequest {
+            seq: SeqId(0),
+            prompt: &prompt,
+            remaining: 1_000,
+            costs: Some(&costs),
+        };
+        // 100 tokens at 0.05 are 5 steps; predicted, a third of a step a token repays them.
+        let mut recent = RecentAnswers::default();
+        recent.record(100, 0);
+        let mut saved = ReadSavings::default();
+        assert!(req.read_pays(0, &recent, &saved));
+        // Measured: an answer of 100 tokens whose model rounds saved 4 steps in all.
+        saved.read(SeqId(1), 100);
+        saved.drafted(SeqId(1), 100, 4, 1.0, 1.0);
+        saved.committed(SeqId(1), 105);
+        saved.committed(SeqId(1), 200);
+        saved.finish(SeqId(1));
+        assert!(!req.read_pays(0, &recent, &saved));
+        // 20 of the prompt's tokens unread: 1 step, within 4.
+        assert!(req.read_pays(80, &recent, &saved));
+        // Without prices the prompt is read.
+        let unpriced = PrefillRequest { costs: None, ..req };
+        assert!(unpriced.read_pays(0, &recent, &saved));
+    }
 
     #[test]
     fn recent_answers_expect_their_mean_length_cut_at_the_limit_less_what_lookup_drafts() {

@@ -2,7 +2,7 @@
 //! lookup ([`LookupDrafter`]) and a model drafter.
 
 use crate::lookup::LookupDrafter;
-use crate::model::{Draft, DraftRequest, PrefillRequest, Proposal, SeqId};
+use crate::model::{Draft, DraftRequest, PrefillRequest, Proposal, ReadSavings, SeqId};
 use crate::policy::{RoundCosts, PAY_MARGIN};
 use crate::sampling::Probs;
 use crate::TokenId;
@@ -86,7 +86,8 @@ impl Draft for NGramDrafter {
 /// [`Draft::prefill_priced`]): the sequence is then drafted by the lookup alone until the savings
 /// the model's drafts were expected to bring in its rounds since reach the price of reading what
 /// it has not read ([`forgone`]), and the model then reads it, as a catch-up, in the next round
-/// without a lookup draft.
+/// without a lookup draft. Once it has measured what the model's rounds saved in answers whose
+/// prompt it read ([`ReadSavings`]), that measure prices the reading in place of the prediction.
 #[derive(Debug)]
 pub struct HybridDrafter<D> {
     /// The lookup drafter.
@@ -96,6 +97,8 @@ pub struct HybridDrafter<D> {
     lag: ModelLag,
     /// Sequences whose prompt the model did not read, drafted by the lookup alone until it is due.
     reads: DeferredReads,
+    /// What the model's rounds saved in the sequences whose prompt it read.
+    savings: ReadSavings,
 }
 
 impl<D> HybridDrafter<D> {
@@ -106,7 +109,14 @@ impl<D> HybridDrafter<D> {
             model,
             lag: ModelLag::default(),
             reads: DeferredReads::default(),
+            savings: ReadSavings::default(),
         }
+    }
+
+    /// What the model's rounds saved in recent answers whose prompt it read, which prices the
+    /// next prompt's reading ([`Draft::prefill_priced`]).
+    pub fn read_savings(&self) -> &ReadSavings {
+        &self.savings
     }
 
     /// Whether the model left the sequence's prompt unread ([`Draft::prefill_priced`]), so that
@@ -534,8 +544,18 @@ impl<D: Draft> Draft for HybridDrafter<D> {
         out: &mut [Proposal],
     ) -> Result<(), Self::Error> {
         let mut plans = Vec::with_capacity(batch.len());
+        // Per request: what the round would emit per step without the model (the lookup draft's
+        // rate, or plain decoding's), for [`ReadSavings`].
+        let mut alt_rates = Vec::with_capacity(batch.len());
         for (req, out) in batch.iter().zip(out.iter_mut()) {
             let rate = self.lookup.propose_one(req, out);
+            alt_rates.push(req.costs.map_or(0.0, |c| {
+                if out.tokens.is_empty() {
+                    1.0 / c.r(1)
+                } else {
+                    rate * c.lookup_factor
+                }
+            }));
             let (model, lag) = (&self.model, &self.lag);
             plans.push(self.reads.plan(
                 req,
@@ -546,9 +566,37 @@ impl<D: Draft> Draft for HybridDrafter<D> {
             ));
         }
         draft_planned(&mut self.model, &mut self.lag, batch, out, &plans)?;
-        for ((req, out), plan) in batch.iter().zip(out.iter_mut()).zip(&plans) {
+        for (((req, out), plan), alt_rate) in
+            batch.iter().zip(out.iter_mut()).zip(&plans).zip(alt_rates)
+        {
             if *plan == HybridPlan::Model {
                 continue_by_lookup(&mut self.lookup, req, out);
+            }
+            if *plan == HybridPlan::Lookup {
+                continue;
+            }
+            // A model round: the model has read the prompt (a due one, as this round's catch-up,
+            // whose price the rounds before forwent, so it is not charged to the round).
+            let reads_prompt = !self.savings.is_open(req.seq);
+            self.savings.read(req.seq, req.context.len());
+            if let Some(c) = req.costs {
+                let lag = if reads_prompt { 0 } else { out.lag };
+                let draft = match plan {
+                    HybridPlan::Extend(_) => {
+                        c.extension_draft_cost(lag, out.tokens.len() - out.extension, out.extension)
+                    }
+                    _ => {
+                        let model_tokens = if out.prefix > 0 {
+                            out.prefix
+                        } else {
+                            out.tokens.len()
+                        };
+                        c.draft_fixed + c.draft_per_token * model_tokens as f64 + c.catch_up(lag)
+                    }
+                };
+                let cost = draft + c.r(out.tokens.len() + 1);
+                self.savings
+                    .drafted(req.seq, req.context.len(), out.tokens.len(), cost, alt_rate);
             }
         }
         Ok(())
@@ -556,6 +604,7 @@ impl<D: Draft> Draft for HybridDrafter<D> {
 
     fn commit(&mut self, seq: SeqId, committed: &[TokenId]) -> Result<(), Self::Error> {
         let Ok(()) = self.lookup.commit(seq, committed);
+        self.savings.committed(seq, committed.len());
         self.model.commit(seq, committed)
     }
 
@@ -565,6 +614,8 @@ impl<D: Draft> Draft for HybridDrafter<D> {
     fn prefill(&mut self, seq: SeqId, context: &[TokenId]) -> Result<(), Self::Error> {
         let Ok(()) = self.lookup.prefill(seq, context);
         self.reads.release(seq);
+        self.savings.finish(seq);
+        self.savings.read(seq, context.len());
         self.lag.prefill(seq, context.len());
         self.model.prefill(seq, context)
     }
@@ -576,11 +627,14 @@ impl<D: Draft> Draft for HybridDrafter<D> {
     fn prefill_priced(&mut self, req: &PrefillRequest<'_>) -> Result<(), Self::Error> {
         // The lookup first, which records the answer the sequence held before (a reused id).
         let Ok(()) = self.lookup.prefill(req.seq, req.prompt);
+        self.savings.finish(req.seq);
         if req.read_pays(
             self.model.cached(req.seq, req.prompt),
             self.lookup.recent_answers(),
+            &self.savings,
         ) {
             self.reads.release(req.seq);
+            self.savings.read(req.seq, req.prompt.len());
             self.lag.prefill(req.seq, req.prompt.len());
             return self.model.prefill(req.seq, req.prompt);
         }
@@ -601,6 +655,7 @@ impl<D: Draft> Draft for HybridDrafter<D> {
         self.lookup.release(seq);
         self.lag.release(seq);
         self.reads.release(seq);
+        self.savings.finish(seq);
         self.model.release(seq);
     }
 }
@@ -1111,9 +1166,48 @@ mod tests {
         assert_eq!(recent.len(), 1);
         assert!(recent.coverage() > 0.9, "{recent:?}");
         // The next prompt's reading would pay back within 60 tokens of 100 drafted by the model,
-        // but the lookup is expected to draft nearly all of them.
+        // but the lookup is expected to draft nearly all of them (and the model, which drafted
+        // no round, saved nothing).
         let Ok(()) = hybrid.prefill_priced(&read(SeqId(2)));
         assert!(hybrid.left_unread(SeqId(2)), "{recent:?}");
+        assert_eq!(hybrid.read_savings().saved_per_token(), Some(0.0));
+    }
+
+    #[test]
+    fn model_rounds_that_did_not_repay_their_cost_leave_the_next_prompt_unread() {
+        let sampling = SamplingParams::greedy();
+        let costs = reading_costs();
+        let prompt: Vec<TokenId> = (100..200).collect();
+        let mut hybrid = HybridDrafter::new(LookupDrafter::default(), Counting::default());
+        let read = |seq| PrefillRequest {
+            seq,
+            prompt: &prompt,
+            remaining: 1_000,
+            costs: Some(&costs),
+        };
+        // 100 tokens at 0.05 are 5 steps, predicted to be repaid by a third of a step a token.
+        let Ok(()) = hybrid.prefill_priced(&read(SeqId(1)));
+        assert!(!hybrid.left_unread(SeqId(1)));
+        // An answer of new tokens, so the lookup never drafts: every round is the model's (token
+        // 7, 0.25 steps, scored with r(2) = 1.1), and the target rejects it, emitting one token
+        // for 1.35 steps: 0.35 steps lost a round.
+        let mut context = prompt.clone();
+        for next in 5_000..5_050 {
+            let mut out = [Proposal::default()];
+            let req = crate::mock::draft_request(SeqId(1), &context, &sampling, Some(&costs));
+            let Ok(()) = hybrid.propose(&[req], &mut out);
+            assert_eq!(out[0].tokens, [7]);
+            context.push(next);
+            let Ok(()) = hybrid.commit(SeqId(1), &context);
+        }
+        hybrid.release(SeqId(1));
+        let saved = hybrid.read_savings().saved_per_token().unwrap_or(f64::NAN);
+        assert!((saved + 0.35).abs() < 1e-9, "{saved}");
+        // The prediction alone would read the next prompt; the measure does not.
+        let recent = hybrid.lookup.recent_answers();
+        assert!(costs.prompt_read_pays(100, recent.model_tokens(1_000)));
+        let Ok(()) = hybrid.prefill_priced(&read(SeqId(2)));
+        assert!(hybrid.left_unread(SeqId(2)));
     }
 
     #[test]

@@ -18,8 +18,8 @@ use std::time::{Duration, Instant};
 
 use specdec_core::{
     Batch, DeferredReads, Draft, DraftLenPolicy, DraftRequest, Emitted, GenerateConfig, HybridPlan,
-    LookupDrafter, Metrics, ModelDrafter, ModelLag, PrefillRequest, Proposal, RecentAnswers, SeqId,
-    StopReason, Target, TokenId, TokenLogprob,
+    LookupDrafter, Metrics, ModelDrafter, ModelLag, PrefillRequest, Proposal, ReadSavings,
+    RecentAnswers, SeqId, StopReason, Target, TokenId, TokenLogprob,
 };
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 
@@ -256,7 +256,9 @@ impl<M: Target> Draft for MultiDrafter<M> {
         // The lookup's recent answers say how much of an answer it drafts, for the kinds that
         // use it; the model kind expects the whole limit (unlike a `ModelDrafter` alone, whose
         // own answers price it: this drafter's model never reads a prompt at prefill), and like
-        // the hybrid it reads a prompt left unread once the rounds since forwent its price.
+        // the hybrid it reads a prompt left unread once the rounds since forwent its price. It
+        // keeps no [`ReadSavings`] (its requests run in batches of mixed kinds): the prediction
+        // prices the reading.
         let none = RecentAnswers::default();
         let recent = if self.kind(req.seq).uses_lookup() {
             self.lookup.recent_answers()
@@ -264,7 +266,11 @@ impl<M: Target> Draft for MultiDrafter<M> {
             &none
         };
         if self.kind(req.seq).needs_model()
-            && !req.read_pays(self.cached(req.seq, req.prompt), recent)
+            && !req.read_pays(
+                self.cached(req.seq, req.prompt),
+                recent,
+                &ReadSavings::default(),
+            )
         {
             self.reads.leave_unread(req.seq);
         }

@@ -329,6 +329,34 @@ mod tests {
     use crate::mock::{MockLogits, MockModel};
     use crate::{RoundCosts, SamplingParams};
 
+    /// The prompt-reading tests' drafter, over a mock model of 48 tokens, and their prompt: 1,000
+    /// tokens repeating 0..40.
+    fn reading_setup() -> (ModelDrafter<MockModel>, Vec<TokenId>) {
+        let model = MockModel::new(MockLogits::Hashed {
+            vocab: 48,
+            seed: 1,
+            scale: 1.0,
+        });
+        (
+            ModelDrafter::new(model),
+            (0..1_000).map(|i| i % 40).collect(),
+        )
+    }
+
+    /// Sequence 0's prompt, priced by `costs`, with `remaining` tokens to emit.
+    fn priced<'a>(
+        prompt: &'a [TokenId],
+        remaining: usize,
+        costs: &'a RoundCosts,
+    ) -> PrefillRequest<'a> {
+        PrefillRequest {
+            seq: SeqId(0),
+            prompt,
+            remaining,
+            costs: Some(costs),
+        }
+    }
+
     #[test]
     fn a_prompt_the_model_could_not_repay_is_not_read_and_nothing_is_drafted() {
         // Reading a prompt token costs 0.05 steps; the model's drafts are predicted at 1.25 tokens
@@ -342,13 +370,8 @@ mod tests {
             model_steps: 2.05,
             ..RoundCosts::default()
         };
-        let prompt: Vec<TokenId> = (0..1_000).map(|i| i % 40).collect();
+        let (mut d, prompt) = reading_setup();
         let sampling = SamplingParams::greedy();
-        let mut d = ModelDrafter::new(MockModel::new(MockLogits::Hashed {
-            vocab: 48,
-            seed: 1,
-            scale: 1.0,
-        }));
         let seq = SeqId(0);
         let draft = |d: &mut ModelDrafter<MockModel>| {
             let mut out = [Proposal::default()];
@@ -364,12 +387,7 @@ mod tests {
             .unwrap();
             out[0].tokens.len()
         };
-        let read = |remaining| PrefillRequest {
-            seq,
-            prompt: &prompt,
-            remaining,
-            costs: Some(&costs),
-        };
+        let read = |remaining| priced(&prompt, remaining, &costs);
         // 50 steps of reading, not repaid within 200 tokens: nothing read, nothing drafted.
         d.prefill_priced(&read(200)).unwrap();
         assert_eq!(draft(&mut d), 0);
@@ -397,13 +415,8 @@ mod tests {
         // The model's drafts save 1 - 1 / 1.5 = 1/3 of a step per round of plain decoding, and
         // reading the 1,000 prompt tokens costs 50 steps, which 100 tokens cannot repay.
         let costs = crate::mock::reading_costs();
-        let prompt: Vec<TokenId> = (0..1_000).map(|i| i % 40).collect();
+        let (mut d, prompt) = reading_setup();
         let sampling = SamplingParams::greedy();
-        let mut d = ModelDrafter::new(MockModel::new(MockLogits::Hashed {
-            vocab: 48,
-            seed: 1,
-            scale: 1.0,
-        }));
         let seq = SeqId(0);
         let draft = |d: &mut ModelDrafter<MockModel>, costs: Option<&RoundCosts>| {
             let mut out = [Proposal::default()];
@@ -415,13 +428,7 @@ mod tests {
             let [p] = out;
             (p.tokens.len(), p.lag)
         };
-        d.prefill_priced(&PrefillRequest {
-            seq,
-            prompt: &prompt,
-            remaining: 100,
-            costs: Some(&costs),
-        })
-        .unwrap();
+        d.prefill_priced(&priced(&prompt, 100, &costs)).unwrap();
         assert!(!d.model_drafts(seq));
         // A round without prices forgoes nothing.
         assert_eq!(draft(&mut d, None), (0, 0));
@@ -447,13 +454,7 @@ mod tests {
             ..costs.clone()
         };
         d.release(seq);
-        d.prefill_priced(&PrefillRequest {
-            seq,
-            prompt: &prompt,
-            remaining: 1,
-            costs: Some(&slow),
-        })
-        .unwrap();
+        d.prefill_priced(&priced(&prompt, 1, &slow)).unwrap();
         let calls = d.model().stats().calls;
         for _ in 0..1_000 {
             assert_eq!(draft(&mut d, Some(&slow)), (0, 0));
@@ -464,21 +465,10 @@ mod tests {
     #[test]
     fn its_rounds_are_settled_against_plain_decoding_and_not_charged_a_deferred_read() {
         let costs = crate::mock::reading_costs();
-        let prompt: Vec<TokenId> = (0..1_000).map(|i| i % 40).collect();
+        let (mut d, prompt) = reading_setup();
         let sampling = SamplingParams::greedy();
-        let mut d = ModelDrafter::new(MockModel::new(MockLogits::Hashed {
-            vocab: 48,
-            seed: 1,
-            scale: 1.0,
-        }));
         let seq = SeqId(0);
-        d.prefill_priced(&PrefillRequest {
-            seq,
-            prompt: &prompt,
-            remaining: 100,
-            costs: Some(&costs),
-        })
-        .unwrap();
+        d.prefill_priced(&priced(&prompt, 100, &costs)).unwrap();
         assert!(!d.model_drafts(seq));
         let mut context = prompt.clone();
         let mut drafted = 0;
@@ -509,13 +499,7 @@ mod tests {
         // The next prompt, which the prediction would read (100 tokens, 5 steps, within a third
         // of a step for each of the 1,000 expected), is left unread.
         let short: Vec<TokenId> = (0..100).collect();
-        d.prefill_priced(&PrefillRequest {
-            seq,
-            prompt: &short,
-            remaining: 1_000,
-            costs: Some(&costs),
-        })
-        .unwrap();
+        d.prefill_priced(&priced(&short, 1_000, &costs)).unwrap();
         assert!(!d.model_drafts(seq));
     }
 }

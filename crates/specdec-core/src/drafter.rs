@@ -225,10 +225,7 @@ impl<M: Target> Draft for ModelDrafter<M> {
             };
             let lag = if savings.is_open(req.seq) { out.lag } else { 0 };
             savings.read(req.seq, req.context.len());
-            let cost = c.draft_fixed
-                + c.draft_per_token * out.tokens.len() as f64
-                + c.catch_up(lag)
-                + c.r(out.tokens.len() + 1);
+            let cost = c.model_round_steps(out.tokens.len(), out.tokens.len(), lag);
             savings.drafted(
                 req.seq,
                 req.context.len(),

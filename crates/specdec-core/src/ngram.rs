@@ -581,20 +581,21 @@ impl<D: Draft> Draft for HybridDrafter<D> {
             self.savings.read(req.seq, req.context.len());
             if let Some(c) = req.costs {
                 let lag = if reads_prompt { 0 } else { out.lag };
-                let draft = match plan {
+                let cost = match plan {
                     HybridPlan::Extend(_) => {
                         c.extension_draft_cost(lag, out.tokens.len() - out.extension, out.extension)
+                            + c.r(out.tokens.len() + 1)
                     }
+                    // The model's tokens are a continued draft's prefix, or the whole draft.
                     _ => {
                         let model_tokens = if out.prefix > 0 {
                             out.prefix
                         } else {
                             out.tokens.len()
                         };
-                        c.draft_fixed + c.draft_per_token * model_tokens as f64 + c.catch_up(lag)
+                        c.model_round_steps(model_tokens, out.tokens.len(), lag)
                     }
                 };
-                let cost = draft + c.r(out.tokens.len() + 1);
                 self.savings
                     .drafted(req.seq, req.context.len(), out.tokens.len(), cost, alt_rate);
             }

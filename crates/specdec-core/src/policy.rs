@@ -1326,6 +1326,16 @@ impl RoundCosts {
         self.model_rate_after(lag) / self.model_factor.max(f64::MIN_POSITIVE)
     }
 
+    /// A model round's cost in target steps: the model drafting `drafted` tokens with `lag`
+    /// committed tokens to read first ([`RoundCosts::catch_up`]), and the target scoring a draft
+    /// of `scored` tokens (more than `drafted` where the lookup continued the model's draft).
+    pub fn model_round_steps(&self, drafted: usize, scored: usize, lag: usize) -> f64 {
+        self.draft_fixed
+            + self.draft_per_token * drafted as f64
+            + self.catch_up(lag)
+            + self.r(scored + 1)
+    }
+
     /// The draft model's cost, in target steps, of extending a lookup draft of `lookup_len` tokens by
     /// `extension` tokens with `lag` committed tokens to read first: its fixed cost per round, its
     /// first step reading the unread tokens and the lookup draft in one block (priced like the

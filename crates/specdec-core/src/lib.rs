@@ -84,7 +84,7 @@ pub use model::{
 };
 pub use ngram::{
     continue_by_lookup, draft_planned, forgone, plan_hybrid, DeferredReads, HybridDrafter,
-    HybridPlan, ModelLag, NGramDrafter,
+    HybridPlan, LookupSavings, ModelLag, NGramDrafter,
 };
 pub use policy::{
     best_batch_draft_cap, best_draft_len, best_draft_len_with, isotonic_curve, ContextCost,

@@ -411,13 +411,25 @@ impl ReadSavings {
     /// settled, for at most the tokens it could emit (a caller may commit more at once, a chat
     /// turn's next prompt).
     pub fn committed(&mut self, seq: SeqId, len: usize) {
+        self.settle(seq, len, None);
+    }
+
+    /// [`ReadSavings::committed`], where the caller knows what the pending round's emitted tokens
+    /// would have cost without the model, `alt_steps` target steps (a hybrid replays its lookup
+    /// alone over them, [`crate::HybridDrafter`]), in place of their count over the round's rate.
+    pub fn committed_against(&mut self, seq: SeqId, len: usize, alt_steps: f64) {
+        self.settle(seq, len, Some(alt_steps).filter(|s| s.is_finite()));
+    }
+
+    fn settle(&mut self, seq: SeqId, len: usize, alt_steps: Option<f64>) {
         let Some(l) = self.open.get_mut(&seq) else {
             return;
         };
         l.tokens += len.saturating_sub(l.len);
         l.len = len;
         if let Some((at, most, cost, alt_rate)) = l.pending.take() {
-            l.saved += len.saturating_sub(at).min(most) as f64 / alt_rate - cost;
+            let alt = alt_steps.unwrap_or(len.saturating_sub(at).min(most) as f64 / alt_rate);
+            l.saved += alt - cost;
         }
     }
 

@@ -18,8 +18,8 @@ use std::time::{Duration, Instant};
 
 use specdec_core::{
     Batch, DeferredReads, Draft, DraftLenPolicy, DraftRequest, Emitted, GenerateConfig, HybridPlan,
-    LookupDrafter, Metrics, ModelDrafter, ModelLag, PrefillRequest, Proposal, ReadSavings,
-    RecentAnswers, SeqId, StopReason, Target, TokenId, TokenLogprob,
+    LookupDrafter, LookupSavings, Metrics, ModelDrafter, ModelLag, PrefillRequest, Proposal,
+    ReadSavings, RecentAnswers, SeqId, StopReason, Target, TokenId, TokenLogprob,
 };
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 
@@ -126,6 +126,9 @@ pub struct MultiDrafter<M: Target> {
     /// Sequences whose prompt the draft model is not to read: it could not repay it
     /// ([`Draft::prefill_priced`]), until the rounds since forgo its price.
     reads: DeferredReads,
+    /// What the model's rounds saved against the lookup alone in the hybrid requests whose
+    /// prompt it read, which prices the next hybrid request's reading.
+    hybrid_savings: LookupSavings,
 }
 
 impl<M: Target> MultiDrafter<M> {
@@ -137,6 +140,7 @@ impl<M: Target> MultiDrafter<M> {
             lag: ModelLag::default(),
             choice: HashMap::new(),
             reads: DeferredReads::default(),
+            hybrid_savings: LookupSavings::default(),
         }
     }
 
@@ -210,16 +214,24 @@ impl<M: Target> Draft for MultiDrafter<M> {
         if let Some(model) = self.model.as_mut() {
             specdec_core::draft_planned(model, &mut self.lag, batch, out, &plans)?;
         }
-        for ((req, out), plan) in batch.iter().zip(out.iter_mut()).zip(&plans) {
-            if *plan == HybridPlan::Model && self.kind(req.seq) == DrafterKind::Hybrid {
+        for ((req, out), &plan) in batch.iter().zip(out.iter_mut()).zip(&plans) {
+            if self.kind(req.seq) != DrafterKind::Hybrid || plan == HybridPlan::Lookup {
+                continue;
+            }
+            if plan == HybridPlan::Model {
                 specdec_core::continue_by_lookup(&mut self.lookup, req, out);
             }
+            // The first model round reads the prompt (this drafter's model reads it lazily): the
+            // account opens there, and that reading is the price it is weighed against.
+            self.hybrid_savings.drafted(req, out, plan);
         }
         Ok(())
     }
 
     fn commit(&mut self, seq: SeqId, committed: &[TokenId]) -> Result<(), Self::Error> {
         if self.kind(seq).uses_lookup() {
+            self.hybrid_savings
+                .committed(&mut self.lookup, seq, committed);
             let Ok(()) = self.lookup.commit(seq, committed);
         }
         match &mut self.model {
@@ -241,6 +253,7 @@ impl<M: Target> Draft for MultiDrafter<M> {
             let Ok(()) = self.lookup.prefill(seq, context);
         }
         self.reads.release(seq);
+        self.hybrid_savings.finish(seq);
         self.lag.prefill(seq, context.len());
         Ok(())
     }
@@ -256,21 +269,19 @@ impl<M: Target> Draft for MultiDrafter<M> {
         // The lookup's recent answers say how much of an answer it drafts, for the kinds that
         // use it; the model kind expects the whole limit (unlike a `ModelDrafter` alone, whose
         // own answers price it: this drafter's model never reads a prompt at prefill), and like
-        // the hybrid it reads a prompt left unread once the rounds since forwent its price. It
-        // keeps no [`ReadSavings`] (its requests run in batches of mixed kinds): the prediction
-        // prices the reading.
-        let none = RecentAnswers::default();
-        let recent = if self.kind(req.seq).uses_lookup() {
-            self.lookup.recent_answers()
-        } else {
-            &none
+        // the hybrid it reads a prompt left unread once the rounds since forwent its price. The
+        // hybrid's reading is priced by what its model rounds measurably saved in the hybrid
+        // requests whose prompt it read ([`LookupSavings`]), once there are any; the model
+        // kind's by the prediction alone (its rounds run in the draft model's batches with the
+        // hybrid's, against another alternative, and keep no measure apart).
+        let none = (RecentAnswers::default(), ReadSavings::default());
+        let (recent, saved) = match self.kind(req.seq) {
+            DrafterKind::Hybrid => (self.lookup.recent_answers(), self.hybrid_savings.savings()),
+            DrafterKind::Ngram => (self.lookup.recent_answers(), &none.1),
+            _ => (&none.0, &none.1),
         };
         if self.kind(req.seq).needs_model()
-            && !req.read_pays(
-                self.cached(req.seq, req.prompt),
-                recent,
-                &ReadSavings::default(),
-            )
+            && !req.read_pays(self.cached(req.seq, req.prompt), recent, saved)
         {
             self.reads.leave_unread(req.seq);
         }
@@ -287,6 +298,7 @@ impl<M: Target> Draft for MultiDrafter<M> {
 
     fn release(&mut self, seq: SeqId) {
         self.reads.release(seq);
+        self.hybrid_savings.finish(seq);
         if self.kind(seq).uses_lookup() {
             self.lookup.release(seq);
         }
@@ -1071,6 +1083,64 @@ mod tests {
         assert!(d.model_drafts(seq));
         let m = d.model.as_ref().unwrap().model();
         assert_eq!(m.cached_tokens(seq).len(), context.len() + 1);
+    }
+
+    /// A hybrid request's model rounds are settled against the lookup alone: where they lost
+    /// (every draft rejected), the next hybrid request's prompt is left unread although the
+    /// prediction would read it; a model-kind request is still priced by the prediction.
+    #[test]
+    fn hybrid_requests_price_the_next_reading_by_what_their_model_rounds_saved() {
+        let costs = reading_costs();
+        let prompt: Vec<TokenId> = (0..100).collect();
+        let mut d = MultiDrafter::new(Some(ModelDrafter::new(MockModel::new(
+            MockLogits::Hashed {
+                vocab: 1_024,
+                seed: 3,
+                scale: 2.0,
+            },
+        ))));
+        let read = |d: &mut MultiDrafter<MockModel>, seq, kind| {
+            assert!(d.select(seq, kind));
+            d.prefill_priced(&PrefillRequest {
+                seq,
+                prompt: &prompt,
+                remaining: 1_000,
+                costs: Some(&costs),
+            })
+            .unwrap();
+        };
+        // 100 tokens at 0.05 are 5 steps, predicted to be repaid by a third of a step a token.
+        let first = SeqId(1);
+        read(&mut d, first, DrafterKind::Hybrid);
+        assert!(d.model_drafts(first));
+        let sampling = SamplingParams::greedy();
+        let mut context = prompt.clone();
+        for round in 0..20 {
+            let mut out = vec![Proposal::default()];
+            let req = specdec_core::mock::draft_request(first, &context, &sampling, Some(&costs));
+            d.propose(&[req], &mut out).unwrap();
+            // Tokens new to the context: the lookup has nothing, and the model drafts.
+            assert!(!out[0].tokens.is_empty(), "round {round}");
+            // The target rejects the draft's first token: one token for a round of 1.7 steps or
+            // more, where the lookup alone would have decoded it plainly in one.
+            let next = if out[0].tokens[0] == 200 + round {
+                700 + round
+            } else {
+                200 + round
+            };
+            context.push(next);
+            d.commit(first, &context).unwrap();
+        }
+        d.release(first);
+        let saved = d.hybrid_savings.savings().saved_per_token().unwrap();
+        assert!(saved <= -0.7 + 1e-9, "{saved}");
+        // The prediction alone would read the next prompt; the measure does not.
+        assert!(costs.prompt_read_pays(100, d.lookup.recent_answers().model_tokens(1_000)));
+        let (second, model) = (SeqId(2), SeqId(3));
+        read(&mut d, second, DrafterKind::Hybrid);
+        assert!(!d.model_drafts(second));
+        read(&mut d, model, DrafterKind::Model);
+        assert!(d.model_drafts(model));
     }
 
     #[test]

@@ -1056,12 +1056,15 @@ mod tests {
         assert_eq!(lag.lag(seq, &[1]), 1);
     }
 
-    /// A model that drafts token 7 and counts what it is asked.
+    /// A model that drafts token 7 and counts what it is asked; given an answer (after a prompt of
+    /// `prompt_len` tokens), it drafts what the target will emit instead, up to ten tokens.
     #[derive(Default)]
     struct Counting {
         prefills: usize,
         proposals: usize,
         held: usize,
+        prompt_len: usize,
+        answer: Vec<TokenId>,
     }
 
     impl Draft for Counting {
@@ -1077,9 +1080,15 @@ mod tests {
             out: &mut [Proposal],
         ) -> Result<(), Self::Error> {
             self.proposals += batch.len();
-            for p in out.iter_mut() {
+            for (req, p) in batch.iter().zip(out.iter_mut()) {
                 p.clear();
-                p.push(7, Probs::OneHot(7));
+                if self.answer.is_empty() {
+                    p.push(7, Probs::OneHot(7));
+                }
+                let done = req.context.len().saturating_sub(self.prompt_len);
+                for &t in self.answer.iter().skip(done).take(10) {
+                    p.push(t, Probs::OneHot(t));
+                }
             }
             Ok(())
         }
@@ -1294,49 +1303,6 @@ mod tests {
         assert_eq!(hybrid.read_savings().saved_per_token(), Some(0.0));
     }
 
-    /// A model that drafts what the target will emit (an answer given in advance), up to `len`
-    /// tokens a round.
-    struct Oracle {
-        prompt_len: usize,
-        answer: Vec<TokenId>,
-        len: usize,
-    }
-
-    impl Draft for Oracle {
-        type Error = std::convert::Infallible;
-
-        fn vocab_size(&self) -> Option<usize> {
-            None
-        }
-
-        fn propose(
-            &mut self,
-            batch: &[DraftRequest<'_>],
-            out: &mut [Proposal],
-        ) -> Result<(), Self::Error> {
-            for (req, p) in batch.iter().zip(out.iter_mut()) {
-                p.clear();
-                let done = req.context.len() - self.prompt_len;
-                for &t in self.answer.iter().skip(done).take(self.len) {
-                    p.push(t, Probs::OneHot(t));
-                }
-            }
-            Ok(())
-        }
-
-        fn commit(&mut self, _seq: SeqId, _committed: &[TokenId]) -> Result<(), Self::Error> {
-            Ok(())
-        }
-
-        fn prefill(&mut self, _seq: SeqId, _context: &[TokenId]) -> Result<(), Self::Error> {
-            Ok(())
-        }
-
-        fn cached(&self, _seq: SeqId, context: &[TokenId]) -> usize {
-            context.len()
-        }
-    }
-
     #[test]
     fn a_model_round_is_settled_against_the_lookup_replayed_over_the_tokens_it_emitted() {
         let sampling = SamplingParams::greedy();
@@ -1349,10 +1315,10 @@ mod tests {
         let mut saved = Vec::new();
         for answer in [&copied, &new] {
             let seq = SeqId(1);
-            let model = Oracle {
+            let model = Counting {
                 prompt_len: prompt.len(),
                 answer: answer.clone(),
-                len: 10,
+                ..Counting::default()
             };
             let mut hybrid = HybridDrafter::new(LookupDrafter::default(), model);
             let Ok(()) = hybrid.prefill(seq, &prompt);

@@ -16,6 +16,10 @@
                 --together all of them are sent at once (each with --max-tokens): what a server
                 that computes their shared prefix once saves them.
 
+--prompts FILE.jsonl replaces the built-in chat prompts of load and concurrency with the "prompt"
+fields of a `specdec bench` prompt file (e.g. bench/grounded.jsonl), optionally only those whose
+category is --category, in file order.
+
 Exit status 1 if a response is lost or malformed, if --expect-429 saw no 429, or (concurrency) if an
 answer differs. Needs httpx (installed with the openai package).
 """
@@ -236,9 +240,17 @@ def main():
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--extra", type=json.loads, default={},
                     help='JSON object merged into every request, e.g. \'{"drafter": "none"}\'')
+    ap.add_argument("--prompts", help="load, concurrency: a JSONL prompt file in place of the chat prompts")
+    ap.add_argument("--category", help="with --prompts: only this category's prompts")
     ap.add_argument("--expect-429", action="store_true", help="fail unless some request was answered 429")
     ap.add_argument("--require-usage", action="store_true", help="fail when a stream has no usage chunk")
     args = ap.parse_args()
+    if args.prompts:
+        with open(args.prompts) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        PROMPTS[:] = [r["prompt"] for r in rows if args.category in (None, r.get("category"))]
+        if not PROMPTS:
+            sys.exit(f"no prompts in {args.prompts}" + (f" of category {args.category}" if args.category else ""))
     run = {"load": load, "concurrency": concurrency, "shared": shared}[args.mode]
     sys.exit(asyncio.run(run(args)))
 

@@ -15,7 +15,7 @@ use crate::error::{Error, Result, Side};
 use crate::kernels;
 use crate::metrics::{Metrics, Round};
 use crate::model::{Draft, DraftRequest, Logits, PrefillRequest, Proposal, Score, SeqId, Target};
-use crate::policy::{best_batch_draft_cap, Controller, RoundCosts};
+use crate::policy::{best_batch_draft_cap, best_batch_trim, Controller, RoundCosts};
 use crate::rng::{CounterRng, Stream};
 use crate::sampling::{Probs, Sampler};
 use crate::verify::{
@@ -200,6 +200,75 @@ impl<T: Target, D: Draft> Batch<T, D> {
             |m| costs.r(m),
         );
         Some((cap, longest))
+    }
+
+    /// Several sequences share this step's pass: cuts their lookup drafts where the step as a whole
+    /// pays best ([`best_batch_trim`]). Each lookup cut its draft as if its sequence decoded alone,
+    /// where the first few rows cost the target almost nothing; in a batch the other sequences take
+    /// those rows. Model drafts were capped before they were made ([`Batch::planned_batch_cap`]),
+    /// and count here with the other rows as they are. A lookup draft is one-hot and made from the
+    /// committed tokens alone, and its length is decided before the target scores it, so sampled
+    /// output keeps its distribution.
+    fn trim_lookup_drafts(&mut self) {
+        let scored = self
+            .seqs
+            .iter()
+            .filter(|s| !s.waits && !matches!(s.phase, Phase::Done(_)))
+            .count();
+        if scored < 2 {
+            return;
+        }
+        let (mut rows, mut tokens) = (0, 0.0);
+        let mut drafts: Vec<(usize, Vec<f64>)> = Vec::new();
+        let mut curve: Option<&RoundCosts> = None;
+        for (i, s) in self.seqs.iter().enumerate() {
+            match s.phase {
+                Phase::Done(_) => continue,
+                _ if s.waits => continue,
+                Phase::Prefill => {
+                    rows += s
+                        .partial
+                        .unwrap_or(s.tokens.len())
+                        .saturating_sub(s.prefilled);
+                    continue;
+                }
+                Phase::Decode => {}
+            }
+            let p = &s.proposal;
+            let lookup = p.confidence.len() == p.tokens.len()
+                && p.prefix == 0
+                && p.extension == 0
+                && p.probs.iter().all(|q| matches!(q, Probs::OneHot(_)));
+            let acceptance: Vec<f64> = if p.confidence.is_empty() {
+                s.controller.acceptance(p.tokens.len())
+            } else {
+                p.confidence.iter().map(|&a| f64::from(a)).collect()
+            };
+            rows += 1;
+            tokens += 1.0;
+            match s.controller.costs() {
+                Some(costs) if lookup && !p.tokens.is_empty() => {
+                    curve.get_or_insert(costs);
+                    drafts.push((i, acceptance));
+                }
+                _ => {
+                    rows += p.tokens.len();
+                    tokens += expected_tokens_ending(acceptance, false) - 1.0;
+                }
+            }
+        }
+        let Some(costs) = curve else {
+            return;
+        };
+        let acceptance: Vec<&[f64]> = drafts.iter().map(|(_, a)| a.as_slice()).collect();
+        let keep = best_batch_trim(&acceptance, rows, tokens, |m| costs.r(m));
+        for (&(i, _), len) in drafts.iter().zip(keep) {
+            let s = &mut self.seqs[i];
+            if len < s.proposal.tokens.len() {
+                s.proposal.truncate(len);
+                self.drafter.truncated(s.id, len);
+            }
+        }
     }
 
     /// The target.
@@ -515,6 +584,7 @@ impl<T: Target, D: Draft> Batch<T, D> {
         }
         let draft_secs = t0.elapsed().as_secs_f64();
         self.take_failed(&mut failed, &mut finished);
+        self.trim_lookup_drafts();
 
         // Score every sequence's block in one call (but those that wait).
         let vocab = self.target.vocab_size();

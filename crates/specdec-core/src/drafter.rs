@@ -220,19 +220,7 @@ impl<M: Target> Draft for ModelDrafter<M> {
         // that reads a due prompt as its catch-up is not charged for it (the rounds before
         // forwent its price).
         for (req, out) in batch.iter().zip(out.iter()) {
-            let (Some(c), false) = (req.costs, out.tokens.is_empty()) else {
-                continue;
-            };
-            let lag = if savings.is_open(req.seq) { out.lag } else { 0 };
-            savings.read(req.seq, req.context.len());
-            let cost = c.model_round_steps(out.tokens.len(), out.tokens.len(), lag);
-            savings.drafted(
-                req.seq,
-                req.context.len(),
-                out.tokens.len(),
-                cost,
-                1.0 / c.r(1),
-            );
+            savings.model_drafted(req, out);
         }
         Ok(())
     }

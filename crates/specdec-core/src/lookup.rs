@@ -556,6 +556,14 @@ impl Draft for LookupDrafter {
         Ok(())
     }
 
+    /// Only the first `len` tokens of the last draft are scored: the walk's tokens after them are
+    /// learnt from as the uncut rest of a walk is, and the answer's coverage counts the kept ones.
+    fn truncated(&mut self, seq: SeqId, len: usize) {
+        if let Some(p) = self.seqs.get_mut(&seq).and_then(|s| s.pending.as_mut()) {
+            p.kept = p.kept.min(len);
+        }
+    }
+
     /// A new prompt for `seq`: an output it held (a caller that reuses the id without releasing it,
     /// like [`crate::generate`] for chat turns) goes to the history first.
     fn prefill(&mut self, seq: SeqId, context: &[TokenId]) -> Result<(), Self::Error> {

@@ -273,6 +273,11 @@ pub trait Draft {
     /// `committed` is the sequence's whole committed context.
     fn commit(&mut self, seq: SeqId, committed: &[TokenId]) -> Result<(), Self::Error>;
 
+    /// The caller scores only the first `len` tokens of the sequence's last proposal (a batch
+    /// whose step pays best with shorter drafts, [`crate::best_batch_trim`]); the target's verdict
+    /// on the rest will not come. The default does nothing.
+    fn truncated(&mut self, _seq: SeqId, _len: usize) {}
+
     /// Called once with the prompt before the first round (after the target's prefill has emitted
     /// the first token, which [`Draft::commit`] then reports), so that prompt processing is not
     /// charged to drafting and the time to the first token is the target's alone. Until then
@@ -405,6 +410,28 @@ impl ReadSavings {
             l.pending =
                 (alt_rate > 0.0 && cost.is_finite()).then_some((len, tokens + 1, cost, alt_rate));
         }
+    }
+
+    /// [`ReadSavings::drafted`] for a round whose draft the model made alone, against plain
+    /// decoding, at the round's prices ([`DraftRequest::costs`]; nothing without them or without
+    /// a draft): the model's drafting and catch-up, and the target's scoring of the draft. The
+    /// sequence's account opens at its first such round where the prompt was not read before,
+    /// and that round's catch-up (the prompt, read lazily) is the price the account is weighed
+    /// against, not a cost of the round.
+    pub fn model_drafted(&mut self, req: &DraftRequest<'_>, out: &Proposal) {
+        let (Some(c), false) = (req.costs, out.tokens.is_empty()) else {
+            return;
+        };
+        let lag = if self.is_open(req.seq) { out.lag } else { 0 };
+        self.read(req.seq, req.context.len());
+        let cost = c.model_round_steps(out.tokens.len(), out.tokens.len(), lag);
+        self.drafted(
+            req.seq,
+            req.context.len(),
+            out.tokens.len(),
+            cost,
+            1.0 / c.r(1),
+        );
     }
 
     /// The target committed the sequence's first `len` tokens: the pending round, if any, is
@@ -643,6 +670,10 @@ impl<D: Draft + ?Sized> Draft for &mut D {
 
     fn commit(&mut self, seq: SeqId, committed: &[TokenId]) -> Result<(), Self::Error> {
         (**self).commit(seq, committed)
+    }
+
+    fn truncated(&mut self, seq: SeqId, len: usize) {
+        (**self).truncated(seq, len)
     }
 
     fn prefill(&mut self, seq: SeqId, context: &[TokenId]) -> Result<(), Self::Error> {

@@ -133,14 +133,15 @@ impl LookupSavings {
     /// it at its first round) opens the account and is not charged for that reading, which is
     /// the price the account is weighed against.
     pub fn drafted(&mut self, req: &DraftRequest<'_>, out: &Proposal, plan: HybridPlan) {
+        if plan == HybridPlan::Lookup {
+            return;
+        }
         let reads_prompt = !self.savings.is_open(req.seq);
         self.savings.read(req.seq, req.context.len());
-        let (Some(c), Some(len)) = (
-            req.costs,
-            (plan != HybridPlan::Lookup).then_some(out.tokens.len()),
-        ) else {
+        let Some(c) = req.costs else {
             return;
         };
+        let len = out.tokens.len();
         let lag = if reads_prompt { 0 } else { out.lag };
         let cost = match plan {
             HybridPlan::Extend(_) => {
@@ -715,9 +716,7 @@ impl<D: Draft> Draft for HybridDrafter<D> {
             if plan == HybridPlan::Model {
                 continue_by_lookup(&mut self.lookup, req, out);
             }
-            if plan != HybridPlan::Lookup {
-                self.savings.drafted(req, out, plan);
-            }
+            self.savings.drafted(req, out, plan);
         }
         Ok(())
     }
@@ -727,6 +726,11 @@ impl<D: Draft> Draft for HybridDrafter<D> {
         self.savings.committed(&mut self.lookup, seq, committed);
         let Ok(()) = self.lookup.commit(seq, committed);
         self.model.commit(seq, committed)
+    }
+
+    /// Only lookup drafts are cut after they are made ([`crate::Batch`]).
+    fn truncated(&mut self, seq: SeqId, len: usize) {
+        self.lookup.truncated(seq, len);
     }
 
     /// Both read the prompt now, so the model's first drafting round does not pay for it: a round's

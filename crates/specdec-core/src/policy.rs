@@ -1476,6 +1476,60 @@ pub fn best_batch_draft_cap(
     best.0
 }
 
+/// How many tokens of each draft already made to score when several sequences share one target
+/// pass: the lengths with the most expected tokens per unit of the pass's time. `drafts[i]` holds
+/// draft `i`'s conditional acceptance estimates, one per drafted token; `rows` and `tokens` are the
+/// pass's other rows (each decoding sequence's own, drafts that are not to be cut, a prompt's
+/// prefill chunk) and the tokens they are expected to yield (one per decoding sequence, and those
+/// uncut drafts' expected tokens). The `D` tokens kept are the `D` with the highest probability of
+/// being reached and accepted, so each draft keeps a prefix (those probabilities fall along a
+/// draft), and `D` maximises `(tokens + Σ reach) / r(rows + D)`; every draft is kept whole unless
+/// a shorter set pays strictly more.
+///
+/// Each sequence's drafter cut its own draft as if the sequence decoded alone, where the first few
+/// rows cost the target almost nothing; in a batch those rows are taken by the other sequences, and
+/// on a CPU whose cost per row climbs beyond them the drafts together cost more than they bring.
+/// The drafts are made before the cut, so their own cost is spent and not weighed here.
+pub fn best_batch_trim(
+    drafts: &[&[f64]],
+    rows: usize,
+    tokens: f64,
+    r: impl Fn(usize) -> f64,
+) -> Vec<usize> {
+    let mut reach: Vec<(f64, usize, usize)> = Vec::new();
+    for (i, acceptance) in drafts.iter().enumerate() {
+        let mut p = 1.0;
+        for (t, &a) in acceptance.iter().enumerate() {
+            p *= a.clamp(0.0, 1.0);
+            reach.push((p, i, t));
+        }
+    }
+    // Most likely first; along one draft, earlier first among equals, so the kept set is a prefix
+    // of each draft.
+    reach.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.2.cmp(&b.2)));
+    let total = reach.len();
+    let mut yield_at = Vec::with_capacity(total + 1);
+    let mut sum = tokens;
+    yield_at.push(sum);
+    for &(p, _, _) in &reach {
+        sum += p;
+        yield_at.push(sum);
+    }
+    let rate = |d: usize| yield_at[d] / r(rows + d);
+    let mut best = (total, rate(total));
+    for d in (0..total).rev() {
+        let x = rate(d);
+        if x > best.1 {
+            best = (d, x);
+        }
+    }
+    let mut keep = vec![0; drafts.len()];
+    for &(_, i, _) in &reach[..best.0] {
+        keep[i] += 1;
+    }
+    keep
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -2237,6 +2291,42 @@ mod tests {
             assert!(c.costs().is_some(), "round {i}");
             c.observe(&rejected(2, false));
         }
+    }
+
+    #[test]
+    fn a_batch_trims_the_drafts_it_has_where_its_rows_stop_being_cheap() {
+        let sure = [0.9; 8];
+        let doubtful = [0.9, 0.3, 0.9];
+        // `n` rows cost about one step, each further row one step.
+        let knee = |n: usize| {
+            move |m: usize| {
+                if m <= n {
+                    1.0 + 0.02 * (m - 1) as f64
+                } else {
+                    (m - n) as f64 + 1.0 + 0.02 * (n - 1) as f64
+                }
+            }
+        };
+        // Two decoding sequences leave two of four cheap rows: one token of each draft.
+        assert_eq!(best_batch_trim(&[&sure, &sure], 2, 2.0, knee(4)), [1, 1]);
+        // Three cheap rows left: the likelier token takes the third, the sure draft's second
+        // against the doubtful one's.
+        assert_eq!(
+            best_batch_trim(&[&sure, &doubtful], 2, 2.0, knee(5)),
+            [2, 1]
+        );
+        assert_eq!(
+            best_batch_trim(&[&doubtful, &sure], 2, 2.0, knee(5)),
+            [1, 2]
+        );
+        // Rows that stay cheap: every draft whole.
+        let flat = |m: usize| 1.0 + 0.02 * (m - 1) as f64;
+        assert_eq!(best_batch_trim(&[&sure, &doubtful], 2, 2.0, flat), [8, 3]);
+        // Every row as dear as a step: no draft pays in a pass of two sequences.
+        let steep = |m: usize| m as f64;
+        assert_eq!(best_batch_trim(&[&sure, &sure], 2, 2.0, steep), [0, 0]);
+        // Nothing to trim.
+        assert!(best_batch_trim(&[], 3, 3.0, steep).is_empty());
     }
 
     #[test]

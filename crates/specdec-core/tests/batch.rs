@@ -505,6 +505,109 @@ fn a_batch_caps_model_drafts_where_its_rows_stop_being_cheap() {
     assert!(together.iter().any(|&k| k >= 2), "{together:?}");
 }
 
+/// A target that records, for every scoring call, each sequence's draft length.
+struct Rows {
+    inner: MockModel,
+    calls: Vec<Vec<usize>>,
+}
+
+impl specdec_core::Target for Rows {
+    type Error = specdec_core::mock::MockError;
+
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+
+    fn capacity(&self) -> usize {
+        self.inner.capacity()
+    }
+
+    fn score(
+        &mut self,
+        batch: &[specdec_core::Score<'_>],
+        out: &mut [specdec_core::Logits],
+    ) -> Result<(), Self::Error> {
+        self.calls
+            .push(batch.iter().map(|s| s.draft.len()).collect());
+        self.inner.score(batch, out)
+    }
+
+    fn commit(&mut self, seq: SeqId, committed: &[TokenId]) -> Result<(), Self::Error> {
+        self.inner.commit(seq, committed)
+    }
+}
+
+#[test]
+fn a_batch_trims_lookup_drafts_to_the_rows_that_pay() {
+    // A target that repeats a cycle of five tokens, prompts that hold it three times: the lookup's
+    // drafts are all accepted. Under a curve where four rows cost about one step and each further
+    // row a step, a sequence alone drafts three tokens; two decoding together share two cheap rows.
+    let cycle: [TokenId; 5] = [3, 8, 13, 21, 34];
+    let script: Vec<Vec<f32>> = cycle
+        .iter()
+        .map(|&t| {
+            (0..VOCAB)
+                .map(|j| if j == t as usize { 8.0 } else { 0.0 })
+                .collect()
+        })
+        .collect();
+    let target = || MockModel::new(MockLogits::Scripted(script.clone()));
+    let prompt: Vec<TokenId> = (0..15).map(|i| cycle[i % 5]).collect();
+    let config = |max_new_tokens| GenerateConfig {
+        max_new_tokens,
+        sampling: SamplingParams::greedy(),
+        draft_len: cost_model(knee(), None),
+        ..GenerateConfig::default()
+    };
+    let mut batch = Batch::new(
+        Rows {
+            inner: target(),
+            calls: Vec::new(),
+        },
+        LookupDrafter::default(),
+    );
+    for (i, n) in [(0, 24), (1, 60)] {
+        batch
+            .add(
+                SeqId(i),
+                prompt[..15 - i as usize].to_vec(),
+                config(n),
+                None,
+            )
+            .unwrap();
+    }
+    let mut outs = HashMap::new();
+    while !batch.is_empty() {
+        for f in batch.step(&mut |_, _| ControlFlow::Continue(())) {
+            outs.insert(f.seq, f.result.unwrap().tokens);
+            batch.release(f.seq);
+        }
+    }
+    let calls = &batch.target().calls;
+    let drafted = |n: usize| -> Vec<usize> {
+        calls
+            .iter()
+            .filter(|c| c.len() == n)
+            .map(|c| c.iter().sum())
+            .collect()
+    };
+    let (together, alone) = (drafted(2), drafted(1));
+    assert!(
+        together.len() > 3 && together.iter().all(|&k| k <= 2),
+        "{together:?}"
+    );
+    assert!(together.contains(&2), "{together:?}");
+    assert!(alone.contains(&3), "{alone:?}");
+    for (i, n) in [(0, 24), (1, 60)] {
+        let p = &prompt[..15 - i as usize];
+        let plain = generate(&mut target(), &mut NoDraft, p, &config(n), &mut |_| {
+            ControlFlow::Continue(())
+        })
+        .unwrap();
+        assert_eq!(outs[&SeqId(i)], plain.tokens, "sequence {i}");
+    }
+}
+
 #[test]
 fn a_sequence_whose_prompt_the_model_left_unread_does_not_cap_the_others_model_drafts() {
     // Four rows cost about one step, more one step each (as in the test above), and reading a

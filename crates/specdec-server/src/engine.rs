@@ -129,6 +129,9 @@ pub struct MultiDrafter<M: Target> {
     /// What the model's rounds saved against the lookup alone in the hybrid requests whose
     /// prompt it read, which prices the next hybrid request's reading.
     hybrid_savings: LookupSavings,
+    /// What the model's drafts saved against plain decoding in the model-kind requests whose
+    /// prompt it read, which prices the next model-kind request's reading.
+    model_savings: ReadSavings,
 }
 
 impl<M: Target> MultiDrafter<M> {
@@ -141,6 +144,7 @@ impl<M: Target> MultiDrafter<M> {
             choice: HashMap::new(),
             reads: DeferredReads::default(),
             hybrid_savings: LookupSavings::default(),
+            model_savings: ReadSavings::default(),
         }
     }
 
@@ -215,14 +219,20 @@ impl<M: Target> Draft for MultiDrafter<M> {
             specdec_core::draft_planned(model, &mut self.lag, batch, out, &plans)?;
         }
         for ((req, out), &plan) in batch.iter().zip(out.iter_mut()).zip(&plans) {
-            if self.kind(req.seq) != DrafterKind::Hybrid || plan == HybridPlan::Lookup {
+            if plan == HybridPlan::Lookup {
+                continue;
+            }
+            // The first model round reads the prompt (this drafter's model reads it lazily): the
+            // account opens there, and that reading is the price it is weighed against.
+            if self.kind(req.seq) == DrafterKind::Model {
+                self.model_savings.model_drafted(req, out);
+            }
+            if self.kind(req.seq) != DrafterKind::Hybrid {
                 continue;
             }
             if plan == HybridPlan::Model {
                 specdec_core::continue_by_lookup(&mut self.lookup, req, out);
             }
-            // The first model round reads the prompt (this drafter's model reads it lazily): the
-            // account opens there, and that reading is the price it is weighed against.
             self.hybrid_savings.drafted(req, out, plan);
         }
         Ok(())
@@ -234,11 +244,19 @@ impl<M: Target> Draft for MultiDrafter<M> {
                 .committed(&mut self.lookup, seq, committed);
             let Ok(()) = self.lookup.commit(seq, committed);
         }
+        self.model_savings.committed(seq, committed.len());
         match &mut self.model {
             Some(m) if self.choice.get(&seq).is_some_and(|k| k.needs_model()) => {
                 m.commit(seq, committed)
             }
             _ => Ok(()),
+        }
+    }
+
+    /// Only lookup drafts are cut after they are made ([`specdec_core::Batch`]).
+    fn truncated(&mut self, seq: SeqId, len: usize) {
+        if self.kind(seq).uses_lookup() {
+            self.lookup.truncated(seq, len);
         }
     }
 
@@ -254,6 +272,7 @@ impl<M: Target> Draft for MultiDrafter<M> {
         }
         self.reads.release(seq);
         self.hybrid_savings.finish(seq);
+        self.model_savings.finish(seq);
         self.lag.prefill(seq, context.len());
         Ok(())
     }
@@ -272,13 +291,14 @@ impl<M: Target> Draft for MultiDrafter<M> {
         // the hybrid it reads a prompt left unread once the rounds since forwent its price. The
         // hybrid's reading is priced by what its model rounds measurably saved in the hybrid
         // requests whose prompt it read ([`LookupSavings`]), once there are any; the model
-        // kind's by the prediction alone (its rounds run in the draft model's batches with the
-        // hybrid's, against another alternative, and keep no measure apart).
+        // kind's by what its drafts saved against plain decoding in the model-kind requests
+        // whose prompt it read (the draft model's own account mixes both kinds' rounds).
         let none = (RecentAnswers::default(), ReadSavings::default());
         let (recent, saved) = match self.kind(req.seq) {
             DrafterKind::Hybrid => (self.lookup.recent_answers(), self.hybrid_savings.savings()),
+            DrafterKind::Model => (&none.0, &self.model_savings),
             DrafterKind::Ngram => (self.lookup.recent_answers(), &none.1),
-            _ => (&none.0, &none.1),
+            DrafterKind::None => (&none.0, &none.1),
         };
         if self.kind(req.seq).needs_model()
             && !req.read_pays(self.cached(req.seq, req.prompt), recent, saved)
@@ -299,6 +319,7 @@ impl<M: Target> Draft for MultiDrafter<M> {
     fn release(&mut self, seq: SeqId) {
         self.reads.release(seq);
         self.hybrid_savings.finish(seq);
+        self.model_savings.finish(seq);
         if self.kind(seq).uses_lookup() {
             self.lookup.release(seq);
         }
@@ -1085,11 +1106,12 @@ mod tests {
         assert_eq!(m.cached_tokens(seq).len(), context.len() + 1);
     }
 
-    /// A hybrid request's model rounds are settled against the lookup alone: where they lost
-    /// (every draft rejected), the next hybrid request's prompt is left unread although the
-    /// prediction would read it; a model-kind request is still priced by the prediction.
+    /// Each kind's model rounds are settled against what the request would have done without the
+    /// model (a model-kind request's against plain decoding, a hybrid one's against the lookup
+    /// alone): where they lost (every draft rejected), the next request of that kind leaves its
+    /// prompt unread although the prediction would read it, and the other kind is still read.
     #[test]
-    fn hybrid_requests_price_the_next_reading_by_what_their_model_rounds_saved() {
+    fn each_kind_prices_the_next_reading_by_what_its_model_rounds_saved() {
         let costs = reading_costs();
         let prompt: Vec<TokenId> = (0..100).collect();
         let mut d = MultiDrafter::new(Some(ModelDrafter::new(MockModel::new(
@@ -1110,37 +1132,53 @@ mod tests {
             .unwrap();
         };
         // 100 tokens at 0.05 are 5 steps, predicted to be repaid by a third of a step a token.
-        let first = SeqId(1);
-        read(&mut d, first, DrafterKind::Hybrid);
-        assert!(d.model_drafts(first));
-        let sampling = SamplingParams::greedy();
-        let mut context = prompt.clone();
-        for round in 0..20 {
-            let mut out = vec![Proposal::default()];
-            let req = specdec_core::mock::draft_request(first, &context, &sampling, Some(&costs));
-            d.propose(&[req], &mut out).unwrap();
-            // Tokens new to the context: the lookup has nothing, and the model drafts.
-            assert!(!out[0].tokens.is_empty(), "round {round}");
-            // The target rejects the draft's first token: one token for a round of 1.7 steps or
-            // more, where the lookup alone would have decoded it plainly in one.
-            let next = if out[0].tokens[0] == 200 + round {
-                700 + round
-            } else {
-                200 + round
-            };
-            context.push(next);
-            d.commit(first, &context).unwrap();
-        }
-        d.release(first);
-        let saved = d.hybrid_savings.savings().saved_per_token().unwrap();
+        let lose = |d: &mut MultiDrafter<MockModel>, seq, kind| {
+            read(d, seq, kind);
+            assert!(d.model_drafts(seq));
+            let sampling = SamplingParams::greedy();
+            let mut context = prompt.clone();
+            for round in 0..20 {
+                let mut out = vec![Proposal::default()];
+                let req = specdec_core::mock::draft_request(seq, &context, &sampling, Some(&costs));
+                d.propose(&[req], &mut out).unwrap();
+                // Tokens new to the context: the lookup has nothing, and the model drafts.
+                assert!(!out[0].tokens.is_empty(), "{kind:?} round {round}");
+                // The target rejects the draft's first token: one token for a round of 1.7 steps
+                // or more, where plain decoding (or the lookup alone, which has nothing) would
+                // have decoded it in one.
+                let next = if out[0].tokens[0] == 200 + round {
+                    700 + round
+                } else {
+                    200 + round
+                };
+                context.push(next);
+                d.commit(seq, &context).unwrap();
+            }
+            d.release(seq);
+        };
+        lose(&mut d, SeqId(1), DrafterKind::Model);
+        let saved = d.model_savings.saved_per_token().unwrap();
         assert!(saved <= -0.7 + 1e-9, "{saved}");
+        assert!(d.hybrid_savings.savings().saved_per_token().is_none());
         // The prediction alone would read the next prompt; the measure does not.
         assert!(costs.prompt_read_pays(100, d.lookup.recent_answers().model_tokens(1_000)));
-        let (second, model) = (SeqId(2), SeqId(3));
-        read(&mut d, second, DrafterKind::Hybrid);
-        assert!(!d.model_drafts(second));
-        read(&mut d, model, DrafterKind::Model);
-        assert!(d.model_drafts(model));
+        read(&mut d, SeqId(2), DrafterKind::Model);
+        assert!(!d.model_drafts(SeqId(2)));
+        read(&mut d, SeqId(3), DrafterKind::Hybrid);
+        assert!(d.model_drafts(SeqId(3)));
+        d.release(SeqId(2));
+        d.release(SeqId(3));
+
+        let mut d = MultiDrafter::new(d.model.take());
+        lose(&mut d, SeqId(4), DrafterKind::Hybrid);
+        let saved = d.hybrid_savings.savings().saved_per_token().unwrap();
+        assert!(saved <= -0.7 + 1e-9, "{saved}");
+        assert!(d.model_savings.saved_per_token().is_none());
+        assert!(costs.prompt_read_pays(100, d.lookup.recent_answers().model_tokens(1_000)));
+        read(&mut d, SeqId(5), DrafterKind::Hybrid);
+        assert!(!d.model_drafts(SeqId(5)));
+        read(&mut d, SeqId(6), DrafterKind::Model);
+        assert!(d.model_drafts(SeqId(6)));
     }
 
     #[test]

@@ -363,6 +363,14 @@ impl Draft for Drafter {
         }
     }
 
+    fn truncated(&mut self, seq: SeqId, len: usize) {
+        match self {
+            Drafter::None(_) | Drafter::Model(_) => {}
+            Drafter::Ngram(d) => d.truncated(seq, len),
+            Drafter::Hybrid(d) => d.truncated(seq, len),
+        }
+    }
+
     fn prefill(&mut self, seq: SeqId, context: &[TokenId]) -> Result<(), DrafterError> {
         match self {
             Drafter::None(_) => Ok(()),

@@ -505,38 +505,6 @@ fn a_batch_caps_model_drafts_where_its_rows_stop_being_cheap() {
     assert!(together.iter().any(|&k| k >= 2), "{together:?}");
 }
 
-/// A target that records, for every scoring call, each sequence's draft length.
-struct Rows {
-    inner: MockModel,
-    calls: Vec<Vec<usize>>,
-}
-
-impl specdec_core::Target for Rows {
-    type Error = specdec_core::mock::MockError;
-
-    fn vocab_size(&self) -> usize {
-        self.inner.vocab_size()
-    }
-
-    fn capacity(&self) -> usize {
-        self.inner.capacity()
-    }
-
-    fn score(
-        &mut self,
-        batch: &[specdec_core::Score<'_>],
-        out: &mut [specdec_core::Logits],
-    ) -> Result<(), Self::Error> {
-        self.calls
-            .push(batch.iter().map(|s| s.draft.len()).collect());
-        self.inner.score(batch, out)
-    }
-
-    fn commit(&mut self, seq: SeqId, committed: &[TokenId]) -> Result<(), Self::Error> {
-        self.inner.commit(seq, committed)
-    }
-}
-
 #[test]
 fn a_batch_trims_lookup_drafts_to_the_rows_that_pay() {
     // A target that repeats a cycle of five tokens, prompts that hold it three times: the lookup's
@@ -559,13 +527,7 @@ fn a_batch_trims_lookup_drafts_to_the_rows_that_pay() {
         draft_len: cost_model(knee(), None),
         ..GenerateConfig::default()
     };
-    let mut batch = Batch::new(
-        Rows {
-            inner: target(),
-            calls: Vec::new(),
-        },
-        LookupDrafter::default(),
-    );
+    let mut batch = Batch::new(Recorded::new(target(), None), LookupDrafter::default());
     for (i, n) in [(0, 24), (1, 60)] {
         batch
             .add(
@@ -583,7 +545,7 @@ fn a_batch_trims_lookup_drafts_to_the_rows_that_pay() {
             batch.release(f.seq);
         }
     }
-    let calls = &batch.target().calls;
+    let calls = &batch.target().drafted;
     let drafted = |n: usize| -> Vec<usize> {
         calls
             .iter()
@@ -772,15 +734,28 @@ fn the_first_token_comes_before_the_drafter_reads_the_prompt() {
     assert!(e.to_string().contains("prefill failed"), "{e}");
 }
 
-/// A mock target that says it copies a running sequence's prefix from 4 shared tokens (the mock
-/// copies none, so a sequence computes what it waited for; only the schedule is tested), and
-/// records the sequences of every scoring call.
-struct Copying {
+/// A mock target that records the sequences of every scoring call and their draft lengths, and
+/// may say that it copies a running sequence's prefix from some shared tokens (the mock copies
+/// none, so a sequence computes what it waited for; only the schedule is tested).
+struct Recorded {
     inner: MockModel,
+    copies_from: Option<usize>,
     scored: Vec<Vec<SeqId>>,
+    drafted: Vec<Vec<usize>>,
 }
 
-impl specdec_core::Target for Copying {
+impl Recorded {
+    fn new(inner: MockModel, copies_from: Option<usize>) -> Self {
+        Self {
+            inner,
+            copies_from,
+            scored: Vec::new(),
+            drafted: Vec::new(),
+        }
+    }
+}
+
+impl specdec_core::Target for Recorded {
     type Error = specdec_core::mock::MockError;
 
     fn vocab_size(&self) -> usize {
@@ -797,6 +772,8 @@ impl specdec_core::Target for Copying {
         out: &mut [specdec_core::Logits],
     ) -> Result<(), Self::Error> {
         self.scored.push(batch.iter().map(|s| s.seq).collect());
+        self.drafted
+            .push(batch.iter().map(|s| s.draft.len()).collect());
         self.inner.score(batch, out)
     }
 
@@ -813,18 +790,15 @@ impl specdec_core::Target for Copying {
     }
 
     fn min_prefix_copy(&self) -> Option<usize> {
-        Some(4)
+        self.copies_from
     }
 }
 
 /// Sequences 0 and 1 over a 12-token shared prefix (then 3 tokens of their own), added together
 /// to a batch prefilling chunks of 4 on a target that copies prefixes.
-fn waiting_batch() -> (Batch<Copying, NoDraft>, [Vec<TokenId>; 2], GenerateConfig) {
+fn waiting_batch() -> (Batch<Recorded, NoDraft>, [Vec<TokenId>; 2], GenerateConfig) {
     use specdec_core::Target as _;
-    let target = Copying {
-        inner: target(),
-        scored: Vec::new(),
-    };
+    let target = Recorded::new(target(), Some(4));
     assert_eq!(target.min_prefix_copy(), Some(4));
     let mut batch = Batch::new(target, NoDraft);
     batch.set_prefill_chunk(Some(4));

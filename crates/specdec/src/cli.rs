@@ -338,8 +338,9 @@ pub struct ServeArgs {
     /// While two or more sequences are decoding, each step caps the model drafts where the batch as
     /// a whole is expected to yield the most tokens per unit of time, from the cost model's
     /// acceptance estimates, draft cost and r(m) (on a CPU whose cost per row climbs steeply that is
-    /// plain batching): `auto`, or that and at most N tokens per sequence and round (0: draft only
-    /// for a lone sequence). Greedy text is the same either way.
+    /// plain batching), and trims their lookup drafts to the rows that pay in the shared pass:
+    /// `auto`, or that and at most N tokens per sequence and round (0: draft only for a lone
+    /// sequence). Greedy text is the same either way.
     #[arg(long, default_value = "auto", value_parser = parse_batch_draft_len)]
     pub batch_draft_len: BatchDraftLen,
     /// Prompt tokens scored per engine step for a new request, so a long prompt holds up the other

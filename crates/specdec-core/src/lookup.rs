@@ -204,7 +204,8 @@ struct SeqState {
     /// This sequence's drafts against their estimates.
     calibration: Calibration,
     /// Output tokens that a draft of this drafter had right (drafted and committed, and the token
-    /// the target emitted after them), whether or not the round used it.
+    /// the target emitted after them), whether or not the round used it; of a draft a batch
+    /// trimmed ([`Draft::truncated`]), only the kept tokens.
     covered: usize,
 }
 

@@ -434,6 +434,15 @@ impl ReadSavings {
         );
     }
 
+    /// The pending round's draft is cut to `len` tokens before the target scores it (a batch's
+    /// trim): it can emit at most `len + 1` tokens, and costs `cheaper` target steps less.
+    pub fn truncated(&mut self, seq: SeqId, len: usize, cheaper: f64) {
+        if let Some((_, most, cost, _)) = self.open.get_mut(&seq).and_then(|l| l.pending.as_mut()) {
+            *most = (*most).min(len + 1);
+            *cost -= cheaper;
+        }
+    }
+
     /// The target committed the sequence's first `len` tokens: the pending round, if any, is
     /// settled, for at most the tokens it could emit (a caller may commit more at once, a chat
     /// turn's next prompt).

@@ -183,6 +183,21 @@ impl LookupSavings {
         }
     }
 
+    /// The pending model round's draft is cut to `len` tokens before the target scores it (a
+    /// batch's trim of what reads as a lookup draft: a round the model was to extend and did not):
+    /// it is repriced for the rows it lost, and replayed over what the shorter draft can emit.
+    pub fn truncated(&mut self, seq: SeqId, len: usize) {
+        let Some(r) = self.replays.get_mut(&seq) else {
+            return;
+        };
+        if len + 1 >= r.most {
+            return;
+        }
+        let cheaper = r.costs.r(r.most) - r.costs.r(len + 1);
+        r.most = len + 1;
+        self.savings.truncated(seq, len, cheaper);
+    }
+
     /// The sequence is over, or its id starts a new prompt ([`ReadSavings::finish`]).
     pub fn finish(&mut self, seq: SeqId) {
         self.replays.remove(&seq);
@@ -728,8 +743,10 @@ impl<D: Draft> Draft for HybridDrafter<D> {
         self.model.commit(seq, committed)
     }
 
-    /// Only lookup drafts are cut after they are made ([`crate::Batch`]).
+    /// Only lookup drafts are cut after they are made ([`crate::Batch`]); a round the model was to
+    /// extend and did not reads as one, and its pending price is cut too.
     fn truncated(&mut self, seq: SeqId, len: usize) {
+        self.savings.truncated(seq, len);
         self.lookup.truncated(seq, len);
     }
 
@@ -1344,6 +1361,45 @@ mod tests {
         // in a few rounds (a fresh lookup's estimates cut its drafts short): stop 58's measure
         // priced them at plain decoding, as the new ones.
         assert!(saved[0] < saved[1] - 4.0, "{saved:?}");
+    }
+
+    #[test]
+    fn a_trimmed_round_is_priced_for_the_rows_it_kept() {
+        let sampling = SamplingParams::greedy();
+        let costs = reading_costs();
+        let prompt: Vec<TokenId> = (100..400).collect();
+        let answer: Vec<TokenId> = (6_000..6_011).collect();
+        let seq = SeqId(1);
+        let mut saved = Vec::new();
+        for trim in [None, Some(4)] {
+            let mut lookup = LookupDrafter::default();
+            let Ok(()) = lookup.prefill(seq, &prompt);
+            let mut s = LookupSavings::default();
+            s.read(seq, prompt.len());
+            let mut out = Proposal::default();
+            for &t in &answer[..10] {
+                out.push(t, Probs::OneHot(t));
+            }
+            let req = crate::mock::draft_request(seq, &prompt, &sampling, Some(&costs));
+            s.drafted(&req, &out, HybridPlan::Model);
+            if let Some(len) = trim {
+                s.truncated(seq, len);
+            }
+            let emitted = trim.map_or(11, |len| len + 1);
+            s.committed(
+                &mut lookup,
+                seq,
+                &[&prompt[..], &answer[..emitted]].concat(),
+            );
+            s.finish(seq);
+            saved.push(s.savings().saved_per_token().unwrap_or(f64::NAN) * emitted as f64);
+        }
+        // New tokens, which the lookup alone decodes plainly: 11 steps for the whole round, 5 for
+        // the one trimmed to 4 tokens, which costs the 6 rows it lost less.
+        let whole = costs.model_round_steps(10, 10, 0);
+        let trimmed = whole - (costs.r(11) - costs.r(5));
+        assert!((saved[0] - (11.0 - whole)).abs() < 1e-9, "{saved:?}");
+        assert!((saved[1] - (5.0 - trimmed)).abs() < 1e-9, "{saved:?}");
     }
 
     #[test]

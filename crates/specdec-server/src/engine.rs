@@ -253,9 +253,11 @@ impl<M: Target> Draft for MultiDrafter<M> {
         }
     }
 
-    /// Only lookup drafts are cut after they are made ([`specdec_core::Batch`]).
+    /// Only lookup drafts are cut after they are made ([`specdec_core::Batch`]); a hybrid round
+    /// the model was to extend and did not reads as one, and its pending price is cut too.
     fn truncated(&mut self, seq: SeqId, len: usize) {
         if self.kind(seq).uses_lookup() {
+            self.hybrid_savings.truncated(seq, len);
             self.lookup.truncated(seq, len);
         }
     }

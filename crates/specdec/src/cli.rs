@@ -338,7 +338,8 @@ pub struct ServeArgs {
     /// While two or more sequences are decoding, each step caps the model drafts where the batch as
     /// a whole is expected to yield the most tokens per unit of time, from the cost model's
     /// acceptance estimates, draft cost and r(m) (on a CPU whose cost per row climbs steeply that is
-    /// plain batching), and trims their lookup drafts to the rows that pay in the shared pass:
+    /// plain batching); whenever two or more sequences share a pass (a prefill chunk included),
+    /// their lookup drafts are trimmed to the rows that pay in it:
     /// `auto`, or that and at most N tokens per sequence and round (0: draft only for a lone
     /// sequence). Greedy text is the same either way.
     #[arg(long, default_value = "auto", value_parser = parse_batch_draft_len)]

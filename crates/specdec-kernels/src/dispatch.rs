@@ -59,7 +59,7 @@ pub fn full_width_512() -> bool {
 
 /// Whether this CPU's hardware prefetchers keep up on their own with a single-row pass of the
 /// K-quant formats (Q4_K, Q6_K), which reads its weights in order, so that the pass asks for none
-/// ahead: true on AMD. Measured on a 2-core EPYC (Zen 4, stop 43), a 1536 × 8960 matrix read from
+/// ahead: true on AMD from Zen 4. Measured on a 2-core EPYC (Zen 4, stop 43), a 1536 × 8960 matrix read from
 /// memory: Q4_K at 31–34 GB/s without the software prefetch against 28–33 with it, and 46.5 against
 /// 36.8 while a plain read loop ran at 55 (the prefetches compete with the hardware's own stream);
 /// Q6_K likewise once its quants were stored in reading order ([`crate::BlockQ6Kx8::q`]). Target
@@ -71,11 +71,76 @@ pub fn full_width_512() -> bool {
 /// pair of groups as two streams: 4-token blocks 35 → 49 ms without), and so do the 32-value
 /// formats (draft steps 1–5% slower without). On a 16-core Xeon with AMX the single-row Q4_K pass
 /// without it read at 13–16 GB/s against 21–24 (the hardware there follows no stream past a page),
-/// as stop 40's Xeon had shown for whole steps. AMD's cores before Zen 4 are not measured. Detected
-/// once.
+/// as stop 40's Xeon had shown for whole steps. AMD's cores before Zen 4 keep the software
+/// prefetch: on a 2-core EPYC Zen 3 (stop 61, `step_time` on the 1.5B target with the two ways
+/// taking turns step by step in one run, contexts 100–1,500) 2-token blocks took 6–10% less with
+/// it (68.5 → 63.7, 66.7 → 62.2, 66.6 → 62.5, 76.0 → 68.3 ms) and single steps 1–5% less in five
+/// of six runs (60.7 → 59.3, 61.8 → 60.4, 68.7 → 65.2, 60.8 → 57.4 ms); 3 to 16 rows even.
+/// Zen 5 and later are taken to be as Zen 4 (not measured). Detected once.
 pub(crate) fn streams_unaided() -> bool {
     static UNAIDED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *UNAIDED.get_or_init(|| vendor() == *b"AuthenticAMD")
+    *UNAIDED.get_or_init(|| vendor() == *b"AuthenticAMD" && amd_zen4_or_later(family_model()))
+}
+
+/// Whether an AMD CPU of this (family, model) is a Zen 4 core or newer: family 0x19 (Zen 3 and
+/// Zen 4) models 0x10–0x1f (Genoa), 0x60–0x7f (Raphael, Phoenix) and 0xa0–0xaf (Bergamo, Siena);
+/// any later family (Zen 5 is 0x1a).
+fn amd_zen4_or_later((family, model): (u32, u32)) -> bool {
+    match family {
+        0x19 => matches!(model, 0x10..=0x1f | 0x60..=0x7f | 0xa0..=0xaf),
+        f => f > 0x19,
+    }
+}
+
+/// The CPU's display family and model ([`decode_family_model`] of `cpuid` leaf 1); zeros off
+/// x86-64.
+fn family_model() -> (u32, u32) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        decode_family_model(std::arch::x86_64::__cpuid(1).eax)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        (0, 0)
+    }
+}
+
+/// The display family and model of `cpuid` leaf 1's EAX: the extended family added where the base
+/// family is 0xf, the extended model prefixed where it is 0x6 or 0xf.
+fn decode_family_model(eax: u32) -> (u32, u32) {
+    let base_family = (eax >> 8) & 0xf;
+    let family = if base_family == 0xf {
+        base_family + ((eax >> 20) & 0xff)
+    } else {
+        base_family
+    };
+    let model = if base_family == 0x6 || base_family == 0xf {
+        ((eax >> 12) & 0xf0) | ((eax >> 4) & 0xf)
+    } else {
+        (eax >> 4) & 0xf
+    };
+    (family, model)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn amd_cores_from_zen_4_are_told_from_earlier_ones() {
+        // EPYC 7763 (Milan, Zen 3), EPYC 9654 (Genoa, Zen 4), Ryzen 7950X (Raphael, Zen 4),
+        // EPYC 7742 (Rome, Zen 2), a Zen 5 and a Sapphire Rapids Xeon's leaf 1.
+        let milan = decode_family_model(0x00a0_0f11);
+        assert_eq!(milan, (0x19, 0x01));
+        assert!(!amd_zen4_or_later(milan));
+        assert!(amd_zen4_or_later(decode_family_model(0x00a1_0f11)));
+        assert!(amd_zen4_or_later(decode_family_model(0x00a6_0f12)));
+        let rome = decode_family_model(0x0083_0f10);
+        assert_eq!(rome, (0x17, 0x31));
+        assert!(!amd_zen4_or_later(rome));
+        assert!(amd_zen4_or_later(decode_family_model(0x00b4_0f40)));
+        assert_eq!(decode_family_model(0x0008_06f8), (6, 0x8f));
+    }
 }
 
 /// The CPU's vendor string (`cpuid` leaf 0: EBX, EDX, ECX); zeros off x86-64.

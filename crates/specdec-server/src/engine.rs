@@ -132,6 +132,11 @@ pub struct MultiDrafter<M: Target> {
     /// What the model's drafts saved against plain decoding in the model-kind requests whose
     /// prompt it read, which prices the next model-kind request's reading.
     model_savings: ReadSavings,
+    /// Per model-kind request: its prompt's length and its committed length.
+    model_lens: HashMap<SeqId, (usize, usize)>,
+    /// The answers of the model-kind requests lately, read or left unread (none covered by a
+    /// lookup): how many tokens the next one is expected to emit, which prices its reading.
+    model_answers: RecentAnswers,
 }
 
 impl<M: Target> MultiDrafter<M> {
@@ -145,6 +150,16 @@ impl<M: Target> MultiDrafter<M> {
             reads: DeferredReads::default(),
             hybrid_savings: LookupSavings::default(),
             model_savings: ReadSavings::default(),
+            model_lens: HashMap::new(),
+            model_answers: RecentAnswers::default(),
+        }
+    }
+
+    /// A model-kind request's answer is over: its length goes to the recent answers.
+    fn finish_model_answer(&mut self, seq: SeqId) {
+        if let Some((prompt, committed)) = self.model_lens.remove(&seq) {
+            self.model_answers
+                .record(committed.saturating_sub(prompt), 0);
         }
     }
 
@@ -245,6 +260,9 @@ impl<M: Target> Draft for MultiDrafter<M> {
             let Ok(()) = self.lookup.commit(seq, committed);
         }
         self.model_savings.committed(seq, committed.len());
+        if let Some(lens) = self.model_lens.get_mut(&seq) {
+            lens.1 = committed.len();
+        }
         match &mut self.model {
             Some(m) if self.choice.get(&seq).is_some_and(|k| k.needs_model()) => {
                 m.commit(seq, committed)
@@ -275,6 +293,10 @@ impl<M: Target> Draft for MultiDrafter<M> {
         self.reads.release(seq);
         self.hybrid_savings.finish(seq);
         self.model_savings.finish(seq);
+        self.finish_model_answer(seq);
+        if self.kind(seq) == DrafterKind::Model {
+            self.model_lens.insert(seq, (context.len(), context.len()));
+        }
         self.lag.prefill(seq, context.len());
         Ok(())
     }
@@ -288,9 +310,10 @@ impl<M: Target> Draft for MultiDrafter<M> {
     fn prefill_priced(&mut self, req: &PrefillRequest<'_>) -> Result<(), Self::Error> {
         self.prefill(req.seq, req.prompt)?;
         // The lookup's recent answers say how much of an answer it drafts, for the kinds that
-        // use it; the model kind expects the whole limit (unlike a `ModelDrafter` alone, whose
-        // own answers price it: this drafter's model never reads a prompt at prefill), and like
-        // the hybrid it reads a prompt left unread once the rounds since forwent its price. The
+        // use it; the model kind's own recent answers how long an answer is (as a `ModelDrafter`
+        // alone prices its reading; this drafter's model never reads a prompt at prefill, so its
+        // own record is empty), and like the hybrid it reads a prompt left unread once the rounds
+        // since forwent its price. The
         // hybrid's reading is priced by what its model rounds measurably saved in the hybrid
         // requests whose prompt it read ([`LookupSavings`]), once there are any; the model
         // kind's by what its drafts saved against plain decoding in the model-kind requests
@@ -298,7 +321,7 @@ impl<M: Target> Draft for MultiDrafter<M> {
         let none = (RecentAnswers::default(), ReadSavings::default());
         let (recent, saved) = match self.kind(req.seq) {
             DrafterKind::Hybrid => (self.lookup.recent_answers(), self.hybrid_savings.savings()),
-            DrafterKind::Model => (&none.0, &self.model_savings),
+            DrafterKind::Model => (&self.model_answers, &self.model_savings),
             DrafterKind::Ngram => (self.lookup.recent_answers(), &none.1),
             DrafterKind::None => (&none.0, &none.1),
         };
@@ -322,6 +345,7 @@ impl<M: Target> Draft for MultiDrafter<M> {
         self.reads.release(seq);
         self.hybrid_savings.finish(seq);
         self.model_savings.finish(seq);
+        self.finish_model_answer(seq);
         if self.kind(seq).uses_lookup() {
             self.lookup.release(seq);
         }
@@ -1181,6 +1205,55 @@ mod tests {
         assert!(!d.model_drafts(SeqId(5)));
         read(&mut d, SeqId(6), DrafterKind::Model);
         assert!(d.model_drafts(SeqId(6)));
+    }
+
+    /// A model-kind request's reading is priced over the answers that model-kind requests gave
+    /// lately: after short answers (none drafted by the model, so no measured savings), the
+    /// prediction no longer expects the whole token limit and leaves a long prompt unread, while a
+    /// hybrid request (whose lookup saw no answers) still reads it.
+    #[test]
+    fn a_model_kind_reading_is_priced_over_the_model_kind_answers_lately() {
+        let costs = reading_costs();
+        let prompt: Vec<TokenId> = (0..100).collect();
+        let mut d = MultiDrafter::new(Some(ModelDrafter::new(MockModel::new(
+            MockLogits::Hashed {
+                vocab: 1_024,
+                seed: 3,
+                scale: 2.0,
+            },
+        ))));
+        let read = |d: &mut MultiDrafter<MockModel>, seq, kind| {
+            assert!(d.select(seq, kind));
+            d.prefill_priced(&PrefillRequest {
+                seq,
+                prompt: &prompt,
+                remaining: 1_000,
+                costs: Some(&costs),
+            })
+            .unwrap();
+        };
+        // 100 tokens at 0.05 are 5 steps, repaid by a third of a step a token in 15 tokens: the
+        // whole limit is expected before any answer.
+        read(&mut d, SeqId(1), DrafterKind::Model);
+        assert!(d.model_drafts(SeqId(1)));
+        let mut context = prompt.clone();
+        context.extend([500, 501, 502]);
+        d.commit(SeqId(1), &context).unwrap();
+        d.release(SeqId(1));
+        assert_eq!(d.model_answers.expected_len(1_000), 3.0);
+        assert!(d.model_savings.saved_per_token().is_none());
+        read(&mut d, SeqId(2), DrafterKind::Model);
+        assert!(!d.model_drafts(SeqId(2)));
+        read(&mut d, SeqId(3), DrafterKind::Hybrid);
+        assert!(d.model_drafts(SeqId(3)));
+        // The unread request's answer counts too: a long one makes the next reading pay again.
+        context = prompt.clone();
+        context.extend(1_000..1_200);
+        d.commit(SeqId(2), &context).unwrap();
+        d.release(SeqId(2));
+        assert!(d.model_answers.expected_len(1_000) > 15.0);
+        read(&mut d, SeqId(4), DrafterKind::Model);
+        assert!(d.model_drafts(SeqId(4)));
     }
 
     #[test]

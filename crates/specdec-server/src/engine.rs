@@ -1028,6 +1028,36 @@ mod tests {
         Draft, ModelDrafter, PrefillRequest, Proposal, SamplingParams, SeqId, TokenId,
     };
 
+    /// A drafter with a draft model of hashed logits over 1,024 tokens.
+    fn hashed_drafter() -> MultiDrafter<MockModel> {
+        MultiDrafter::new(Some(ModelDrafter::new(MockModel::new(
+            MockLogits::Hashed {
+                vocab: 1_024,
+                seed: 3,
+                scale: 2.0,
+            },
+        ))))
+    }
+
+    /// `seq` drafts with `kind` and its prompt is priced at prefill.
+    fn select_and_read(
+        d: &mut MultiDrafter<MockModel>,
+        seq: SeqId,
+        kind: DrafterKind,
+        prompt: &[TokenId],
+        remaining: usize,
+        costs: &specdec_core::RoundCosts,
+    ) {
+        assert!(d.select(seq, kind));
+        d.prefill_priced(&PrefillRequest {
+            seq,
+            prompt,
+            remaining,
+            costs: Some(costs),
+        })
+        .unwrap();
+    }
+
     /// Reading a prompt the draft model could not repay within the request's tokens is left
     /// undone: the hybrid drafts from the lookup alone, the model kind decodes plainly, and a
     /// request with room to repay it drafts with the model as before.
@@ -1036,27 +1066,14 @@ mod tests {
         let costs = reading_costs();
         // 1,000 distinct tokens: nothing for the lookup to find.
         let prompt: Vec<TokenId> = (0..1_000).collect();
-        let mut d = MultiDrafter::new(Some(ModelDrafter::new(MockModel::new(
-            MockLogits::Hashed {
-                vocab: 1_024,
-                seed: 3,
-                scale: 2.0,
-            },
-        ))));
+        let mut d = hashed_drafter();
         let (hybrid, model, roomy) = (SeqId(1), SeqId(2), SeqId(3));
         for (seq, kind, remaining) in [
             (hybrid, DrafterKind::Hybrid, 16),
             (model, DrafterKind::Model, 16),
             (roomy, DrafterKind::Hybrid, 1_000),
         ] {
-            assert!(d.select(seq, kind));
-            d.prefill_priced(&PrefillRequest {
-                seq,
-                prompt: &prompt,
-                remaining,
-                costs: Some(&costs),
-            })
-            .unwrap();
+            select_and_read(&mut d, seq, kind, &prompt, remaining, &costs);
         }
         let sampling = SamplingParams::greedy();
         let req = |seq| specdec_core::mock::draft_request(seq, &prompt, &sampling, Some(&costs));
@@ -1083,13 +1100,7 @@ mod tests {
     fn a_prompt_left_unread_is_read_once_the_rounds_since_forwent_its_price() {
         let costs = reading_costs();
         let prompt: Vec<TokenId> = (0..40).collect();
-        let mut d = MultiDrafter::new(Some(ModelDrafter::new(MockModel::new(
-            MockLogits::Hashed {
-                vocab: 1_024,
-                seed: 3,
-                scale: 2.0,
-            },
-        ))));
+        let mut d = hashed_drafter();
         let seq = SeqId(1);
         assert!(d.select(seq, DrafterKind::Model));
         // 40 tokens at 0.05 are 2 steps, more than 4 tokens repay.
@@ -1140,22 +1151,9 @@ mod tests {
     fn each_kind_prices_the_next_reading_by_what_its_model_rounds_saved() {
         let costs = reading_costs();
         let prompt: Vec<TokenId> = (0..100).collect();
-        let mut d = MultiDrafter::new(Some(ModelDrafter::new(MockModel::new(
-            MockLogits::Hashed {
-                vocab: 1_024,
-                seed: 3,
-                scale: 2.0,
-            },
-        ))));
+        let mut d = hashed_drafter();
         let read = |d: &mut MultiDrafter<MockModel>, seq, kind| {
-            assert!(d.select(seq, kind));
-            d.prefill_priced(&PrefillRequest {
-                seq,
-                prompt: &prompt,
-                remaining: 1_000,
-                costs: Some(&costs),
-            })
-            .unwrap();
+            select_and_read(d, seq, kind, &prompt, 1_000, &costs);
         };
         // 100 tokens at 0.05 are 5 steps, predicted to be repaid by a third of a step a token.
         let lose = |d: &mut MultiDrafter<MockModel>, seq, kind| {
@@ -1215,22 +1213,9 @@ mod tests {
     fn a_model_kind_reading_is_priced_over_the_model_kind_answers_lately() {
         let costs = reading_costs();
         let prompt: Vec<TokenId> = (0..100).collect();
-        let mut d = MultiDrafter::new(Some(ModelDrafter::new(MockModel::new(
-            MockLogits::Hashed {
-                vocab: 1_024,
-                seed: 3,
-                scale: 2.0,
-            },
-        ))));
+        let mut d = hashed_drafter();
         let read = |d: &mut MultiDrafter<MockModel>, seq, kind| {
-            assert!(d.select(seq, kind));
-            d.prefill_priced(&PrefillRequest {
-                seq,
-                prompt: &prompt,
-                remaining: 1_000,
-                costs: Some(&costs),
-            })
-            .unwrap();
+            select_and_read(d, seq, kind, &prompt, 1_000, &costs);
         };
         // 100 tokens at 0.05 are 5 steps, repaid by a third of a step a token in 15 tokens: the
         // whole limit is expected before any answer.

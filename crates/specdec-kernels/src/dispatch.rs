@@ -73,10 +73,11 @@ pub fn full_width_512() -> bool {
 /// without it read at 13–16 GB/s against 21–24 (the hardware there follows no stream past a page),
 /// as stop 40's Xeon had shown for whole steps. AMD's cores before Zen 4 keep the software
 /// prefetch: on a 2-core EPYC Zen 3 (stop 61, `step_time` on the 1.5B target with the two ways
-/// taking turns step by step in one run, contexts 100–1,500) 2-token blocks took 6–10% less with
-/// it (68.5 → 63.7, 66.7 → 62.2, 66.6 → 62.5, 76.0 → 68.3 ms) and single steps 1–5% less in five
-/// of six runs (60.7 → 59.3, 61.8 → 60.4, 68.7 → 65.2, 60.8 → 57.4 ms); 3 to 16 rows even.
-/// Zen 5 and later are taken to be as Zen 4 (not measured). Detected once.
+/// taking turns step by step in one run, contexts 100–1,500) 2-token blocks took 6–10% less with it
+/// (68.5 → 63.7, 66.7 → 62.2, 66.6 → 62.5, 76.0 → 68.3, 70.7 → 66.3, 67.7 → 61.6 ms) and single
+/// steps 2–6% less in five of six runs (60.7 → 59.3, 61.8 → 60.4, 68.7 → 65.2, 60.8 → 57.4, 64.8 →
+/// 63.4 ms; one 61.6 → 62.0); blocks of 3 to 16 rows −7% to +4%, no direction. Zen 5 and later are
+/// taken to be as Zen 4 (not measured). Detected once.
 pub(crate) fn streams_unaided() -> bool {
     static UNAIDED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *UNAIDED.get_or_init(|| vendor() == *b"AuthenticAMD" && amd_zen4_or_later(family_model()))

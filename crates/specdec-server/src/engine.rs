@@ -313,11 +313,11 @@ impl<M: Target> Draft for MultiDrafter<M> {
         // use it; the model kind's own recent answers how long an answer is (as a `ModelDrafter`
         // alone prices its reading; this drafter's model never reads a prompt at prefill, so its
         // own record is empty), and like the hybrid it reads a prompt left unread once the rounds
-        // since forwent its price. The
-        // hybrid's reading is priced by what its model rounds measurably saved in the hybrid
-        // requests whose prompt it read ([`LookupSavings`]), once there are any; the model
-        // kind's by what its drafts saved against plain decoding in the model-kind requests
-        // whose prompt it read (the draft model's own account mixes both kinds' rounds).
+        // since forwent its price. The hybrid's reading is priced by what its model rounds
+        // measurably saved in the hybrid requests whose prompt it read ([`LookupSavings`]), once
+        // there are any; the model kind's by what its drafts saved against plain decoding in the
+        // model-kind requests whose prompt it read (the draft model's own account mixes both
+        // kinds' rounds).
         let none = (RecentAnswers::default(), ReadSavings::default());
         let (recent, saved) = match self.kind(req.seq) {
             DrafterKind::Hybrid => (self.lookup.recent_answers(), self.hybrid_savings.savings()),
@@ -1184,8 +1184,9 @@ mod tests {
         let saved = d.model_savings.saved_per_token().unwrap();
         assert!(saved <= -0.7 + 1e-9, "{saved}");
         assert!(d.hybrid_savings.savings().saved_per_token().is_none());
-        // The prediction alone would read the next prompt; the measure does not.
-        assert!(costs.prompt_read_pays(100, d.lookup.recent_answers().model_tokens(1_000)));
+        // The prediction alone would read the next prompt (over the 20-token answer); the
+        // measure does not.
+        assert!(costs.prompt_read_pays(100, d.model_answers.model_tokens(1_000)));
         read(&mut d, SeqId(2), DrafterKind::Model);
         assert!(!d.model_drafts(SeqId(2)));
         read(&mut d, SeqId(3), DrafterKind::Hybrid);

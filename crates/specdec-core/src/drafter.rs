@@ -2,14 +2,13 @@
 
 use crate::kernels;
 use crate::model::{
-    Draft, DraftRequest, Logits, PrefillRequest, Proposal, ReadSavings, RecentAnswers, Score,
-    SeqId, Target,
+    AnswerLengths, Draft, DraftRequest, Logits, PrefillRequest, Proposal, ReadSavings,
+    RecentAnswers, Score, SeqId, Target,
 };
 use crate::ngram::{DeferredReads, HybridPlan};
 use crate::rng::Stream;
 use crate::sampling::{Probs, Sampler};
 use crate::TokenId;
-use std::collections::HashMap;
 
 /// Drafts by running a model one token at a time, sampling each token with the target's sampling
 /// parameters (greedy stays greedy) and the draft stream of the RNG. All sequences of a batch advance
@@ -29,11 +28,9 @@ pub struct ModelDrafter<M> {
     /// Sequences whose prompt the model left unread ([`Draft::prefill_priced`]): nothing is
     /// drafted for them until the rounds since forgo the price of reading it ([`DeferredReads`]).
     reads: DeferredReads,
-    /// Per sequence: its prompt's length and its committed length, for [`RecentAnswers`].
-    lens: HashMap<SeqId, (usize, usize)>,
     /// The answers of the sequences it was given the prompt of lately ([`Draft::prefill`],
     /// [`Draft::prefill_priced`]), read or left unread (none covered by a lookup).
-    answers: RecentAnswers,
+    answers: AnswerLengths,
     /// What its drafts saved against plain decoding in the sequences whose prompt it read.
     savings: ReadSavings,
 }
@@ -49,8 +46,7 @@ impl<M: Target> ModelDrafter<M> {
             scratch: Vec::new(),
             spare: Vec::new(),
             reads: DeferredReads::default(),
-            lens: HashMap::new(),
-            answers: RecentAnswers::default(),
+            answers: AnswerLengths::default(),
             savings: ReadSavings::default(),
         }
     }
@@ -66,15 +62,13 @@ impl<M: Target> ModelDrafter<M> {
     /// reused id's prompt unread without telling it records that answer with the next prompt's
     /// tokens in it; the hybrid prices its reading by the lookup's answers instead.
     pub fn recent_answers(&self) -> &RecentAnswers {
-        &self.answers
+        self.answers.answers()
     }
 
     /// A sequence starts with a prompt of `prompt_len` tokens: the answer it held before (a
     /// caller that reuses the id, like [`crate::generate`] for chat turns) is recorded.
     fn start(&mut self, seq: SeqId, prompt_len: usize) {
-        if let Some((p, n)) = self.lens.insert(seq, (prompt_len, prompt_len)) {
-            self.answers.record(n.saturating_sub(p), 0);
-        }
+        self.answers.start(seq, prompt_len);
         self.savings.finish(seq);
     }
 
@@ -226,9 +220,7 @@ impl<M: Target> Draft for ModelDrafter<M> {
     }
 
     fn commit(&mut self, seq: SeqId, committed: &[TokenId]) -> Result<(), Self::Error> {
-        if let Some(len) = self.lens.get_mut(&seq) {
-            len.1 = committed.len();
-        }
+        self.answers.committed(seq, committed.len());
         self.savings.committed(seq, committed.len());
         self.model.commit(seq, committed).map_err(DraftError::Model)
     }
@@ -261,7 +253,7 @@ impl<M: Target> Draft for ModelDrafter<M> {
         self.start(req.seq, req.prompt.len());
         if req.read_pays(
             self.model.cached(req.seq, req.prompt),
-            &self.answers,
+            self.answers.answers(),
             &self.savings,
         ) {
             return self.prefill(req.seq, req.prompt);
@@ -279,9 +271,7 @@ impl<M: Target> Draft for ModelDrafter<M> {
     }
 
     fn release(&mut self, seq: SeqId) {
-        if let Some((p, n)) = self.lens.remove(&seq) {
-            self.answers.record(n.saturating_sub(p), 0);
-        }
+        self.answers.finish(seq);
         self.reads.release(seq);
         self.savings.finish(seq);
         self.model.release(seq);

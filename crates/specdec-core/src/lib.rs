@@ -79,8 +79,8 @@ pub use error::{Error, Result, Side};
 pub use lookup::{LookupConfig, LookupDrafter};
 pub use metrics::{CostProfile, Metrics, Round};
 pub use model::{
-    Draft, DraftRequest, Logits, NoDraft, PrefillRequest, Proposal, ReadSavings, RecentAnswers,
-    Score, SeqId, Target, RECENT_ANSWERS, RECENT_ANSWER_DECAY,
+    AnswerLengths, Draft, DraftRequest, Logits, NoDraft, PrefillRequest, Proposal, ReadSavings,
+    RecentAnswers, Score, SeqId, Target, RECENT_ANSWERS, RECENT_ANSWER_DECAY,
 };
 pub use ngram::{
     continue_by_lookup, draft_planned, forgone, plan_hybrid, DeferredReads, HybridDrafter,

@@ -596,6 +596,44 @@ impl RecentAnswers {
     }
 }
 
+/// The answers of sequences as they run, for [`RecentAnswers`]: each one's prompt length and
+/// committed length, recorded (none covered by a lookup) when it ends or its id starts again.
+#[derive(Clone, Debug, Default)]
+pub struct AnswerLengths {
+    /// Per running sequence: its prompt's length and its committed length.
+    lens: std::collections::HashMap<SeqId, (usize, usize)>,
+    answers: RecentAnswers,
+}
+
+impl AnswerLengths {
+    /// `seq` starts with a prompt of `prompt_len` tokens; the answer it held before (a caller
+    /// that reuses the id, like [`crate::generate`] for chat turns) is recorded.
+    pub fn start(&mut self, seq: SeqId, prompt_len: usize) {
+        if let Some((p, n)) = self.lens.insert(seq, (prompt_len, prompt_len)) {
+            self.answers.record(n.saturating_sub(p), 0);
+        }
+    }
+
+    /// `seq`'s context is `len` tokens long now (nothing for a sequence not started).
+    pub fn committed(&mut self, seq: SeqId, len: usize) {
+        if let Some(lens) = self.lens.get_mut(&seq) {
+            lens.1 = len;
+        }
+    }
+
+    /// `seq` is over: its answer is recorded (nothing for a sequence not started).
+    pub fn finish(&mut self, seq: SeqId) {
+        if let Some((p, n)) = self.lens.remove(&seq) {
+            self.answers.record(n.saturating_sub(p), 0);
+        }
+    }
+
+    /// The finished answers.
+    pub fn answers(&self) -> &RecentAnswers {
+        &self.answers
+    }
+}
+
 /// The drafter that proposes nothing: plain autoregressive decoding with the target, through the same
 /// decode loop as speculation. The baseline of every speedup.
 #[derive(Clone, Copy, Debug, Default)]

@@ -59,8 +59,8 @@ pub fn full_width_512() -> bool {
 
 /// Whether this CPU's hardware prefetchers keep up on their own with a single-row pass of the
 /// K-quant formats (Q4_K, Q6_K), which reads its weights in order, so that the pass asks for none
-/// ahead: true on AMD from Zen 4. Measured on a 2-core EPYC (Zen 4, stop 43), a 1536 × 8960 matrix read from
-/// memory: Q4_K at 31–34 GB/s without the software prefetch against 28–33 with it, and 46.5 against
+/// ahead: true on AMD from Zen 4. Measured on a 2-core EPYC (Zen 4, stop 43), a 1536 × 8960
+/// matrix read from memory: Q4_K at 31–34 GB/s without the software prefetch against 28–33 with it, and 46.5 against
 /// 36.8 while a plain read loop ran at 55 (the prefetches compete with the hardware's own stream);
 /// Q6_K likewise once its quants were stored in reading order ([`crate::BlockQ6Kx8::q`]). Target
 /// steps took 4–7% less (`step_time`, 6 alternations, contexts 200 and 2,000), 24% less in

@@ -17,9 +17,10 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use specdec_core::{
-    Batch, DeferredReads, Draft, DraftLenPolicy, DraftRequest, Emitted, GenerateConfig, HybridPlan,
-    LookupDrafter, LookupSavings, Metrics, ModelDrafter, ModelLag, PrefillRequest, Proposal,
-    ReadSavings, RecentAnswers, SeqId, StopReason, Target, TokenId, TokenLogprob,
+    AnswerLengths, Batch, DeferredReads, Draft, DraftLenPolicy, DraftRequest, Emitted,
+    GenerateConfig, HybridPlan, LookupDrafter, LookupSavings, Metrics, ModelDrafter, ModelLag,
+    PrefillRequest, Proposal, ReadSavings, RecentAnswers, SeqId, StopReason, Target, TokenId,
+    TokenLogprob,
 };
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 
@@ -132,11 +133,9 @@ pub struct MultiDrafter<M: Target> {
     /// What the model's drafts saved against plain decoding in the model-kind requests whose
     /// prompt it read, which prices the next model-kind request's reading.
     model_savings: ReadSavings,
-    /// Per model-kind request: its prompt's length and its committed length.
-    model_lens: HashMap<SeqId, (usize, usize)>,
     /// The answers of the model-kind requests lately, read or left unread (none covered by a
     /// lookup): how many tokens the next one is expected to emit, which prices its reading.
-    model_answers: RecentAnswers,
+    model_answers: AnswerLengths,
 }
 
 impl<M: Target> MultiDrafter<M> {
@@ -150,16 +149,7 @@ impl<M: Target> MultiDrafter<M> {
             reads: DeferredReads::default(),
             hybrid_savings: LookupSavings::default(),
             model_savings: ReadSavings::default(),
-            model_lens: HashMap::new(),
-            model_answers: RecentAnswers::default(),
-        }
-    }
-
-    /// A model-kind request's answer is over: its length goes to the recent answers.
-    fn finish_model_answer(&mut self, seq: SeqId) {
-        if let Some((prompt, committed)) = self.model_lens.remove(&seq) {
-            self.model_answers
-                .record(committed.saturating_sub(prompt), 0);
+            model_answers: AnswerLengths::default(),
         }
     }
 
@@ -260,9 +250,7 @@ impl<M: Target> Draft for MultiDrafter<M> {
             let Ok(()) = self.lookup.commit(seq, committed);
         }
         self.model_savings.committed(seq, committed.len());
-        if let Some(lens) = self.model_lens.get_mut(&seq) {
-            lens.1 = committed.len();
-        }
+        self.model_answers.committed(seq, committed.len());
         match &mut self.model {
             Some(m) if self.choice.get(&seq).is_some_and(|k| k.needs_model()) => {
                 m.commit(seq, committed)
@@ -293,9 +281,10 @@ impl<M: Target> Draft for MultiDrafter<M> {
         self.reads.release(seq);
         self.hybrid_savings.finish(seq);
         self.model_savings.finish(seq);
-        self.finish_model_answer(seq);
         if self.kind(seq) == DrafterKind::Model {
-            self.model_lens.insert(seq, (context.len(), context.len()));
+            self.model_answers.start(seq, context.len());
+        } else {
+            self.model_answers.finish(seq);
         }
         self.lag.prefill(seq, context.len());
         Ok(())
@@ -321,7 +310,7 @@ impl<M: Target> Draft for MultiDrafter<M> {
         let none = (RecentAnswers::default(), ReadSavings::default());
         let (recent, saved) = match self.kind(req.seq) {
             DrafterKind::Hybrid => (self.lookup.recent_answers(), self.hybrid_savings.savings()),
-            DrafterKind::Model => (&self.model_answers, &self.model_savings),
+            DrafterKind::Model => (self.model_answers.answers(), &self.model_savings),
             DrafterKind::Ngram => (self.lookup.recent_answers(), &none.1),
             DrafterKind::None => (&none.0, &none.1),
         };
@@ -345,7 +334,7 @@ impl<M: Target> Draft for MultiDrafter<M> {
         self.reads.release(seq);
         self.hybrid_savings.finish(seq);
         self.model_savings.finish(seq);
-        self.finish_model_answer(seq);
+        self.model_answers.finish(seq);
         if self.kind(seq).uses_lookup() {
             self.lookup.release(seq);
         }
@@ -1186,7 +1175,7 @@ mod tests {
         assert!(d.hybrid_savings.savings().saved_per_token().is_none());
         // The prediction alone would read the next prompt (over the 20-token answer); the
         // measure does not.
-        assert!(costs.prompt_read_pays(100, d.model_answers.model_tokens(1_000)));
+        assert!(costs.prompt_read_pays(100, d.model_answers.answers().model_tokens(1_000)));
         read(&mut d, SeqId(2), DrafterKind::Model);
         assert!(!d.model_drafts(SeqId(2)));
         read(&mut d, SeqId(3), DrafterKind::Hybrid);
@@ -1226,7 +1215,7 @@ mod tests {
         context.extend([500, 501, 502]);
         d.commit(SeqId(1), &context).unwrap();
         d.release(SeqId(1));
-        assert_eq!(d.model_answers.expected_len(1_000), 3.0);
+        assert_eq!(d.model_answers.answers().expected_len(1_000), 3.0);
         assert!(d.model_savings.saved_per_token().is_none());
         read(&mut d, SeqId(2), DrafterKind::Model);
         assert!(!d.model_drafts(SeqId(2)));
@@ -1237,7 +1226,7 @@ mod tests {
         context.extend(1_000..1_200);
         d.commit(SeqId(2), &context).unwrap();
         d.release(SeqId(2));
-        assert!(d.model_answers.expected_len(1_000) > 15.0);
+        assert!(d.model_answers.answers().expected_len(1_000) > 15.0);
         read(&mut d, SeqId(4), DrafterKind::Model);
         assert!(d.model_drafts(SeqId(4)));
     }

@@ -578,14 +578,15 @@ pub struct Loaded<M: Target, T: Target> {
 /// saw (the `specdec` binary's: the step's time and the draft model's acceptance) instead of only
 /// the calibration the server started with.
 pub trait Learner: Send {
-    /// A request ended after `metrics`. `alone`: no other sequence shared any of its steps, so
-    /// its timings are its own (a shared step's time is not one sequence's cost); its acceptance
-    /// counts either way.
-    fn learn(&mut self, metrics: &Metrics, alone: bool);
+    /// A request drafted by `drafter` ended after `metrics`. `alone`: no other sequence shared any
+    /// of its steps, so its timings are its own (a shared step's time is not one sequence's cost);
+    /// its acceptance counts either way.
+    fn learn(&mut self, drafter: DrafterKind, metrics: &Metrics, alone: bool);
 
     /// Sets the prior of a new request's draft-length policy, where it is a cost model that
-    /// measures (a policy with given costs, or another policy, is left as it is).
-    fn prime(&self, policy: &mut DraftLenPolicy);
+    /// measures (a policy with given costs, or another policy, is left as it is), for a request
+    /// drafted by `drafter`.
+    fn prime(&self, drafter: DrafterKind, policy: &mut DraftLenPolicy);
 }
 
 /// Engine settings.
@@ -753,7 +754,7 @@ impl<M: Target, T: Target> Engine<M, T> {
             return;
         }
         if let Some(l) = &self.learner {
-            l.prime(&mut job.config.draft_len);
+            l.prime(job.drafter, &mut job.config.draft_len);
         }
         let id = SeqId(self.next_id);
         self.next_id += 1;
@@ -864,7 +865,7 @@ impl<M: Target, T: Target> Engine<M, T> {
             m.record_output(&output.metrics, output.tokens.len());
         }
         if let Some(l) = &mut self.learner {
-            l.learn(&output.metrics, a.alone);
+            l.learn(a.drafter, &output.metrics, a.alone);
         }
         if !a.stopped_by_text {
             // The text still held back: an incomplete character, or the start of a stop string

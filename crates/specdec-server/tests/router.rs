@@ -753,11 +753,11 @@ struct Recorded {
 struct Counting(Arc<std::sync::Mutex<Recorded>>);
 
 impl Learner for Counting {
-    fn learn(&mut self, metrics: &specdec_core::Metrics, alone: bool) {
+    fn learn(&mut self, _drafter: DrafterKind, metrics: &specdec_core::Metrics, alone: bool) {
         self.0.lock().unwrap().learned.push((metrics.rounds, alone));
     }
 
-    fn prime(&self, policy: &mut specdec_core::DraftLenPolicy) {
+    fn prime(&self, _drafter: DrafterKind, policy: &mut specdec_core::DraftLenPolicy) {
         let mut r = self.0.lock().unwrap();
         let n = r.learned.len();
         r.primed.push(n);

@@ -264,8 +264,9 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
     let mut divergences = 0;
     // The calibration as the runs teach it: each speculative run's blocks are folded in before the
     // next run starts from it (`Calibration::learn`), the next mode's on the same prompt included,
-    // with the step and the model's acceptance the runs saw lately (never saved).
+    // with the step the runs saw lately (never saved).
     let mut learned = cal.clone();
+    let mut priors = ModePriors::new(modes.len());
     let repeats = args.repeat.max(1) as usize;
     for (pi, p) in prompts.iter().enumerate() {
         let ids = loaded.prompt(&p.prompt, p.chat, None, false)?;
@@ -297,6 +298,7 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
             }
             for mi in order {
                 let (kind, drafter) = (&modes[mi], &mut drafters[mi]);
+                priors.start(mi, &mut learned, &mut policy);
                 let config = GenerateConfig {
                     max_new_tokens: args.max_tokens,
                     stop_tokens: loaded.tokenizer.stop_tokens().to_vec(),
@@ -328,7 +330,7 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
                 }
                 let m = &g.output.metrics;
                 learned.learn(m);
-                learned.set_prior(&mut policy);
+                priors.finish(mi, &learned);
                 let tps = m.decode_tokens_per_s();
                 let matches = match &reference {
                     None => {
@@ -662,9 +664,69 @@ fn summarize(records: &[Record], modes: &[&str], cal: &Calibration) -> Summary {
     Summary { table, rows }
 }
 
+/// The model-draft acceptance each mode's own runs saw lately ([`Calibration::recent_positions`]),
+/// which the mode's next run starts from: its own, not the last run's of another mode. (Until stop
+/// 62 the modes shared one record, so a mode started each prompt from the acceptance the mode run
+/// just before it had seen on that same prompt, which a drafter running alone cannot know: the
+/// hybrid's first rounds were priced with the model drafter's acceptance on the prompt at hand.)
+struct ModePriors(Vec<Vec<(f64, f64)>>);
+
+impl ModePriors {
+    fn new(modes: usize) -> Self {
+        Self(vec![Vec::new(); modes])
+    }
+
+    /// Before a run of mode `mode`: `learned` holds that mode's counts, and `policy` the prior
+    /// they give.
+    fn start(&self, mode: usize, learned: &mut Calibration, policy: &mut DraftLenPolicy) {
+        learned.recent_positions.clone_from(&self.0[mode]);
+        learned.set_prior(policy);
+    }
+
+    /// After the run: the counts `learned` holds now, the run's folded in, are the mode's.
+    fn finish(&mut self, mode: usize, learned: &Calibration) {
+        self.0[mode].clone_from(&learned.recent_positions);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A mode's next run starts from the acceptance its own runs saw, never another mode's.
+    #[test]
+    fn each_mode_starts_from_the_acceptance_its_own_runs_saw() {
+        let mut learned = Calibration {
+            target_step_s: 0.03,
+            draft_step_s: Some(0.01),
+            c: Some(0.3),
+            draft_read_s: None,
+            r: (0..16).map(|m| 1.0 + 0.1 * m as f64).collect(),
+            context: None,
+            long_context: None,
+            weights: Vec::new(),
+            learned_blocks: 0,
+            recent_step: None,
+            recent_positions: Vec::new(),
+        };
+        let mut priors = ModePriors::new(2);
+        let prior =
+            |policy: &DraftLenPolicy| policy.calibration().expect("a prior").acceptance.clone();
+        let mut policy = DraftLenPolicy::auto(None);
+        // Mode 0 runs and its model drafts were accepted 9 times in 10.
+        priors.start(0, &mut learned, &mut policy);
+        assert!(prior(&policy).is_empty());
+        learned.recent_positions = vec![(10.0, 9.0)];
+        priors.finish(0, &learned);
+        // Mode 1 on the same prompt starts from nothing it has seen.
+        priors.start(1, &mut learned, &mut policy);
+        assert!(prior(&policy).is_empty(), "{:?}", prior(&policy));
+        priors.finish(1, &learned);
+        // Mode 0's next run starts from its own.
+        priors.start(0, &mut learned, &mut policy);
+        assert_eq!(prior(&policy), learned.recent_acceptance());
+        assert_eq!(prior(&policy).len(), 1);
+    }
 
     #[test]
     fn the_shipped_prompt_sets_hold_ten_prompts_per_category() {

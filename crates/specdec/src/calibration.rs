@@ -440,22 +440,57 @@ pub fn load(path: &Path) -> Option<Calibration> {
 /// A calibration that learns across a server's requests ([`specdec_server::Learner`]): each
 /// finished request's model-draft acceptance, and its single step where it decoded alone, become
 /// what the next request's cost model starts from ([`Calibration::recent_acceptance`],
-/// [`Calibration::recent_step`]). Not the curve: stop 49 measured a server that also folded the
-/// requests' blocks into `r` 1.5% slower end to end. In memory only: the saved file is
-/// `generate`'s and `bench`'s to update.
+/// [`Calibration::recent_step`]). The acceptance is kept per drafter kind: a hybrid calls its
+/// model in the rounds the lookup has nothing for, where drafts fare worse than a model drafter's
+/// in all of its rounds, so neither kind's requests start from the other's. Not the curve: stop 49
+/// measured a server that also folded the requests' blocks into `r` 1.5% slower end to end. In
+/// memory only: the saved file is `generate`'s and `bench`'s to update.
 #[derive(Debug)]
-pub struct Learning(pub Calibration);
+pub struct Learning {
+    /// The calibration; its [`Calibration::recent_positions`] are the last kind's learned.
+    pub calibration: Calibration,
+    /// Per drafter kind, the model-draft counts its requests taught
+    /// ([`Calibration::recent_positions`]).
+    positions: Vec<(specdec_server::DrafterKind, Vec<(f64, f64)>)>,
+}
 
-impl specdec_server::Learner for Learning {
-    fn learn(&mut self, metrics: &Metrics, alone: bool) {
-        self.0.learn_positions(metrics);
-        if alone {
-            self.0.learn_step(metrics);
+impl Learning {
+    /// Learns from requests, starting from `calibration`.
+    pub fn new(calibration: Calibration) -> Self {
+        Self {
+            calibration,
+            positions: Vec::new(),
         }
     }
 
-    fn prime(&self, policy: &mut DraftLenPolicy) {
-        self.0.set_prior(policy);
+    /// The model-draft counts the requests of `drafter` taught.
+    fn positions(&self, drafter: specdec_server::DrafterKind) -> &[(f64, f64)] {
+        self.positions
+            .iter()
+            .find(|(k, _)| *k == drafter)
+            .map_or(&[], |(_, p)| p.as_slice())
+    }
+}
+
+impl specdec_server::Learner for Learning {
+    fn learn(&mut self, drafter: specdec_server::DrafterKind, metrics: &Metrics, alone: bool) {
+        let mut own = self.positions(drafter).to_vec();
+        std::mem::swap(&mut self.calibration.recent_positions, &mut own);
+        self.calibration.learn_positions(metrics);
+        let learned = self.calibration.recent_positions.clone();
+        match self.positions.iter_mut().find(|(k, _)| *k == drafter) {
+            Some((_, p)) => *p = learned,
+            None => self.positions.push((drafter, learned)),
+        }
+        if alone {
+            self.calibration.learn_step(metrics);
+        }
+    }
+
+    fn prime(&self, drafter: specdec_server::DrafterKind, policy: &mut DraftLenPolicy) {
+        let mut cal = self.calibration.clone();
+        cal.recent_positions = self.positions(drafter).to_vec();
+        cal.set_prior(policy);
     }
 }
 
@@ -573,6 +608,7 @@ pub fn apply(
 mod tests {
     use super::*;
     use specdec_core::metrics::{PositionStats, VerifyTiming};
+    use specdec_server::DrafterKind;
 
     /// Attention costs of the size stop 30 calibrated on the default pair.
     fn context_cost() -> ContextCost {
@@ -763,32 +799,66 @@ mod tests {
             reached: 10,
             accepted: 2,
         }];
-        let mut l = Learning(calibration(None));
-        l.learn(&shared, false);
+        let mut l = Learning::new(calibration(None));
+        l.learn(DrafterKind::Model, &shared, false);
         assert_eq!(
-            l.0.r,
+            l.calibration.r,
             calibration(None).r,
             "a shared step's time is no sequence's cost"
         );
-        assert!(l.0.recent_step.is_none());
-        assert_eq!(l.0.learned_blocks, 0);
+        assert!(l.calibration.recent_step.is_none());
+        assert_eq!(l.calibration.learned_blocks, 0);
         let low = (2.0 + PRIOR_ACCEPTANCE) / 11.0;
-        assert!((l.0.recent_acceptance()[0] - low).abs() < 1e-12);
-        l.learn(&shared, true);
+        assert!((l.calibration.recent_acceptance()[0] - low).abs() < 1e-12);
+        l.learn(DrafterKind::Model, &shared, true);
         assert_eq!(
-            l.0.r,
+            l.calibration.r,
             calibration(None).r,
             "the curve stays the calibration's"
         );
-        let (step, _) =
-            l.0.recent_step
-                .expect("the step of a request that decoded alone");
+        let (step, _) = l
+            .calibration
+            .recent_step
+            .expect("the step of a request that decoded alone");
         assert!((step - 0.05).abs() < 1e-12, "{step}");
         let mut policy = DraftLenPolicy::auto(None);
-        l.prime(&mut policy);
+        l.prime(DrafterKind::Model, &mut policy);
         let prior = policy.calibration().expect("a prior");
-        assert_eq!(prior.acceptance, l.0.recent_acceptance());
+        assert_eq!(prior.acceptance, l.calibration.recent_acceptance());
         assert!(prior.step_secs.is_some());
+    }
+
+    /// The server's learner keeps each drafter kind's model-draft acceptance apart: a request
+    /// starts from what requests of its own kind saw, and a kind none has taught from the prior.
+    #[test]
+    fn the_servers_learner_keeps_each_drafter_kinds_acceptance_apart() {
+        use specdec_server::Learner;
+        let taught = |accepted| {
+            let mut m = run(50, 12, &[(2, 10, 1.3)]);
+            m.model_per_position = vec![PositionStats {
+                reached: 10,
+                accepted,
+            }];
+            m
+        };
+        let mut l = Learning::new(calibration(None));
+        l.learn(DrafterKind::Model, &taught(9), false);
+        l.learn(DrafterKind::Hybrid, &taught(2), false);
+        let primed = |kind| {
+            let mut policy = DraftLenPolicy::auto(None);
+            l.prime(kind, &mut policy);
+            policy.calibration().expect("a prior").acceptance.clone()
+        };
+        let (model, hybrid) = (primed(DrafterKind::Model), primed(DrafterKind::Hybrid));
+        assert!(
+            (model[0] - (9.0 + PRIOR_ACCEPTANCE) / 11.0).abs() < 1e-12,
+            "{model:?}"
+        );
+        assert!(
+            (hybrid[0] - (2.0 + PRIOR_ACCEPTANCE) / 11.0).abs() < 1e-12,
+            "{hybrid:?}"
+        );
+        assert!(primed(DrafterKind::Ngram).is_empty());
     }
 
     #[test]

@@ -57,7 +57,7 @@ pub fn command(args: &ServeArgs, ui: Ui) -> Result<()> {
     }
     let learner = saved
         .filter(|_| prior.is_some())
-        .map(crate::calibration::Learning);
+        .map(crate::calibration::Learning::new);
     // The alias when the target is a known model, else the file name without `.gguf`.
     let model_name = if specdec_runtime::fetch::known(&args.model.target).is_some() {
         args.model.target.clone()

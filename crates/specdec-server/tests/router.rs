@@ -748,17 +748,22 @@ async fn logprobs_carry_each_tokens_own_bytes() {
 struct Recorded {
     learned: Vec<(u64, bool)>,
     primed: Vec<usize>,
+    /// The drafter kind of each request learned, and of each primed.
+    kinds: (Vec<DrafterKind>, Vec<DrafterKind>),
 }
 
 struct Counting(Arc<std::sync::Mutex<Recorded>>);
 
 impl Learner for Counting {
-    fn learn(&mut self, _drafter: DrafterKind, metrics: &specdec_core::Metrics, alone: bool) {
-        self.0.lock().unwrap().learned.push((metrics.rounds, alone));
+    fn learn(&mut self, drafter: DrafterKind, metrics: &specdec_core::Metrics, alone: bool) {
+        let mut r = self.0.lock().unwrap();
+        r.learned.push((metrics.rounds, alone));
+        r.kinds.0.push(drafter);
     }
 
-    fn prime(&self, _drafter: DrafterKind, policy: &mut specdec_core::DraftLenPolicy) {
+    fn prime(&self, drafter: DrafterKind, policy: &mut specdec_core::DraftLenPolicy) {
         let mut r = self.0.lock().unwrap();
+        r.kinds.1.push(drafter);
         let n = r.learned.len();
         r.primed.push(n);
         if let specdec_core::DraftLenPolicy::CostModel { prior, .. } = policy {
@@ -826,11 +831,24 @@ async fn the_learner_sees_every_request_and_primes_the_next() {
     }))
     .await;
     assert!(together.iter().all(|(s, _)| *s == StatusCode::OK));
+    {
+        let r = recorded.lock().unwrap();
+        assert_eq!(r.learned.len(), 4);
+        assert!(
+            r.learned[2..].iter().any(|&(_, alone)| !alone),
+            "{:?}",
+            r.learned
+        );
+    }
+    // Each request is learned and primed as the kind that drafts it.
+    let mut ngram = body(4);
+    ngram["drafter"] = json!("ngram");
+    let (s, _) = post(&app, "/v1/chat/completions", ngram).await;
+    assert_eq!(s, StatusCode::OK);
     let r = recorded.lock().unwrap();
-    assert_eq!(r.learned.len(), 4);
-    assert!(
-        r.learned[2..].iter().any(|&(_, alone)| !alone),
-        "{:?}",
-        r.learned
-    );
+    let model = [DrafterKind::Model; 4];
+    assert_eq!(r.kinds.0[..4], model);
+    assert_eq!(r.kinds.1[..4], model);
+    assert_eq!(r.kinds.0[4..], [DrafterKind::Ngram]);
+    assert_eq!(r.kinds.1[4..], [DrafterKind::Ngram]);
 }

@@ -64,8 +64,8 @@ pub struct Calibration {
 }
 
 /// The weight of a run's model-draft counts in [`Calibration::recent_positions`] against the next
-/// run's: the acceptance seen lately follows the last two or three runs (in a benchmark, the last
-/// prompt or two, mostly of the same kind).
+/// run's: the acceptance seen lately follows the last two or three runs (in a benchmark, a mode's
+/// own last two or three runs, of the prompts before, mostly of the same kind).
 pub const RECENT_RUN_DECAY: f64 = 0.5;
 
 /// How long [`Calibration::recent_step`] is the next generation's unit: these machines' memory
@@ -441,13 +441,15 @@ pub fn load(path: &Path) -> Option<Calibration> {
 /// finished request's model-draft acceptance, and its single step where it decoded alone, become
 /// what the next request's cost model starts from ([`Calibration::recent_acceptance`],
 /// [`Calibration::recent_step`]). The acceptance is kept per drafter kind: a hybrid calls its
-/// model in the rounds the lookup has nothing for, where drafts fare worse than a model drafter's
-/// in all of its rounds, so neither kind's requests start from the other's. Not the curve: stop 49
+/// model only in the rounds the lookup has nothing for, which may fare otherwise than a model
+/// drafter's drafts in all of its rounds, so neither kind's requests start from the other's. Not
+/// the curve: stop 49
 /// measured a server that also folded the requests' blocks into `r` 1.5% slower end to end. In
 /// memory only: the saved file is `generate`'s and `bench`'s to update.
 #[derive(Debug)]
 pub struct Learning {
-    /// The calibration; its [`Calibration::recent_positions`] are the last kind's learned.
+    /// The calibration, whose [`Calibration::recent_positions`] stay empty: the counts are
+    /// kept per kind.
     pub calibration: Calibration,
     /// Per drafter kind, the model-draft counts its requests taught
     /// ([`Calibration::recent_positions`]).
@@ -474,10 +476,9 @@ impl Learning {
 
 impl specdec_server::Learner for Learning {
     fn learn(&mut self, drafter: specdec_server::DrafterKind, metrics: &Metrics, alone: bool) {
-        let mut own = self.positions(drafter).to_vec();
-        std::mem::swap(&mut self.calibration.recent_positions, &mut own);
+        self.calibration.recent_positions = self.positions(drafter).to_vec();
         self.calibration.learn_positions(metrics);
-        let learned = self.calibration.recent_positions.clone();
+        let learned = std::mem::take(&mut self.calibration.recent_positions);
         match self.positions.iter_mut().find(|(k, _)| *k == drafter) {
             Some((_, p)) => *p = learned,
             None => self.positions.push((drafter, learned)),
@@ -809,7 +810,12 @@ mod tests {
         assert!(l.calibration.recent_step.is_none());
         assert_eq!(l.calibration.learned_blocks, 0);
         let low = (2.0 + PRIOR_ACCEPTANCE) / 11.0;
-        assert!((l.calibration.recent_acceptance()[0] - low).abs() < 1e-12);
+        let primed = || {
+            let mut policy = DraftLenPolicy::auto(None);
+            l.prime(DrafterKind::Model, &mut policy);
+            policy.calibration().expect("a prior").acceptance.clone()
+        };
+        assert!((primed()[0] - low).abs() < 1e-12, "{:?}", primed());
         l.learn(DrafterKind::Model, &shared, true);
         assert_eq!(
             l.calibration.r,
@@ -824,7 +830,14 @@ mod tests {
         let mut policy = DraftLenPolicy::auto(None);
         l.prime(DrafterKind::Model, &mut policy);
         let prior = policy.calibration().expect("a prior");
-        assert_eq!(prior.acceptance, l.calibration.recent_acceptance());
+        // The first request's counts weigh half the second's.
+        let both = (3.0 + PRIOR_ACCEPTANCE) / 16.0;
+        assert!(
+            (prior.acceptance[0] - both).abs() < 1e-12,
+            "{:?}",
+            prior.acceptance
+        );
+        assert!(l.calibration.recent_positions.is_empty());
         assert!(prior.step_secs.is_some());
     }
 

@@ -700,21 +700,31 @@ impl ModePriors {
 mod tests {
     use super::*;
 
-    /// A mode's next run starts from the acceptance its own runs saw, never another mode's.
-    #[test]
-    fn each_mode_starts_from_the_acceptance_its_own_runs_saw() {
-        let mut learned = Calibration {
+    /// A calibration of a 30 ms step whose blocks cost one step at every length, with no draft.
+    fn flat_calibration() -> Calibration {
+        Calibration {
             target_step_s: 0.03,
-            draft_step_s: Some(0.01),
-            c: Some(0.3),
+            draft_step_s: None,
+            c: None,
             draft_read_s: None,
-            r: (0..16).map(|m| 1.0 + 0.1 * m as f64).collect(),
+            r: vec![1.0; 16],
             context: None,
             long_context: None,
             weights: Vec::new(),
             learned_blocks: 0,
             recent_step: None,
             recent_positions: Vec::new(),
+        }
+    }
+
+    /// A mode's next run starts from the acceptance its own runs saw, never another mode's.
+    #[test]
+    fn each_mode_starts_from_the_acceptance_its_own_runs_saw() {
+        let mut learned = Calibration {
+            draft_step_s: Some(0.01),
+            c: Some(0.3),
+            r: (0..16).map(|m| 1.0 + 0.1 * m as f64).collect(),
+            ..flat_calibration()
         };
         let mut priors = ModePriors::new(2);
         let prior =
@@ -847,19 +857,7 @@ mod tests {
         assert_eq!(merged[0].decode_tokens_per_s, 30.0);
         // A prompt run once is left as it was.
         assert_eq!(merged[2].decode_tokens_per_s, 20.0);
-        let cal = Calibration {
-            target_step_s: 0.03,
-            draft_step_s: None,
-            c: None,
-            draft_read_s: None,
-            r: vec![1.0; 16],
-            context: None,
-            long_context: None,
-            weights: Vec::new(),
-            learned_blocks: 0,
-            recent_step: None,
-            recent_positions: Vec::new(),
-        };
+        let cal = flat_calibration();
         let summary = summarize(&merged, &["ar", "hybrid"], &cal);
         let row = summary
             .rows

@@ -12,7 +12,7 @@ use specdec_core::{
 };
 use specdec_runtime::fetch::{home, wheel_member, FetchOptions};
 
-use crate::calibration::Calibration;
+use crate::calibration::{Calibration, PositionsByKind};
 use crate::cli::{BenchArgs, DrafterKind};
 use crate::engine::{draft_len_policy, Loaded, Ui};
 use crate::generate::run;
@@ -266,7 +266,9 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
     // next run starts from it (`Calibration::learn`), the next mode's on the same prompt included,
     // with the step the runs saw lately (never saved).
     let mut learned = cal.clone();
-    let mut priors = ModePriors::new(modes.len());
+    // The model drafts' acceptance each mode's own runs saw, by mode: every repetition of a
+    // prompt starts from what its first started from, as its lookup drafters do.
+    let mut priors = PositionsByKind::<usize>::default();
     let repeats = args.repeat.max(1) as usize;
     for (pi, p) in prompts.iter().enumerate() {
         let ids = loaded.prompt(&p.prompt, p.chat, None, false)?;
@@ -302,7 +304,7 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
             }
             for mi in order {
                 let (kind, drafter) = (&modes[mi], &mut drafters[mi]);
-                priors.start(mi, &mut learned, &mut policy);
+                priors.prime(mi, &learned, &mut policy);
                 let config = GenerateConfig {
                     max_new_tokens: args.max_tokens,
                     stop_tokens: loaded.tokenizer.stop_tokens().to_vec(),
@@ -333,8 +335,8 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
                     bail!("prompt {}: mode {}: {e}", p.id, mode_name(*kind));
                 }
                 let m = &g.output.metrics;
-                learned.learn(m);
-                priors.finish(mi, &learned);
+                learned.learn_costs(m);
+                priors.learn(mi, m);
                 let tps = m.decode_tokens_per_s();
                 let matches = match &reference {
                     None => {
@@ -668,37 +670,11 @@ fn summarize(records: &[Record], modes: &[&str], cal: &Calibration) -> Summary {
     Summary { table, rows }
 }
 
-/// The model-draft acceptance each mode's own runs saw lately ([`Calibration::recent_positions`]),
-/// which the mode's next run starts from: its own, not the last run's of another mode. (Until stop
-/// 62 the modes shared one record, so a mode started each prompt from the acceptance the mode run
-/// just before it had seen on that same prompt, which a drafter running alone cannot know: the
-/// hybrid's first rounds were priced with the model drafter's acceptance on the prompt at hand.)
-/// Every repetition of a prompt starts from the counts the prompt's first started from, as its
-/// lookup drafters start from what they knew before it.
-#[derive(Clone)]
-struct ModePriors(Vec<Vec<(f64, f64)>>);
-
-impl ModePriors {
-    fn new(modes: usize) -> Self {
-        Self(vec![Vec::new(); modes])
-    }
-
-    /// Before a run of mode `mode`: `learned` holds that mode's counts, and `policy` the prior
-    /// they give.
-    fn start(&self, mode: usize, learned: &mut Calibration, policy: &mut DraftLenPolicy) {
-        learned.recent_positions.clone_from(&self.0[mode]);
-        learned.set_prior(policy);
-    }
-
-    /// After the run: the counts `learned` holds now, the run's folded in, are the mode's.
-    fn finish(&mut self, mode: usize, learned: &Calibration) {
-        self.0[mode].clone_from(&learned.recent_positions);
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use specdec_core::metrics::PositionStats;
+    use specdec_core::Metrics;
 
     /// A calibration of a 30 ms step whose blocks cost one step at every length, with no draft.
     fn flat_calibration() -> Calibration {
@@ -720,27 +696,33 @@ mod tests {
     /// A mode's next run starts from the acceptance its own runs saw, never another mode's.
     #[test]
     fn each_mode_starts_from_the_acceptance_its_own_runs_saw() {
-        let mut learned = Calibration {
+        let learned = Calibration {
             draft_step_s: Some(0.01),
             c: Some(0.3),
             r: (0..16).map(|m| 1.0 + 0.1 * m as f64).collect(),
             ..flat_calibration()
         };
-        let mut priors = ModePriors::new(2);
+        let mut priors = PositionsByKind::<usize>::default();
         let prior =
             |policy: &DraftLenPolicy| policy.calibration().expect("a prior").acceptance.clone();
         let mut policy = DraftLenPolicy::auto(None);
         // Mode 0 runs and its model drafts were accepted 9 times in 10.
-        priors.start(0, &mut learned, &mut policy);
+        priors.prime(0, &learned, &mut policy);
         assert!(prior(&policy).is_empty());
-        learned.recent_positions = vec![(10.0, 9.0)];
-        priors.finish(0, &learned);
+        let run = Metrics {
+            model_per_position: vec![PositionStats {
+                reached: 10,
+                accepted: 9,
+            }],
+            ..Metrics::default()
+        };
+        priors.learn(0, &run);
         // Mode 1 on the same prompt starts from nothing it has seen.
-        priors.start(1, &mut learned, &mut policy);
+        priors.prime(1, &learned, &mut policy);
         assert!(prior(&policy).is_empty(), "{:?}", prior(&policy));
-        priors.finish(1, &learned);
+        priors.learn(1, &Metrics::default());
         // Mode 0's next run starts from its own.
-        priors.start(0, &mut learned, &mut policy);
+        priors.prime(0, &learned, &mut policy);
         let own = prior(&policy);
         assert_eq!(own.len(), 1);
         assert!(

@@ -107,21 +107,7 @@ impl Calibration {
 
     /// The model-draft counts of `m` into [`Calibration::recent_positions`].
     fn learn_positions(&mut self, m: &Metrics) {
-        let run = &m.model_per_position;
-        if run.iter().all(|p| p.reached == 0) {
-            return;
-        }
-        for p in &mut self.recent_positions {
-            p.0 *= RECENT_RUN_DECAY;
-            p.1 *= RECENT_RUN_DECAY;
-        }
-        if self.recent_positions.len() < run.len() {
-            self.recent_positions.resize(run.len(), (0.0, 0.0));
-        }
-        for (p, s) in self.recent_positions.iter_mut().zip(run) {
-            p.0 += s.reached as f64;
-            p.1 += s.accepted as f64;
-        }
+        fold_positions(&mut self.recent_positions, m);
     }
 
     /// Conditional acceptance of the model's drafts by position in the runs learned lately: each
@@ -157,7 +143,7 @@ impl Calibration {
     }
 
     /// The curve's part of [`Calibration::learn`], and the recent step.
-    fn learn_costs(&mut self, m: &Metrics) -> bool {
+    pub(crate) fn learn_costs(&mut self, m: &Metrics) -> bool {
         let Some((t1, singles, n)) = self.learn_step(m) else {
             return false;
         };
@@ -195,6 +181,75 @@ impl Calibration {
         {
             if let Some(p) = as_prior(self) {
                 *prior = Some(p);
+            }
+        }
+    }
+}
+
+/// Folds the model-draft counts of `m` into `positions` (a run's
+/// [`Calibration::recent_positions`]), the counts before weighing [`RECENT_RUN_DECAY`]; a run
+/// whose model drafted nothing leaves them as they are.
+fn fold_positions(positions: &mut Vec<(f64, f64)>, m: &Metrics) {
+    let run = &m.model_per_position;
+    if run.iter().all(|p| p.reached == 0) {
+        return;
+    }
+    for p in positions.iter_mut() {
+        p.0 *= RECENT_RUN_DECAY;
+        p.1 *= RECENT_RUN_DECAY;
+    }
+    if positions.len() < run.len() {
+        positions.resize(run.len(), (0.0, 0.0));
+    }
+    for (p, s) in positions.iter_mut().zip(run) {
+        p.0 += s.reached as f64;
+        p.1 += s.accepted as f64;
+    }
+}
+
+/// The model-draft counts ([`Calibration::recent_positions`]) kept per drafter kind, so that a
+/// run starts from the acceptance the runs of its own kind saw lately: `bench` keeps them per
+/// mode (until stop 62 its modes shared one record, so a mode started each prompt from what the
+/// mode run just before it had seen on that same prompt, which a drafter running alone cannot
+/// know), the server's [`Learning`] per request kind (a hybrid calls its model only in the rounds
+/// the lookup has nothing for, which may fare otherwise than a model drafter's drafts in all of
+/// its rounds).
+#[derive(Clone, Debug)]
+pub struct PositionsByKind<K> {
+    kinds: Vec<(K, Vec<(f64, f64)>)>,
+}
+
+impl<K> Default for PositionsByKind<K> {
+    fn default() -> Self {
+        Self { kinds: Vec::new() }
+    }
+}
+
+impl<K: Copy + PartialEq> PositionsByKind<K> {
+    /// The counts the runs of `kind` taught.
+    fn of(&self, kind: K) -> &[(f64, f64)] {
+        self.kinds
+            .iter()
+            .find(|(k, _)| *k == kind)
+            .map_or(&[], |(_, p)| p.as_slice())
+    }
+
+    /// `cal` as the prior of a run of `kind` ([`Calibration::set_prior`]), with the acceptance
+    /// the runs of `kind` saw in place of its own.
+    pub fn prime(&self, kind: K, cal: &Calibration, policy: &mut DraftLenPolicy) {
+        let mut cal = cal.clone();
+        cal.recent_positions = self.of(kind).to_vec();
+        cal.set_prior(policy);
+    }
+
+    /// A run of `kind` ended after `m`: its model drafts are folded into the kind's counts.
+    pub fn learn(&mut self, kind: K, m: &Metrics) {
+        match self.kinds.iter_mut().find(|(k, _)| *k == kind) {
+            Some((_, p)) => fold_positions(p, m),
+            None => {
+                let mut p = Vec::new();
+                fold_positions(&mut p, m);
+                self.kinds.push((kind, p));
             }
         }
     }
@@ -440,20 +495,15 @@ pub fn load(path: &Path) -> Option<Calibration> {
 /// A calibration that learns across a server's requests ([`specdec_server::Learner`]): each
 /// finished request's model-draft acceptance, and its single step where it decoded alone, become
 /// what the next request's cost model starts from ([`Calibration::recent_acceptance`],
-/// [`Calibration::recent_step`]). The acceptance is kept per drafter kind: a hybrid calls its
-/// model only in the rounds the lookup has nothing for, which may fare otherwise than a model
-/// drafter's drafts in all of its rounds, so neither kind's requests start from the other's. Not
-/// the curve: stop 49
-/// measured a server that also folded the requests' blocks into `r` 1.5% slower end to end. In
-/// memory only: the saved file is `generate`'s and `bench`'s to update.
+/// [`Calibration::recent_step`]), the acceptance per drafter kind ([`PositionsByKind`]). Not the
+/// curve: stop 49 measured a server that also folded the requests' blocks into `r` 1.5% slower
+/// end to end. In memory only: the saved file is `generate`'s and `bench`'s to update.
 #[derive(Debug)]
 pub struct Learning {
     /// The calibration, whose [`Calibration::recent_positions`] stay empty: the counts are
     /// kept per kind.
     pub calibration: Calibration,
-    /// Per drafter kind, the model-draft counts its requests taught
-    /// ([`Calibration::recent_positions`]).
-    positions: Vec<(specdec_server::DrafterKind, Vec<(f64, f64)>)>,
+    positions: PositionsByKind<specdec_server::DrafterKind>,
 }
 
 impl Learning {
@@ -461,37 +511,21 @@ impl Learning {
     pub fn new(calibration: Calibration) -> Self {
         Self {
             calibration,
-            positions: Vec::new(),
+            positions: PositionsByKind::default(),
         }
-    }
-
-    /// The model-draft counts the requests of `drafter` taught.
-    fn positions(&self, drafter: specdec_server::DrafterKind) -> &[(f64, f64)] {
-        self.positions
-            .iter()
-            .find(|(k, _)| *k == drafter)
-            .map_or(&[], |(_, p)| p.as_slice())
     }
 }
 
 impl specdec_server::Learner for Learning {
     fn learn(&mut self, drafter: specdec_server::DrafterKind, metrics: &Metrics, alone: bool) {
-        self.calibration.recent_positions = self.positions(drafter).to_vec();
-        self.calibration.learn_positions(metrics);
-        let learned = std::mem::take(&mut self.calibration.recent_positions);
-        match self.positions.iter_mut().find(|(k, _)| *k == drafter) {
-            Some((_, p)) => *p = learned,
-            None => self.positions.push((drafter, learned)),
-        }
+        self.positions.learn(drafter, metrics);
         if alone {
             self.calibration.learn_step(metrics);
         }
     }
 
     fn prime(&self, drafter: specdec_server::DrafterKind, policy: &mut DraftLenPolicy) {
-        let mut cal = self.calibration.clone();
-        cal.recent_positions = self.positions(drafter).to_vec();
-        cal.set_prior(policy);
+        self.positions.prime(drafter, &self.calibration, policy);
     }
 }
 

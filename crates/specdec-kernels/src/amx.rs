@@ -1,6 +1,6 @@
 //! Intel's AMX tiles ([`crate::CpuLevel::Amx`]): whether this process may use them, the tile
-//! products the interleaved Q4_K pass asks for, and the activations' quants in the order a tile
-//! reads them.
+//! products the interleaved Q4_K pass and gemm ask for, and the activations' quants in the order a
+//! tile reads them.
 //!
 //! A tile is a matrix of up to 16 rows of up to 64 bytes held in one of eight tile registers.
 //! `tdpbsud c, a, b` adds to each `i32` element `c[i][n]` the exact products of signed bytes
@@ -22,9 +22,24 @@
 //! still need their own scale per weight row, so every sum is stored from its tile and scaled by
 //! vectors (8 loads, multiplies and adds per activation row and block): that halves the vector
 //! work per row against the 512-bit pass rather than removing it, and the weights are unpacked into
-//! bytes at every pass. A prefill that unpacked a block once for all its rows, or tiles that
-//! accumulated whole blocks (the scales folded into the weights' bytes, split so the products fit),
-//! might pay; neither is built.
+//! bytes at every pass.
+//!
+//! Stop 63 built both ideas stop 54 left untried, for matmuls of [`AMX_GEMM_FROM_ROWS`] rows or
+//! more (a prefill's chunks): a gemm (`formats::q4_k_x8::amx::gemm`) that unpacks each block of a
+//! pair of groups once for all the rows, and multiplies the weights by their sub-block's scale
+//! split in two parts that fit a byte (`scale >> 3` and `scale & 7`, one `vpmullw` each:
+//! [`FOLDED_BYTES`]), so that four products of depth 64 per block accumulate each part whole
+//! ([`Tiles::folded`], [`Tiles::folded_pair`]) and the vectors only combine `8 · high + low`, the
+//! integer the 512-bit pass makes, once per block instead of scaling every sub-block. Measured on
+//! a 2-core Xeon with AMX (stop 63, `rcurve` for 256 rows of a 1536 × 8960 Q4_K matrix, levels
+//! alternated, 11 pairs, two of them with a first version that took one slab at a time): the
+//! gemm's rate 0.92–1.93 times the 512-bit passes' (median 1.23; 2 threads 265–511 GMAC/s against
+//! 255–342, 1 thread 112–196 against 90–163). The split doubles the products: on
+//! that machine one `tdpbsud` took 17 ns (967 GMAC/s a core with the tiles resident), a slab's
+//! products with their loads 198 ns (a C loop alone), so the tiles' work caps the gemm at about
+//! 330 useful GMAC/s a core; the vectors' unpacking and float arithmetic add to it. A 1,401-token
+//! prefill of the 1.5B target was not measurably faster (5 alternated runs each, medians 11.6 s
+//! with the gemm and 10.7 s without, ±30% between runs), so the level stays opt-in.
 
 #[cfg(target_arch = "x86_64")]
 use crate::simd::avx512::write_pair;
@@ -44,6 +59,15 @@ use std::arch::x86_64::{__m512, _mm512_setzero_ps};
 /// tiles.
 pub const AMX_FROM_ROWS: usize = 16;
 
+/// From how many activation rows [`crate::CpuLevel::Amx`] runs an interleaved Q4_K matmul (rows a
+/// multiple of 8) as a gemm on the
+/// tiles (`formats::q4_k_x8::amx::gemm`: each block's weights unpacked and multiplied by their
+/// scales once for all rows, whole slabs of 16 rows per product, no scaling per sub-block); the
+/// rows past the last whole slab go through the passes. Not measured against other thresholds:
+/// two slabs are the least that share a block's unpacking, and a 16-row pass keeps the tiles of
+/// [`AMX_FROM_ROWS`].
+pub const AMX_GEMM_FROM_ROWS: usize = 32;
+
 /// The activation quants of `x` (Q8_K blocks, in the kernels' order) in natural order: value `v`
 /// of block `j` at `256 j + v`. The kernels' order is an 8 × 8 transpose of 4-value words, its own
 /// inverse, so word `8 s + t` of a natural block is word `8 t + s` of the stored one.
@@ -59,11 +83,13 @@ pub(crate) fn natural_order(x: &[crate::BlockQ8K]) -> Vec<i8> {
     out
 }
 
-/// The tile products a pass needs, on the hardware ([`Hardware`]) or, in tests, emulated.
+/// The tile products a pass or a gemm needs, on the hardware ([`Hardware`]) or, in tests,
+/// emulated.
 ///
-/// Two sets of tiles take turns so that one product can start while the last is stored: set `S`
-/// (0 or 1) uses `tmm{S}` for the sums, `tmm{2 + S}` for the activations and `tmm{4 + S}` for the
-/// weights.
+/// In a pass ([`Tiles::product`]) two sets of tiles take turns so that one product can start while
+/// the last is stored: set `S` (0 or 1) uses `tmm{S}` for the sums, `tmm{2 + S}` for the
+/// activations and `tmm{4 + S}` for the weights. The gemm's products ([`Tiles::folded`],
+/// [`Tiles::folded_pair`]) use all eight tiles, each 16 rows of 64 bytes.
 pub(crate) trait Tiles {
     /// Sets the tiles up for products of `rows` activation rows (1 ..= 16) over `depth` values
     /// (a multiple of 4 up to 64: 32 for a Q4_K sub-block).
@@ -87,12 +113,43 @@ pub(crate) trait Tiles {
         c: *mut i32,
     );
 
+    /// Sets all eight tiles up as 16 rows of 64 bytes, for [`Tiles::folded`].
+    ///
+    /// # Safety
+    /// The CPU must support [`crate::CpuLevel::Amx`].
+    unsafe fn configure_folded(&mut self);
+
+    /// The integer sums of one 256-value block for 16 activation rows and 16 weight rows whose
+    /// weights were multiplied by the two parts of their sub-blocks' scales ([`FOLDED_BYTES`]):
+    /// `c[16 i + n] = Σ_{k < 256} a[i · stride + k] · b[1024 (k / 64) + 64 (k % 64 / 4) + 4 n + k % 4]`
+    /// and `c[256 + 16 i + n]` the same with `b[4096 + ..]`, for `i, n < 16`: four products of
+    /// depth 64 into each of two sums' tiles.
+    ///
+    /// # Safety
+    /// [`Tiles::configure_folded`] was called on this thread since the last [`Tiles::release`];
+    /// `a` is readable for 256 bytes at each of the 16 rows' offsets, `b` for [`FOLDED_BYTES`]
+    /// bytes, `c` writable for 512 `i32`.
+    unsafe fn folded(&mut self, a: *const i8, stride: usize, b: *const u8, c: *mut i32);
+
+    /// [`Tiles::folded`] for two slabs of 16 activation rows at once (the second's rows at
+    /// `a + 16 · stride`, its sums at `c + 512`), each chunk's weights loaded once for both: four
+    /// chains of products that do not wait on each other.
+    ///
+    /// # Safety
+    /// As [`Tiles::folded`], for 32 rows of `a` and 1024 `i32` of `c`.
+    unsafe fn folded_pair(&mut self, a: *const i8, stride: usize, b: *const u8, c: *mut i32);
+
     /// Gives the tiles back (their state no longer needs saving at a context switch).
     ///
     /// # Safety
     /// As [`Tiles::configure`].
     unsafe fn release(&mut self);
 }
+
+/// The weights' bytes of one block of a pair of groups for [`Tiles::folded`]: the unpacked values
+/// times the high part of their sub-block's scale (`scale >> 3`), then times the low part
+/// (`scale & 7`), 4096 bytes each; every product is at most 15 · 7, so it fits a byte.
+pub(crate) const FOLDED_BYTES: usize = 8192;
 
 /// Values per sub-block of a Q4_K block: the depth of one tile product.
 const DEPTH: usize = 32;
@@ -272,6 +329,17 @@ struct Config([u8; 64]);
 
 #[cfg(target_arch = "x86_64")]
 impl Config {
+    /// All eight tiles 16 rows × 64 bytes ([`Tiles::folded`]).
+    fn folded() -> Config {
+        let mut c = [0u8; 64];
+        c[0] = 1;
+        for tile in 0..8 {
+            c[16 + 2 * tile..18 + 2 * tile].copy_from_slice(&64u16.to_le_bytes());
+            c[48 + tile] = 16;
+        }
+        Config(c)
+    }
+
     /// Tiles 0, 1: `rows` × 64 bytes (the sums); 2, 3: `rows` × `depth` bytes (activations); 4,
     /// 5: `depth / 4` × 64 bytes (weights).
     fn new(rows: usize, depth: usize) -> Config {
@@ -348,6 +416,117 @@ impl Tiles for Hardware {
     }
 
     #[inline]
+    unsafe fn configure_folded(&mut self) {
+        let config = Config::folded();
+        // SAFETY: as in `configure`.
+        unsafe {
+            std::arch::asm!(
+                "ldtilecfg [{0}]",
+                in(reg) config.0.as_ptr(),
+                options(nostack, readonly, preserves_flags)
+            );
+        }
+    }
+
+    /// Sums in `tmm0` (high parts) and `tmm1` (low parts); the activations of even and odd
+    /// 64-value chunks in `tmm2` and `tmm3`, their weights in `tmm4`/`tmm6` and `tmm5`/`tmm7`, so
+    /// that a chunk's loads need not wait for the last chunk's products.
+    #[inline]
+    unsafe fn folded(&mut self, a: *const i8, stride: usize, b: *const u8, c: *mut i32) {
+        // SAFETY: the caller's contract: the tiles are configured, and the rows of `a`, `b` and `c`
+        // are in bounds.
+        unsafe {
+            std::arch::asm!(
+                "tilezero tmm0",
+                "tilezero tmm1",
+                "tileloadd tmm2, [{a} + {stride}*1]",
+                "tileloadd tmm4, [{b} + {row}*1]",
+                "tileloadd tmm6, [{b} + {row}*1 + 4096]",
+                "tdpbsud tmm0, tmm2, tmm4",
+                "tdpbsud tmm1, tmm2, tmm6",
+                "tileloadd tmm3, [{a} + {stride}*1 + 64]",
+                "tileloadd tmm5, [{b} + {row}*1 + 1024]",
+                "tileloadd tmm7, [{b} + {row}*1 + 5120]",
+                "tdpbsud tmm0, tmm3, tmm5",
+                "tdpbsud tmm1, tmm3, tmm7",
+                "tileloadd tmm2, [{a} + {stride}*1 + 128]",
+                "tileloadd tmm4, [{b} + {row}*1 + 2048]",
+                "tileloadd tmm6, [{b} + {row}*1 + 6144]",
+                "tdpbsud tmm0, tmm2, tmm4",
+                "tdpbsud tmm1, tmm2, tmm6",
+                "tileloadd tmm3, [{a} + {stride}*1 + 192]",
+                "tileloadd tmm5, [{b} + {row}*1 + 3072]",
+                "tileloadd tmm7, [{b} + {row}*1 + 7168]",
+                "tdpbsud tmm0, tmm3, tmm5",
+                "tdpbsud tmm1, tmm3, tmm7",
+                "tilestored [{c} + {row}*1], tmm0",
+                "tilestored [{c} + {row}*1 + 1024], tmm1",
+                a = in(reg) a,
+                stride = in(reg) stride,
+                b = in(reg) b,
+                c = in(reg) c,
+                row = in(reg) 64usize,
+                options(nostack, preserves_flags)
+            )
+        }
+    }
+
+    /// Sums in `tmm0`/`tmm1` (first slab, high and low parts) and `tmm2`/`tmm3` (second slab);
+    /// each chunk's activations in `tmm4` and `tmm5`, its weights in `tmm6` (high) and `tmm7`
+    /// (low).
+    #[inline]
+    unsafe fn folded_pair(&mut self, a: *const i8, stride: usize, b: *const u8, c: *mut i32) {
+        /// One 64-value chunk: its loads at these offsets, then its four products.
+        macro_rules! chunk {
+            ($a:literal, $bh:literal, $bl:literal) => {
+                concat!(
+                    "tileloadd tmm6, [{b} + {row}*1 + ",
+                    $bh,
+                    "]\n",
+                    "tileloadd tmm7, [{b} + {row}*1 + ",
+                    $bl,
+                    "]\n",
+                    "tileloadd tmm4, [{a} + {stride}*1 + ",
+                    $a,
+                    "]\n",
+                    "tileloadd tmm5, [{a2} + {stride}*1 + ",
+                    $a,
+                    "]\n",
+                    "tdpbsud tmm0, tmm4, tmm6\n",
+                    "tdpbsud tmm1, tmm4, tmm7\n",
+                    "tdpbsud tmm2, tmm5, tmm6\n",
+                    "tdpbsud tmm3, tmm5, tmm7\n",
+                )
+            };
+        }
+        // SAFETY: the caller's contract: the tiles are configured, and the rows of `a`, `b` and `c`
+        // are in bounds.
+        unsafe {
+            std::arch::asm!(
+                "tilezero tmm0",
+                "tilezero tmm1",
+                "tilezero tmm2",
+                "tilezero tmm3",
+                chunk!("0", "0", "4096"),
+                chunk!("64", "1024", "5120"),
+                chunk!("128", "2048", "6144"),
+                chunk!("192", "3072", "7168"),
+                "tilestored [{c} + {row}*1], tmm0",
+                "tilestored [{c} + {row}*1 + 1024], tmm1",
+                "tilestored [{c} + {row}*1 + 2048], tmm2",
+                "tilestored [{c} + {row}*1 + 3072], tmm3",
+                a = in(reg) a,
+                a2 = in(reg) a.wrapping_add(16 * stride),
+                stride = in(reg) stride,
+                b = in(reg) b,
+                c = in(reg) c,
+                row = in(reg) 64usize,
+                options(nostack, preserves_flags)
+            )
+        }
+    }
+
+    #[inline]
     unsafe fn release(&mut self) {
         // SAFETY: the caller's contract.
         unsafe { std::arch::asm!("tilerelease", options(nostack, nomem, preserves_flags)) };
@@ -388,6 +567,37 @@ impl Tiles for Emulated {
                 // SAFETY: the caller's contract.
                 unsafe { c.add(16 * i + n).write(sum) };
             }
+        }
+    }
+
+    unsafe fn configure_folded(&mut self) {
+        self.rows = 16;
+        self.depth = 64;
+    }
+
+    unsafe fn folded(&mut self, a: *const i8, stride: usize, b: *const u8, c: *mut i32) {
+        for part in 0..2 {
+            for i in 0..16 {
+                for n in 0..16 {
+                    let mut sum = 0i32;
+                    for k in 0..256 {
+                        let at = 4096 * part + 1024 * (k / 64) + 64 * (k % 64 / 4) + 4 * n + k % 4;
+                        // SAFETY: the caller's contract.
+                        let (x, w) = unsafe { (*a.add(i * stride + k), *b.add(at)) };
+                        sum += i32::from(x) * i32::from(w);
+                    }
+                    // SAFETY: the caller's contract.
+                    unsafe { c.add(256 * part + 16 * i + n).write(sum) };
+                }
+            }
+        }
+    }
+
+    unsafe fn folded_pair(&mut self, a: *const i8, stride: usize, b: *const u8, c: *mut i32) {
+        // SAFETY: the caller's contract, for each slab.
+        unsafe {
+            self.folded(a, stride, b, c);
+            self.folded(a.wrapping_add(16 * stride), stride, b, c.wrapping_add(512));
         }
     }
 

@@ -43,7 +43,11 @@ pub enum CpuLevel {
     /// (`SPECDEC_KERNELS=amx`): on a 16-core Xeon with AMX (stop 54, 2 threads, a 1536 × 8960
     /// matrix) its passes took a median 1.36 times as long as the 512-bit ones up to 8 rows and
     /// 0.95 times from 9 to 16; verification blocks of a model were no faster, a 64-token prefill
-    /// was (see [`crate::AMX_FROM_ROWS`]).
+    /// was (see [`crate::AMX_FROM_ROWS`]). Interleaved Q4_K matmuls of
+    /// [`crate::AMX_GEMM_FROM_ROWS`] rows or more (stop 63) run their whole slabs of 16 rows as a
+    /// gemm on the tiles, each block's weights unpacked and multiplied by their scales once for
+    /// all rows: a 256-row matmul at a median 1.23 times the 512-bit passes' rate, a model's
+    /// prefill no faster (see the `amx` module).
     Amx,
 }
 

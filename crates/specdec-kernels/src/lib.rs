@@ -58,7 +58,7 @@ mod matrix;
 pub mod pool;
 mod simd;
 
-pub use amx::AMX_FROM_ROWS;
+pub use amx::{AMX_FROM_ROWS, AMX_GEMM_FROM_ROWS};
 pub use dispatch::{CpuLevel, Kernels, LEVEL_ENV};
 pub use f16::F16;
 pub use formats::{

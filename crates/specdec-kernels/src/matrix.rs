@@ -1,7 +1,7 @@
 //! Quantised weight matrices, quantised activations, and the multi-row matmul over them.
 
 #[cfg(target_arch = "x86_64")]
-use crate::amx::AMX_FROM_ROWS;
+use crate::amx::{AMX_FROM_ROWS, AMX_GEMM_FROM_ROWS};
 #[cfg(target_arch = "x86_64")]
 use crate::dispatch::CpuLevel;
 use crate::dispatch::Kernels;
@@ -686,8 +686,10 @@ impl Kernels {
         Ok(())
     }
 
-    /// Weight rows `columns` against every activation row, in passes of up to [`MAX_PASS_ROWS`];
-    /// result `(r, n)` goes to `out` at row `r`, column `n - base`.
+    /// Weight rows `columns` against every activation row, in passes of up to [`MAX_PASS_ROWS`]
+    /// (at [`CpuLevel::Amx`], interleaved Q4_K's whole slabs of 16 rows first as one gemm on the
+    /// tiles where there are [`AMX_GEMM_FROM_ROWS`] rows or more); result `(r, n)` goes to `out` at
+    /// row `r`, column `n - base`.
     ///
     /// # Safety
     /// `self.check(w, x, ..)` passed; `out` is valid for writes of those elements and no other thread
@@ -719,7 +721,41 @@ impl Kernels {
         // The groups holding the columns, and the columns' place among the groups' rows.
         let groups = columns.start / GROUP_ROWS * nb..columns.end.div_ceil(GROUP_ROWS) * nb;
         let skip = columns.start % GROUP_ROWS;
-        for first in (0..x.rows()).step_by(MAX_PASS_ROWS) {
+        let level = self.level();
+        // Interleaved Q4_K's rows in whole slabs of 16 on AMX tiles where there are enough of
+        // them (a prefill), each block's weights unpacked once for all of them; the rest in passes.
+        #[cfg(not(target_arch = "x86_64"))]
+        let start = 0;
+        #[cfg(target_arch = "x86_64")]
+        let start = match (&w.weights, &x.blocks) {
+            (Weights::Q4Kx8(g), ActBlocks::Q8K(a))
+                if level == CpuLevel::Amx && x.rows() >= AMX_GEMM_FROM_ROWS =>
+            {
+                use crate::formats::q4_k_x8::amx::{gemm, SLAB};
+                let full = x.rows() / SLAB * SLAB;
+                let window = Window {
+                    out,
+                    skip,
+                    len: columns.len(),
+                };
+                let natural = &x.natural()[..256 * full * nb];
+                // SAFETY: `level` comes from a `Kernels`, so this CPU has the tiles; `out` is the
+                // caller's.
+                unsafe {
+                    gemm(
+                        &mut crate::amx::Hardware,
+                        &g[groups.clone()],
+                        nb,
+                        &a[..full * nb],
+                        natural,
+                        window,
+                    )
+                };
+                full
+            }
+            _ => 0,
+        };
+        for first in (start..x.rows()).step_by(MAX_PASS_ROWS) {
             let rows = first..(first + MAX_PASS_ROWS).min(x.rows());
             let acts = rows.start * nb..rows.end * nb;
             let out = Out {
@@ -733,7 +769,6 @@ impl Kernels {
                 skip,
                 len: columns.len(),
             };
-            let level = self.level();
             // Q4_K's passes of enough rows on AMX tiles, where asked for.
             #[cfg(target_arch = "x86_64")]
             let tiles = level == CpuLevel::Amx && rows.len() >= AMX_FROM_ROWS;

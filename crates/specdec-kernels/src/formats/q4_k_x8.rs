@@ -703,8 +703,8 @@ pub(crate) mod avx512 {
 pub(crate) mod amx {
     use super::avx512::{finish_block, scales, Patterns};
     use super::{BlockQ4Kx8, BlockQ8K};
-    use crate::amx::TileFormat;
-    use crate::simd::avx512::join;
+    use crate::amx::{TileFormat, Tiles, FOLDED_BYTES};
+    use crate::simd::avx512::{join, write_pair};
     use crate::simd::{Ahead, Window};
     use std::arch::x86_64::*;
 
@@ -777,6 +777,156 @@ pub(crate) mod amx {
             unsafe { super::avx2::pass8_vnni(w, nb, x, out) }
         }
     }
+
+    /// Activation rows per tile product of [`gemm`].
+    pub(crate) const SLAB: usize = 16;
+
+    /// The weights of a block of a pair of groups, unpacked ([`Q4Kx8::unpack`] into `plain`) and
+    /// multiplied by the two parts of their sub-block's scale ([`FOLDED_BYTES`]): `scale >> 3`
+    /// into `folded[..4096]`, `scale & 7` into `folded[4096..]`. A 16-bit lane holds two values
+    /// of one weight row, so one `vpmullw` by the part multiplies both bytes exactly (each product
+    /// is at most 105, no carry reaches the high byte).
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni,avx512bw")]
+    unsafe fn fold(u: &super::avx512::Scales, plain: &[u8; 4096], folded: &mut [u8; FOLDED_BYTES]) {
+        let seven = _mm512_set1_epi16(7);
+        for (s, &sc) in u.sc.iter().enumerate() {
+            let (hi, lo) = (_mm512_srli_epi16::<3>(sc), _mm512_and_si512(sc, seven));
+            for t in 0..8 {
+                let at = 512 * s + 64 * t;
+                // SAFETY: `at + 64 <= 4096`, in both buffers' halves.
+                unsafe {
+                    let v = _mm512_loadu_si512(plain.as_ptr().add(at).cast());
+                    let out = folded.as_mut_ptr().add(at);
+                    _mm512_storeu_si512(out.cast(), _mm512_mullo_epi16(v, hi));
+                    _mm512_storeu_si512(out.add(4096).cast(), _mm512_mullo_epi16(v, lo));
+                }
+            }
+        }
+    }
+
+    /// `x.len() / nb` activation rows, a multiple of [`SLAB`], against the groups of 8 weight rows
+    /// in `w` (`nb` blocks each), two groups at a time on the tiles, with each block's weights
+    /// unpacked and scaled once for all the rows ([`fold`]): per block and slab of 16 rows,
+    /// [`Tiles::folded`] gives each (row, weight row)'s `Σ_j scale_j · sum_j` as its high and low
+    /// parts, `8 · high + low` is the same integer the 512-bit pass makes, and [`finish_block`]
+    /// does its float arithmetic, so the results are the same bits. A last odd group goes through
+    /// the 256-bit VNNI pass, a slab at a time. `natural` holds the rows' quants in natural order
+    /// ([`crate::amx::natural_order`]).
+    ///
+    /// # Safety
+    /// The CPU must support [`crate::CpuLevel::Amx`] (for [`crate::amx::Hardware`]; the
+    /// [`crate::CpuLevel::Avx512Zmm`] features for another `T`); `nb > 0`; `out` as
+    /// [`crate::simd::pass_groups`].
+    #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni,avx512bw")]
+    pub(crate) unsafe fn gemm<T: Tiles>(
+        tiles: &mut T,
+        w: &[BlockQ4Kx8],
+        nb: usize,
+        x: &[BlockQ8K],
+        natural: &[i8],
+        out: Window,
+    ) {
+        let n = x.len() / nb;
+        assert!(
+            n > 0 && n.is_multiple_of(SLAB) && x.len() == n * nb && natural.len() == 256 * x.len(),
+            "a gemm holds whole slabs of nb blocks and their natural quants"
+        );
+        let slabs = n / SLAB;
+        let groups = w.len() / nb;
+        let pat = Patterns::new();
+        let stride = 256 * nb;
+        #[repr(C, align(64))]
+        struct Buffers {
+            plain: [u8; 4096],
+            folded: [u8; FOLDED_BYTES],
+        }
+        let mut buf = Buffers {
+            plain: [0; 4096],
+            folded: [0; FOLDED_BYTES],
+        };
+        // Per slab its 512 sums, two slabs side by side for `folded_pair`.
+        let mut sums = vec![0i32; 512 * slabs];
+        let mut acc = vec![_mm512_setzero_ps(); n];
+        // The float arithmetic of slab `slab`'s rows for block `b`, from its stored sums.
+        let finish =
+            |u: &super::avx512::Scales, sums: &[i32], acc: &mut [__m512], slab: usize, b: usize| {
+                for i in 0..SLAB {
+                    let r = SLAB * slab + i;
+                    // SAFETY: rows i < 16 of the slab's two 16 × 16 `i32` halves.
+                    let (hi, lo) = unsafe {
+                        let at = sums.as_ptr().add(512 * slab + 16 * i);
+                        (
+                            _mm512_loadu_si512(at.cast()),
+                            _mm512_loadu_si512(at.add(256).cast()),
+                        )
+                    };
+                    let sumi = _mm512_add_epi32(_mm512_slli_epi32::<3>(hi), lo);
+                    finish_block(u, sumi, &x[r * nb + b], &mut acc[r]);
+                }
+            };
+        // SAFETY: the caller's contract.
+        unsafe { tiles.configure_folded() };
+        for p in 0..groups / 2 {
+            for b in 0..nb {
+                let (g0, g1) = (&w[2 * p * nb + b], &w[(2 * p + 1) * nb + b]);
+                let ahead = Ahead::pair(w.as_ptr().wrapping_add(2 * (p + 1) * nb), b);
+                let u = scales(g0, g1, &pat);
+                // SAFETY: the caller's contract.
+                unsafe {
+                    Q4Kx8::unpack(g0, g1, &mut buf.plain, ahead);
+                    fold(&u, &buf.plain, &mut buf.folded);
+                }
+                // Two slabs at a time; the vectors finish the last two while the tiles multiply.
+                for first in (0..slabs).step_by(2) {
+                    let a = natural
+                        .as_ptr()
+                        .wrapping_add(SLAB * first * stride + 256 * b);
+                    let c = sums.as_mut_ptr().wrapping_add(512 * first);
+                    // SAFETY: the tiles are configured; the slabs' rows' quants of block b (256
+                    // bytes at a + i · stride) lie in `natural`; the folded weights are
+                    // FOLDED_BYTES and each slab's sums 512 `i32`.
+                    unsafe {
+                        if first + 1 < slabs {
+                            tiles.folded_pair(a, stride, buf.folded.as_ptr(), c);
+                        } else {
+                            tiles.folded(a, stride, buf.folded.as_ptr(), c);
+                        }
+                    }
+                    if first >= 2 {
+                        finish(&u, &sums, &mut acc, first - 2, b);
+                        finish(&u, &sums, &mut acc, first - 1, b);
+                    }
+                }
+                let last = (slabs - 1) / 2 * 2;
+                for slab in last..slabs {
+                    finish(&u, &sums, &mut acc, slab, b);
+                }
+            }
+            for (r, a) in acc.iter_mut().enumerate() {
+                // SAFETY: the caller's contract.
+                unsafe { write_pair(out, r, 2 * p, *a) };
+                *a = _mm512_setzero_ps();
+            }
+        }
+        // SAFETY: the caller's contract.
+        unsafe { tiles.release() };
+        if groups % 2 == 1 {
+            let g = groups - 1;
+            for slab in 0..slabs {
+                let rows = SLAB * slab * nb..SLAB * (slab + 1) * nb;
+                let window = Window {
+                    out: crate::simd::Out {
+                        ptr: out.out.ptr.wrapping_add(SLAB * slab * out.out.stride),
+                        stride: out.out.stride,
+                    },
+                    ..out
+                };
+                // SAFETY: the caller's contract, for the slab's rows.
+                unsafe { Q4Kx8::single(&w[g * nb..], nb, &x[rows], window.past_groups(g)) };
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -813,6 +963,109 @@ mod tests {
         }
         let rows: Vec<BlockQ4K> = (0..8 * 5 * 3).map(|i| q4k((i * 37 % 251) as u8)).collect();
         crate::amx::check_emulated::<amx::Q4Kx8>(&rows, 3, dot_q4_kx8_q8_k);
+    }
+
+    /// The folded gemm's layout ([`amx::gemm`]: weights times the parts of their scales, four
+    /// products of depth 64 per block into two sums' tiles), with the tiles emulated: bit for bit
+    /// the reference for 1, 2, 3 and 5 slabs of rows (one slab alone, pairs, pairs and one), an
+    /// odd last group, a window that cuts groups and an output wider than the window. Scales of
+    /// every value 0..63 occur (`q4k`'s bytes cover them).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_folded_gemm_with_emulated_tiles_matches_the_reference() {
+        if !crate::CpuLevel::Avx512Zmm.is_supported() {
+            eprintln!("skipped: needs {}", crate::CpuLevel::Avx512Zmm.features());
+            return;
+        }
+        let rows: Vec<BlockQ4K> = (0..8 * 5 * 2).map(|i| q4k((i * 37 % 251) as u8)).collect();
+        check_gemm(
+            &rows,
+            2,
+            &mut crate::amx::Emulated::default(),
+            &[16, 32, 48, 80],
+        );
+    }
+
+    /// [`amx::gemm`] on `tiles` for each row count in `counts` against `rows` (weight rows of `nb`
+    /// blocks, five groups of 8), over the whole window and over one that cuts groups, compared
+    /// with the reference bit for bit.
+    #[cfg(target_arch = "x86_64")]
+    pub(crate) fn check_gemm<T: crate::amx::Tiles>(
+        rows: &[BlockQ4K],
+        nb: usize,
+        tiles: &mut T,
+        counts: &[usize],
+    ) {
+        use crate::simd::{Out, Window};
+        let groups = rows.len() / (8 * nb);
+        assert_eq!(groups, 5, "two pairs of groups and an odd one");
+        let w: Vec<BlockQ4Kx8> = (0..groups)
+            .flat_map(|g| {
+                (0..nb).map(move |b| {
+                    BlockQ4Kx8::pack(std::array::from_fn(|k| &rows[(8 * g + k) * nb + b]))
+                })
+            })
+            .collect();
+        let mut seed = 987u64;
+        let mut next = move || {
+            seed = seed
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            ((seed >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
+        };
+        for &n in counts {
+            let values: Vec<f32> = (0..n * nb * 256).map(|_| next()).collect();
+            let mut x = vec![BlockQ8K::ZERO; n * nb];
+            crate::quantize_row_q8_k(&values, &mut x);
+            let natural = crate::amx::natural_order(&x);
+            for (skip, len) in [(0, 8 * groups), (3, 8 * groups - 7)] {
+                // A wider output: the columns past the window stay as they were.
+                let stride = len + 5;
+                let mut out = vec![f32::NAN; n * stride];
+                let window = Window {
+                    out: Out {
+                        ptr: out.as_mut_ptr(),
+                        stride,
+                    },
+                    skip,
+                    len,
+                };
+                // SAFETY: the caller checked the level's features; `out` holds every (row,
+                // column) of the window.
+                unsafe { amx::gemm(tiles, &w, nb, &x, &natural, window) };
+                for i in 0..n {
+                    for c in 0..stride {
+                        let got = out[i * stride + c];
+                        if c >= len {
+                            assert!(
+                                got.is_nan(),
+                                "rows {n}, row {i}, column {c} past the window"
+                            );
+                            continue;
+                        }
+                        let want =
+                            dot_q4_kx8_q8_k(&rows[(skip + c) * nb..][..nb], &x[i * nb..][..nb]);
+                        assert_eq!(
+                            got.to_bits(),
+                            want.to_bits(),
+                            "rows {n}, row {i}, column {c}, skip {skip}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// [`amx::gemm`] on this CPU's tiles, where it has them.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_folded_gemm_on_this_cpus_tiles_matches_the_reference() {
+        if !crate::CpuLevel::Amx.is_supported() {
+            eprintln!("skipped: needs {}", crate::CpuLevel::Amx.features());
+            return;
+        }
+        let rows: Vec<BlockQ4K> = (0..8 * 5 * 3).map(|i| q4k((i * 41 % 253) as u8)).collect();
+        check_gemm(&rows, 3, &mut crate::amx::Hardware, &[16, 32, 48, 64, 80]);
     }
 
     #[test]

@@ -34,12 +34,14 @@
 //! a 2-core Xeon with AMX (stop 63, `rcurve` for 256 rows of a 1536 × 8960 Q4_K matrix, levels
 //! alternated, 11 pairs, two of them with a first version that took one slab at a time): the
 //! gemm's rate 0.92–1.93 times the 512-bit passes' (median 1.23; 2 threads 265–511 GMAC/s against
-//! 255–342, 1 thread 112–196 against 90–163). The split doubles the products: on
+//! 255–327, 1 thread 112–196 against 90–163). The split doubles the products: on
 //! that machine one `tdpbsud` took 17 ns (967 GMAC/s a core with the tiles resident), a slab's
 //! products with their loads 198 ns (a C loop alone), so the tiles' work caps the gemm at about
 //! 330 useful GMAC/s a core; the vectors' unpacking and float arithmetic add to it. A 1,401-token
 //! prefill of the 1.5B target was not measurably faster (5 alternated runs each, medians 11.6 s
-//! with the gemm and 10.7 s without, ±30% between runs), so the level stays opt-in.
+//! with the gemm and 10.7 s without, runs spread −18% to +30% around their median; one
+//! 512-token prefill each in `bench --cost-curve`, 156.1 against 132.7 tok/s), so the level stays
+//! opt-in.
 
 #[cfg(target_arch = "x86_64")]
 use crate::simd::avx512::write_pair;
@@ -329,6 +331,22 @@ struct Config([u8; 64]);
 
 #[cfg(target_arch = "x86_64")]
 impl Config {
+    /// Configures this thread's tiles (`ldtilecfg`).
+    ///
+    /// # Safety
+    /// The CPU must support [`crate::CpuLevel::Amx`] (with the operating system's permission).
+    #[inline]
+    unsafe fn load(&self) {
+        // SAFETY: the caller's contract; `self` is 64 readable bytes.
+        unsafe {
+            std::arch::asm!(
+                "ldtilecfg [{0}]",
+                in(reg) self.0.as_ptr(),
+                options(nostack, readonly, preserves_flags)
+            );
+        }
+    }
+
     /// All eight tiles 16 rows × 64 bytes ([`Tiles::folded`]).
     fn folded() -> Config {
         let mut c = [0u8; 64];
@@ -366,16 +384,8 @@ impl Config {
 impl Tiles for Hardware {
     #[inline]
     unsafe fn configure(&mut self, rows: usize, depth: usize) {
-        let config = Config::new(rows, depth);
-        // SAFETY: the caller's contract (AMX, with the operating system's permission); `config` is
-        // 64 readable bytes.
-        unsafe {
-            std::arch::asm!(
-                "ldtilecfg [{0}]",
-                in(reg) config.0.as_ptr(),
-                options(nostack, readonly, preserves_flags)
-            );
-        }
+        // SAFETY: the caller's contract.
+        unsafe { Config::new(rows, depth).load() }
     }
 
     #[inline]
@@ -417,15 +427,8 @@ impl Tiles for Hardware {
 
     #[inline]
     unsafe fn configure_folded(&mut self) {
-        let config = Config::folded();
-        // SAFETY: as in `configure`.
-        unsafe {
-            std::arch::asm!(
-                "ldtilecfg [{0}]",
-                in(reg) config.0.as_ptr(),
-                options(nostack, readonly, preserves_flags)
-            );
-        }
+        // SAFETY: the caller's contract.
+        unsafe { Config::folded().load() }
     }
 
     /// Sums in `tmm0` (high parts) and `tmm1` (low parts); the activations of even and odd
@@ -606,6 +609,31 @@ impl Tiles for Emulated {
     }
 }
 
+/// `rows` (weight rows of `nb` blocks each) packed as interleaved groups, which must be five (two
+/// pairs and an odd one), and their count.
+#[cfg(all(test, target_arch = "x86_64"))]
+pub(crate) fn five_groups<G: crate::Interleaved>(rows: &[G::Block], nb: usize) -> (usize, Vec<G>) {
+    let groups = rows.len() / (8 * nb);
+    assert_eq!(groups, 5, "two pairs of groups and an odd one");
+    let w = (0..groups)
+        .flat_map(|g| {
+            (0..nb).map(move |b| G::pack(std::array::from_fn(|k| &rows[(8 * g + k) * nb + b])))
+        })
+        .collect();
+    (groups, w)
+}
+
+/// Activation values in -1..1 from `seed`, one per call.
+#[cfg(all(test, target_arch = "x86_64"))]
+pub(crate) fn values(mut seed: u64) -> impl FnMut() -> f32 {
+    move || {
+        seed = seed
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        ((seed >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
+    }
+}
+
 /// A reference dot product of a weight row with an activation row.
 #[cfg(all(test, target_arch = "x86_64"))]
 type Dot<B> = fn(&[B], &[crate::BlockQ8K]) -> f32;
@@ -623,22 +651,8 @@ pub(crate) fn check_emulated<F>(
     F::Group: crate::Interleaved,
 {
     use crate::simd::Out;
-    use crate::Interleaved;
-    let groups = rows.len() / (8 * nb);
-    assert_eq!(groups, 5, "two pairs of groups and an odd one");
-    let w: Vec<F::Group> = (0..groups)
-        .flat_map(|g| {
-            (0..nb)
-                .map(move |b| F::Group::pack(std::array::from_fn(|k| &rows[(8 * g + k) * nb + b])))
-        })
-        .collect();
-    let mut seed = 12345u64;
-    let mut next = move || {
-        seed = seed
-            .wrapping_mul(6_364_136_223_846_793_005)
-            .wrapping_add(1_442_695_040_888_963_407);
-        ((seed >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
-    };
+    let (groups, w) = five_groups::<F::Group>(rows, nb);
+    let mut next = values(12345);
     for n in 1..=16 {
         let values: Vec<f32> = (0..n * nb * 256).map(|_| next()).collect();
         let mut x = vec![crate::BlockQ8K::ZERO; n * nb];

@@ -47,7 +47,7 @@ pub enum CpuLevel {
     /// [`crate::AMX_GEMM_FROM_ROWS`] rows or more (stop 63) run their whole slabs of 16 rows as a
     /// gemm on the tiles, each block's weights unpacked and multiplied by their scales once for
     /// all rows: a 256-row matmul at a median 1.23 times the 512-bit passes' rate, a model's
-    /// prefill no faster (see the `amx` module).
+    /// prefill not measurably faster (see the `amx` module).
     Amx,
 }
 

@@ -997,22 +997,8 @@ mod tests {
         counts: &[usize],
     ) {
         use crate::simd::{Out, Window};
-        let groups = rows.len() / (8 * nb);
-        assert_eq!(groups, 5, "two pairs of groups and an odd one");
-        let w: Vec<BlockQ4Kx8> = (0..groups)
-            .flat_map(|g| {
-                (0..nb).map(move |b| {
-                    BlockQ4Kx8::pack(std::array::from_fn(|k| &rows[(8 * g + k) * nb + b]))
-                })
-            })
-            .collect();
-        let mut seed = 987u64;
-        let mut next = move || {
-            seed = seed
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1_442_695_040_888_963_407);
-            ((seed >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
-        };
+        let (groups, w) = crate::amx::five_groups::<BlockQ4Kx8>(rows, nb);
+        let mut next = crate::amx::values(987);
         for &n in counts {
             let values: Vec<f32> = (0..n * nb * 256).map(|_| next()).collect();
             let mut x = vec![BlockQ8K::ZERO; n * nb];

@@ -43,7 +43,9 @@ for bin in "${bins[@]}"; do
     levels-*)
         expect=('avx512vnni::matches_the_scalar_reference_for_every_m *\.\.\. ok'
             'avx512zmm-k::matches_the_scalar_reference_for_every_m *\.\.\. ok'
-            'avx512zmm::matches_the_scalar_reference_for_every_m *\.\.\. ok')
+            'avx512zmm::matches_the_scalar_reference_for_every_m *\.\.\. ok'
+            'amx::the_pass_with_emulated_tiles_matches_the_reference *\.\.\. ok'
+            'amx::the_folded_gemm_with_emulated_tiles_matches_the_reference *\.\.\. ok')
         ;;
     tiny_models-*)
         # The test that compares the logits of every level; the others run natively anyway.

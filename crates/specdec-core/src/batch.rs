@@ -98,6 +98,8 @@ struct Sequence {
     scratch: Vec<f32>,
     /// The draft length of the step in progress.
     k: usize,
+    /// Drafting rounds so far: each draws its numbers apart ([`CounterRng::with_draw`]).
+    draws: u32,
     /// Prompt tokens scored so far by partial prefill steps.
     prefilled: usize,
     /// This step the sequence waits, unscored, for an earlier one still computing a prefix they
@@ -393,6 +395,7 @@ impl<T: Target, D: Draft> Batch<T, D> {
             history: Vec::new(),
             scratch: Vec::new(),
             k: 0,
+            draws: 0,
             prefilled: 0,
             waits: false,
             partial: None,
@@ -469,7 +472,7 @@ impl<T: Target, D: Draft> Batch<T, D> {
                     }
                     s.partial = self
                         .prefill_chunk
-                        .map(|c| s.prefilled + c)
+                        .map(|c| s.prefilled.saturating_add(c))
                         .filter(|&n| n < s.tokens.len());
                 }
                 Phase::Decode => {
@@ -549,6 +552,10 @@ impl<T: Target, D: Draft> Batch<T, D> {
                 .iter()
                 .map(|&i| std::mem::take(&mut self.seqs[i].proposal))
                 .collect();
+            for &i in &drafting {
+                let s = &mut self.seqs[i];
+                s.draws = s.draws.wrapping_add(1);
+            }
             let requests: Vec<DraftRequest<'_>> = drafting
                 .iter()
                 .map(|&i| {
@@ -558,7 +565,7 @@ impl<T: Target, D: Draft> Batch<T, D> {
                         context: &s.tokens,
                         max_len: s.k,
                         sampling: &s.config.sampling,
-                        rng: s.rng,
+                        rng: s.rng.with_draw(s.draws),
                         min_confidence: s.config.min_confidence,
                         costs: s.controller.costs(),
                         stop_tokens: &s.config.stop_tokens,
@@ -992,6 +999,14 @@ fn check_proposal(p: &Proposal, k: usize, vocab: usize) -> Result<()> {
             expected: p.tokens.len(),
             got: p.confidence.len(),
         });
+    }
+    if let Some((index, &value)) = p
+        .confidence
+        .iter()
+        .enumerate()
+        .find(|(_, c)| !(0.0..=1.0).contains(*c))
+    {
+        return Err(Error::BadConfidence { index, value });
     }
     if p.extension > p.tokens.len() || (p.extension > 0 && p.confidence.is_empty()) {
         return Err(Error::ShapeMismatch {

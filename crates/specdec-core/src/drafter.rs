@@ -182,9 +182,15 @@ impl<M: Target> Draft for ModelDrafter<M> {
                 let req = &batch[b];
                 let row = logits[slot].row(0);
                 let mut q = spare.pop().map_or(Probs::OneHot(0), Probs::Dense);
-                samplers[b]
-                    .probs(row, &contexts[b], &mut q)
-                    .map_err(DraftError::Sampling)?;
+                if samplers[b].probs(row, &contexts[b], &mut q).is_err() {
+                    // Logits this sequence's draft cannot sample from (not finite) end its draft
+                    // here; the target decodes on, and the other sequences' drafts go on.
+                    active[b] = false;
+                    if let Probs::Dense(v) = q {
+                        spare.push(v);
+                    }
+                    continue;
+                }
                 if req.min_confidence > 0.0 {
                     // Decided from q alone, before sampling. The verifier assumes each drafted token
                     // is drawn from the q reported with it; a stop that looked at the drawn token
@@ -293,7 +299,8 @@ pub enum DraftError<E: std::error::Error + 'static> {
     /// The draft model failed.
     #[error(transparent)]
     Model(E),
-    /// Forming the draft distribution failed (non-finite logits, invalid parameters).
+    /// The sampling parameters are invalid. (Draft logits that are not finite end that sequence's
+    /// draft instead, since stop 64: the target decodes on.)
     #[error(transparent)]
     Sampling(crate::Error),
 }

@@ -75,6 +75,14 @@ pub enum Error {
         /// Tokens available.
         capacity: usize,
     },
+    /// A drafter's confidence estimate is not a probability.
+    #[error("confidence {value} for drafted token {index} is not a probability in [0, 1]")]
+    BadConfidence {
+        /// The drafted token's index in its draft.
+        index: usize,
+        /// The estimate.
+        value: f32,
+    },
     /// A logit was NaN or infinite.
     #[error("non-finite logit {value} at token {index}")]
     NonFiniteLogits {

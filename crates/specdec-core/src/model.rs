@@ -169,7 +169,9 @@ pub struct DraftRequest<'a> {
     /// The sampling parameters of the target, for drafters that sample.
     pub sampling: &'a SamplingParams,
     /// Numbers for drafting come from `rng.uniform(pos, Stream::Draft)`, `pos` being the drafted
-    /// token's absolute position.
+    /// token's absolute position. A [`crate::Batch`] gives each drafting round its own draw
+    /// ([`crate::CounterRng::with_draw`]), so that a position drafted again after a rejection is
+    /// drawn with a new number.
     pub rng: CounterRng,
     /// Stop drafting at a position where the draft distribution's largest probability (at
     /// temperature 1 when decoding greedily) is below this, decided before the token is drawn

@@ -958,7 +958,15 @@ impl Controller {
         let Some(costs) = &self.costs else {
             return;
         };
-        if !timed || round.drafted == 0 || round.verify_secs <= 0.0 || round.expected <= 0.0 {
+        // A NaN (a drafter's confidence, a clock) is skipped too: the realised factors keep their
+        // sums round after round, and one NaN would stay in them.
+        let positive = |x: f64| x.is_finite() && x > 0.0;
+        if !timed
+            || round.drafted == 0
+            || !positive(round.verify_secs)
+            || !positive(round.expected)
+            || !round.draft_secs.is_finite()
+        {
             return;
         }
         let r = costs.r(round.verified);

@@ -2,10 +2,11 @@
 //! numbers: as easy as 1, 2, 3").
 //!
 //! A counter-based generator has no state to advance: the uniform number used for a decision is a pure
-//! function of `(seed, position, stream)`. That is what lets speculative decoding in
+//! function of `(seed, lane, draw, position, stream)`. That is what lets speculative decoding in
 //! [`VerifyMode::OneHot`](crate::VerifyMode::OneHot) reproduce non-speculative sampling token for token:
-//! both draw the token at position `pos` with the very same number, however many tokens were drafted,
-//! rejected or redrafted before.
+//! both draw the token at position `pos` with the very same number (the target's streams are drawn
+//! at draw 0), however many tokens were drafted, rejected or redrafted before. Drafting numbers
+//! are drawn anew in each drafting round ([`CounterRng::with_draw`]).
 
 /// Philox multiplier for lane 0.
 const M0: u32 = 0xD251_1F53;
@@ -54,13 +55,16 @@ pub enum Stream {
     Residual = 3,
 }
 
-/// A seeded counter-based generator: `uniform(pos, stream)` is a pure function of the seed, the absolute
-/// position of the token in the sequence and the stream.
+/// A seeded counter-based generator: `uniform(pos, stream)` is a pure function of the seed, the lane,
+/// the draw, the absolute position of the token in the sequence and the stream.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CounterRng {
     key: [u32; 2],
     /// Separates independent sequences that share a seed (a batch); 0 for a single sequence.
     lane: u32,
+    /// Separates the draws of one position: a batch gives each drafting round of a sequence its own
+    /// ([`CounterRng::with_draw`]); 0 for everything else.
+    draw: u32,
 }
 
 impl CounterRng {
@@ -69,6 +73,7 @@ impl CounterRng {
         Self {
             key: [seed as u32, (seed >> 32) as u32],
             lane: 0,
+            draw: 0,
         }
     }
 
@@ -77,11 +82,28 @@ impl CounterRng {
         Self { lane, ..self }
     }
 
-    /// 128 random bits for `(pos, stream)`.
+    /// The same generator with other numbers for every position: draw `draw` of them. A drafting
+    /// round draws its tokens from `uniform(pos, Stream::Draft)`, and after a rejection the next
+    /// round drafts some of the same positions again; a round's choices (how far to draft, with
+    /// which drafter) depend on the rounds before, whose draws they saw, so were a position's number
+    /// the same in every round, the choice to draft it could depend on the number it is drawn with,
+    /// and the drafted token would no longer follow the distribution reported with it. Each
+    /// round's own draw keeps its numbers independent of everything decided before it. Draw 0 is
+    /// [`CounterRng::new`]'s.
+    pub fn with_draw(self, draw: u32) -> Self {
+        Self { draw, ..self }
+    }
+
+    /// 128 random bits for `(pos, stream)` (and the draw, in the bits above the stream's two).
     pub fn bits(&self, pos: usize, stream: Stream) -> [u32; 4] {
         let pos = pos as u64;
         philox4x32_10(
-            [pos as u32, (pos >> 32) as u32, stream as u32, self.lane],
+            [
+                pos as u32,
+                (pos >> 32) as u32,
+                stream as u32 | self.draw << 2,
+                self.lane,
+            ],
             self.key,
         )
     }
@@ -138,6 +160,20 @@ mod tests {
             a.uniform(3, Stream::Target),
             a.with_lane(1).uniform(3, Stream::Target)
         );
+        assert_eq!(a.with_draw(0), a);
+        for draw in 1..4 {
+            assert_ne!(
+                a.uniform(3, Stream::Draft),
+                a.with_draw(draw).uniform(3, Stream::Draft)
+            );
+            // Draws stay apart from the other streams too.
+            for stream in [Stream::Target, Stream::Accept, Stream::Residual] {
+                assert_ne!(
+                    a.uniform(3, stream),
+                    a.with_draw(draw).uniform(3, Stream::Draft)
+                );
+            }
+        }
     }
 
     #[test]

@@ -285,7 +285,10 @@ impl Sampler {
             } else {
                 *l *= p.repetition_penalty;
             }
-            *l -= c as f32 * p.frequency_penalty + p.presence_penalty;
+            // Finite penalties large enough to overflow `f32` would leave an infinite logit, and
+            // the probabilities then NaN: keep every logit finite.
+            *l = (*l - (c as f32 * p.frequency_penalty + p.presence_penalty))
+                .clamp(f32::MIN, f32::MAX);
         }
     }
 
@@ -547,6 +550,30 @@ mod tests {
             ..params
         };
         assert_eq!(run(params, &logits, &[0, 0, 1]), Probs::OneHot(0));
+    }
+
+    /// Penalties large enough to overflow `f32` (finite, so valid) leave every logit finite: a
+    /// distribution, not NaN.
+    #[test]
+    fn huge_penalties_keep_the_distribution_finite() {
+        for penalty in [-3e38f32, 3e38] {
+            let mut s = Sampler::new(SamplingParams {
+                temperature: 1.0,
+                presence_penalty: penalty,
+                frequency_penalty: penalty,
+                ..SamplingParams::default()
+            });
+            let mut out = Probs::OneHot(0);
+            s.probs(&[0.0, 1.0, 2.0], &[0, 0], &mut out).unwrap();
+            let p: Vec<f32> = (0..3).map(|t| out.prob(t)).collect();
+            assert!(p.iter().all(|x| x.is_finite()), "{penalty}: {p:?}");
+            assert!(
+                (p.iter().sum::<f32>() - 1.0).abs() < 1e-5,
+                "{penalty}: {p:?}"
+            );
+            // A penalty that favours token 0 makes it the only choice; one against it rules it out.
+            assert_eq!(p[0] > 0.5, penalty < 0.0, "{penalty}: {p:?}");
+        }
     }
 
     #[test]

@@ -127,13 +127,18 @@ pub fn verify_rejection(
 }
 
 /// `min(1, p(x) / q(x))`: the probability that rejection sampling accepts the drafted token `x`.
-/// Zero when `q(x) = 0` (a token the draft could not have drawn).
+/// Zero when `q(x) = 0` (a token the draft could not have drawn), and where either probability is
+/// not a number (`f64::min` would make a NaN ratio 1: every such draft accepted).
 pub fn acceptance_prob(p: &Probs, q: &Probs, x: TokenId) -> f64 {
     let qx = f64::from(q.prob(x));
-    if qx <= 0.0 {
+    if qx.is_nan() || qx <= 0.0 {
         return 0.0;
     }
-    (f64::from(p.prob(x)) / qx).min(1.0)
+    let ratio = f64::from(p.prob(x)) / qx;
+    if ratio.is_nan() {
+        return 0.0;
+    }
+    ratio.min(1.0)
 }
 
 /// Writes `max(0, p - q)` (unnormalised) into `out`, sized to `vocab`, and returns its mass. Sampling
@@ -250,18 +255,28 @@ pub mod batch {
         /// Checks every slice against the shape.
         pub fn check(&self) -> crate::Result<()> {
             let Shape { batch, k, vocab } = self.shape;
+            // A shape whose sizes overflow matches no slice (`usize::MAX` here).
+            let size = |dims: &[usize]| {
+                dims.iter()
+                    .try_fold(1usize, |n, &d| n.checked_mul(d))
+                    .unwrap_or(usize::MAX)
+            };
             let checks: [(&'static str, usize, usize); 4] = [
-                ("draft [batch, k]", batch * k, self.draft.len()),
-                ("q [batch, k, vocab]", batch * k * vocab, self.q.len()),
+                ("draft [batch, k]", size(&[batch, k]), self.draft.len()),
+                (
+                    "q [batch, k, vocab]",
+                    size(&[batch, k, vocab]),
+                    self.q.len(),
+                ),
                 (
                     "p [batch, k + 1, vocab]",
-                    batch * (k + 1) * vocab,
+                    size(&[batch, k.saturating_add(1), vocab]),
                     self.p.len(),
                 ),
                 ("pos [batch]", batch, self.pos.len()),
             ];
             for (what, expected, got) in checks {
-                if expected != got {
+                if expected != got || expected == usize::MAX {
                     return Err(crate::Error::ShapeMismatch {
                         side: crate::Side::Target,
                         what,
@@ -291,7 +306,12 @@ pub mod batch {
                 let x = inputs.draft[b * k + i] as usize;
                 let qx = f64::from(row(inputs.q, b * k + i, vocab)[x]);
                 let px = f64::from(row(inputs.p, b * (k + 1) + i, vocab)[x]);
-                out.push(if qx > 0.0 { (px / qx).min(1.0) } else { 0.0 });
+                let ratio = px / qx;
+                out.push(if qx > 0.0 && !ratio.is_nan() {
+                    ratio.min(1.0)
+                } else {
+                    0.0
+                });
             }
         }
         Ok(out)
@@ -331,6 +351,48 @@ mod tests {
 
     fn d(v: &[f32]) -> Probs {
         Probs::Dense(v.to_vec())
+    }
+
+    /// A probability that is not a number accepts nothing (`f64::min` would make the ratio 1).
+    #[test]
+    fn a_nan_probability_accepts_nothing() {
+        let q = d(&[0.5, 0.5]);
+        assert_eq!(acceptance_prob(&d(&[f32::NAN, 0.5]), &q, 0), 0.0);
+        assert_eq!(
+            acceptance_prob(&d(&[0.5, 0.5]), &d(&[f32::NAN, 0.5]), 0),
+            0.0
+        );
+        assert_eq!(acceptance_prob(&d(&[0.5, 0.5]), &q, 0), 1.0);
+        let inputs = batch::Inputs {
+            shape: batch::Shape {
+                batch: 1,
+                k: 1,
+                vocab: 2,
+            },
+            draft: &[0],
+            q: &[0.5, 0.5],
+            p: &[f32::NAN, 0.5, 0.5, 0.5],
+            pos: &[0],
+        };
+        assert_eq!(batch::acceptance_probs(&inputs).unwrap(), [0.0]);
+    }
+
+    /// A shape whose sizes overflow is an error, not a wrapped size that some slices match.
+    #[test]
+    fn a_shape_that_overflows_is_an_error() {
+        let inputs = batch::Inputs {
+            shape: batch::Shape {
+                batch: 2,
+                k: 0,
+                vocab: 1 << (usize::BITS - 1),
+            },
+            draft: &[],
+            q: &[],
+            p: &[],
+            pos: &[0, 0],
+        };
+        assert!(inputs.check().is_err());
+        assert!(batch::acceptance_probs(&inputs).is_err());
     }
 
     #[test]

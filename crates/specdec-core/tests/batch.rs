@@ -10,7 +10,8 @@ use std::ops::ControlFlow;
 use specdec_core::mock::{MockLogits, MockModel};
 use specdec_core::{
     generate, Batch, Draft, DraftLenPolicy, Emitted, GenerateConfig, HybridDrafter, LookupConfig,
-    LookupDrafter, ModelDrafter, NGramDrafter, NoDraft, SamplingParams, SeqId, StopReason, TokenId,
+    LookupDrafter, ModelDrafter, NGramDrafter, NoDraft, SamplingParams, SeqId, StopReason, Stream,
+    TokenId,
 };
 
 const VOCAB: usize = 40;
@@ -342,10 +343,12 @@ fn a_long_prompt_is_prefilled_in_chunks_while_others_keep_decoding() {
     assert_eq!(outs[&SeqId(1)].tokens, alone.tokens);
 }
 
-/// Records, for every `propose` call, each request's sequence and model draft length.
+/// Records, for every `propose` call, each request's sequence and model draft length, and the
+/// number its generator gives each position it may draft.
 struct Recording<D> {
     inner: D,
     calls: Vec<Vec<(u64, usize)>>,
+    numbers: Vec<(usize, f64)>,
 }
 
 impl<D: Draft> Draft for Recording<D> {
@@ -362,6 +365,12 @@ impl<D: Draft> Draft for Recording<D> {
     ) -> Result<(), Self::Error> {
         self.calls
             .push(batch.iter().map(|r| (r.seq.0, r.model_len())).collect());
+        for r in batch {
+            let first = r.context.len();
+            self.numbers.extend(
+                (first..first + r.model_len()).map(|pos| (pos, r.rng.uniform(pos, Stream::Draft))),
+            );
+        }
         self.inner.propose(batch, out)
     }
 
@@ -386,6 +395,51 @@ impl<D: Draft> Draft for Recording<D> {
 
     fn release(&mut self, seq: SeqId) {
         self.inner.release(seq);
+    }
+}
+
+/// A position drafted again after a rejection is drawn with a new number: each drafting round has
+/// its own draw of the generator, so what earlier rounds saw of a position's number (and decided
+/// from it) cannot steer the draw that proposes it again.
+#[test]
+fn each_drafting_round_draws_new_numbers() {
+    let mut batch = Batch::new(
+        target(),
+        Recording {
+            inner: draft_model(),
+            calls: Vec::new(),
+            numbers: Vec::new(),
+        },
+    );
+    let config = GenerateConfig {
+        max_new_tokens: 40,
+        sampling: SamplingParams {
+            temperature: 1.0,
+            ..SamplingParams::default()
+        },
+        draft_len: DraftLenPolicy::Fixed { draft_len: 4 },
+        seed: 11,
+        ..GenerateConfig::default()
+    };
+    batch.add(SeqId(0), vec![1, 2, 3], config, None).unwrap();
+    while !batch.is_empty() {
+        for f in batch.step(&mut |_, _| ControlFlow::Continue(())) {
+            f.result.unwrap();
+        }
+    }
+    let mut by_position: HashMap<usize, Vec<f64>> = HashMap::new();
+    for &(pos, u) in &batch.drafter().numbers {
+        by_position.entry(pos).or_default().push(u);
+    }
+    let again: Vec<&Vec<f64>> = by_position.values().filter(|u| u.len() > 1).collect();
+    assert!(!again.is_empty(), "some position was drafted in two rounds");
+    for u in again {
+        for (i, a) in u.iter().enumerate() {
+            assert!(
+                u[i + 1..].iter().all(|b| b != a),
+                "a number drawn twice: {u:?}"
+            );
+        }
     }
 }
 
@@ -434,6 +488,7 @@ fn decode_recorded(
         Recording {
             inner: draft_model(),
             calls: Vec::new(),
+            numbers: Vec::new(),
         },
     );
     for (i, (p, c)) in reqs.iter().cloned().enumerate() {

@@ -154,6 +154,31 @@ fn a_target_failure_keeps_what_was_produced() {
     }
 }
 
+/// A draft model whose logits are not finite at some positions ends its draft there, not the
+/// generation: the target decodes on, and the greedy text is the target's own.
+#[test]
+fn a_draft_with_non_finite_logits_ends_its_draft_not_the_generation() {
+    let mut script: Vec<Vec<f32>> = (0..5)
+        .map(|i| (0..16).map(|t| ((t * 7 + i * 3) % 16) as f32).collect())
+        .collect();
+    script[2][5] = f32::NAN;
+    script[4][0] = f32::INFINITY;
+    let config = GenerateConfig {
+        draft_len: DraftLenPolicy::Fixed { draft_len: 3 },
+        ..greedy(30)
+    };
+    let reference = run(MockModel::new(logits(16)), None, &[1, 2], &config).unwrap();
+    let out = run(
+        MockModel::new(logits(16)),
+        Some(MockModel::new(MockLogits::Scripted(script))),
+        &[1, 2],
+        &config,
+    )
+    .unwrap();
+    assert_eq!(out.tokens, reference.tokens);
+    assert!(out.metrics.drafted > 0, "the other positions are drafted");
+}
+
 #[test]
 fn a_draft_failure_names_the_draft() {
     let e = run(
@@ -175,6 +200,57 @@ fn a_draft_failure_names_the_draft() {
     );
     assert!(e.to_string().contains("draft"), "{e}");
     assert!(!e.output.tokens.is_empty());
+}
+
+/// A drafter that proposes token 1 with a confidence estimate of its choosing.
+struct Confident(f32);
+
+impl specdec_core::Draft for Confident {
+    type Error = std::convert::Infallible;
+
+    fn vocab_size(&self) -> Option<usize> {
+        None
+    }
+
+    fn propose(
+        &mut self,
+        batch: &[specdec_core::DraftRequest<'_>],
+        out: &mut [specdec_core::Proposal],
+    ) -> Result<(), Self::Error> {
+        for p in out.iter_mut().take(batch.len()) {
+            p.tokens.push(1);
+            p.probs.push(specdec_core::Probs::OneHot(1));
+            p.confidence.push(self.0);
+        }
+        Ok(())
+    }
+
+    fn commit(&mut self, _: specdec_core::SeqId, _: &[u32]) -> Result<(), Self::Error> {
+        Ok(())
+    }
+}
+
+/// A confidence estimate that is not a probability (NaN would otherwise stay in the cost model's
+/// sums for good) is a typed error naming it; a probability is fine.
+#[test]
+fn a_confidence_that_is_not_a_probability_is_an_error() {
+    let go = |c: f32| {
+        generate(
+            &mut MockModel::new(logits(16)),
+            &mut Confident(c),
+            &[1, 2],
+            &greedy(8),
+            &mut |_| ControlFlow::Continue(()),
+        )
+    };
+    for bad in [f32::NAN, -0.5, 1.5, f32::INFINITY] {
+        let e = go(bad).unwrap_err();
+        assert!(
+            matches!(e.error, Error::BadConfidence { index: 0, .. }),
+            "{bad}: {e}"
+        );
+    }
+    assert!(go(0.5).is_ok());
 }
 
 #[test]

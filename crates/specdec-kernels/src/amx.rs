@@ -537,14 +537,14 @@ impl Tiles for Hardware {
 }
 
 /// The tiles' arithmetic in plain Rust, for testing a pass's layout on CPUs without AMX.
-#[cfg(test)]
+#[cfg(any(test, feature = "testing"))]
 #[derive(Default)]
 pub(crate) struct Emulated {
     rows: usize,
     depth: usize,
 }
 
-#[cfg(test)]
+#[cfg(any(test, feature = "testing"))]
 impl Tiles for Emulated {
     unsafe fn configure(&mut self, rows: usize, depth: usize) {
         self.rows = rows;
@@ -611,7 +611,7 @@ impl Tiles for Emulated {
 
 /// `rows` (weight rows of `nb` blocks each) packed as interleaved groups, which must be five (two
 /// pairs and an odd one), and their count.
-#[cfg(all(test, target_arch = "x86_64"))]
+#[cfg(all(any(test, feature = "testing"), target_arch = "x86_64"))]
 pub(crate) fn five_groups<G: crate::Interleaved>(rows: &[G::Block], nb: usize) -> (usize, Vec<G>) {
     let groups = rows.len() / (8 * nb);
     assert_eq!(groups, 5, "two pairs of groups and an odd one");
@@ -624,7 +624,7 @@ pub(crate) fn five_groups<G: crate::Interleaved>(rows: &[G::Block], nb: usize) -
 }
 
 /// Activation values in -1..1 from `seed`, one per call.
-#[cfg(all(test, target_arch = "x86_64"))]
+#[cfg(all(any(test, feature = "testing"), target_arch = "x86_64"))]
 pub(crate) fn values(mut seed: u64) -> impl FnMut() -> f32 {
     move || {
         seed = seed
@@ -635,13 +635,13 @@ pub(crate) fn values(mut seed: u64) -> impl FnMut() -> f32 {
 }
 
 /// A reference dot product of a weight row with an activation row.
-#[cfg(all(test, target_arch = "x86_64"))]
+#[cfg(all(any(test, feature = "testing"), target_arch = "x86_64"))]
 type Dot<B> = fn(&[B], &[crate::BlockQ8K]) -> f32;
 
 /// Runs [`pass`] on emulated tiles for 1 to 16 activation rows against `rows` (weight rows of `nb`
 /// blocks each, five groups of 8: two pairs and an odd last group) packed as `F::Group`, over the
 /// whole window and over one that cuts groups, and compares every result with `dot` bit for bit.
-#[cfg(all(test, target_arch = "x86_64"))]
+#[cfg(all(any(test, feature = "testing"), target_arch = "x86_64"))]
 pub(crate) fn check_emulated<F>(
     rows: &[<F::Group as crate::Interleaved>::Block],
     nb: usize,

@@ -57,6 +57,9 @@ pub mod formats;
 mod matrix;
 pub mod pool;
 mod simd;
+#[cfg(feature = "testing")]
+#[doc(hidden)]
+pub mod testing;
 
 pub use amx::{AMX_FROM_ROWS, AMX_GEMM_FROM_ROWS};
 pub use dispatch::{CpuLevel, Kernels, LEVEL_ENV};

@@ -184,8 +184,11 @@ impl QMatrix {
         cols: usize,
         bytes: &[u8],
     ) -> Result<QMatrix, KernelError> {
-        let expected = rows * blocks_per_row(format, cols)? * format.block_bytes();
-        if bytes.len() != expected {
+        let expected = rows
+            .checked_mul(blocks_per_row(format, cols)?)
+            .and_then(|n| n.checked_mul(format.block_bytes()))
+            .unwrap_or(usize::MAX);
+        if bytes.len() != expected || expected == usize::MAX {
             return Err(KernelError::ByteLength {
                 expected,
                 actual: bytes.len(),

@@ -8,7 +8,7 @@ mod common;
 
 use common::{cols_for, random_activations, random_matrix, reference, same_bits, Rng, FORMATS, MS};
 use libtest_mimic::{Completion, Failed, Trial};
-use specdec_kernels::{BlockFormat, CpuLevel, Kernels, QMatrix, QuantizedActivations};
+use specdec_kernels::{BlockFormat, CpuLevel, Kernels, QMatrix, QuantizedActivations, ThreadPool};
 
 /// A check run at one level.
 type Check = fn(Kernels);
@@ -35,16 +35,90 @@ fn main() {
                         check(kernels);
                         Ok(Completion::Completed)
                     }
-                    Err(_) if !level.is_supported() => Ok(Completion::ignored_with(format!(
-                        "needs {}, which this CPU lacks",
-                        level.features()
-                    ))),
+                    Err(_) if !level.is_supported() => Ok(unsupported(level)),
                     Err(e) => Err(Failed::from(e.to_string())),
                 },
             ));
         }
     }
+    // The `amx` level's gemm through the public matmuls, against the 512-bit passes' bits.
+    trials.push(Trial::ignorable_test(
+        "amx::the_gemm_gives_the_passes_bits_through_columns_and_threads",
+        || match Kernels::with_level(CpuLevel::Amx) {
+            Ok(amx) => {
+                gemm_gives_the_passes_bits(amx);
+                Ok(Completion::Completed)
+            }
+            Err(_) => Ok(unsupported(CpuLevel::Amx)),
+        },
+    ));
+    // The AMX kernels' layouts, on emulated tiles (any AVX-512 CPU) and on this CPU's.
+    for check in specdec_kernels::testing::checks() {
+        trials.push(Trial::ignorable_test(check.name, move || {
+            if !check.needs.is_supported() {
+                return Ok(unsupported(check.needs));
+            }
+            (check.run)();
+            Ok(Completion::Completed)
+        }));
+    }
     libtest_mimic::run(&libtest_mimic::Arguments::from_args(), trials).exit()
+}
+
+/// A test this CPU cannot run: ignored, with the features it lacks.
+fn unsupported(level: CpuLevel) -> Completion {
+    Completion::ignored_with(format!("needs {}, which this CPU lacks", level.features()))
+}
+
+/// The `amx` level's gemm (Q4_K matmuls of 32 rows or more, in whole slabs of 16 and the rest in
+/// passes) gives the 512-bit passes' bits through column ranges that cut groups, an output wider
+/// than the range and threads (the gemm's layout is checked on emulated tiles too, through
+/// `specdec_kernels::testing`).
+fn gemm_gives_the_passes_bits(amx: Kernels) {
+    let zmm = Kernels::with_level(CpuLevel::Avx512Zmm).expect("the amx level includes avx512zmm");
+    let mut rng = Rng(63);
+    let format = BlockFormat::Q4K;
+    let cols = cols_for(format);
+    for (rows, m) in [(24, 33), (296, 48), (1000, 65)] {
+        let w = random_matrix(&mut rng, format, rows, cols);
+        let x = w
+            .quantize_activations(m, &random_activations(&mut rng, m, cols))
+            .unwrap();
+        let mut want = vec![0.0; m * rows];
+        zmm.matmul(&w, &x, &mut want).unwrap();
+        for range in [3..11, 5..21, 16..24, 0..rows] {
+            let mut part = vec![0.0; m * range.len()];
+            amx.matmul_columns(&w, &x, range.clone(), &mut part)
+                .unwrap();
+            for r in 0..m {
+                for (i, n) in range.clone().enumerate() {
+                    assert!(
+                        same_bits(part[r * range.len() + i], want[r * rows + n]),
+                        "rows {rows} m {m} columns {range:?} row {r} column {n}"
+                    );
+                }
+            }
+        }
+        for pool in [1, 2, 3].map(|n| ThreadPool::new(n).unwrap()).iter() {
+            let (cols, stride) = (rows / 3 + 1..rows, rows + 5);
+            let mut part = vec![-7.0; m * stride];
+            amx.matmul_threaded_columns(&w, &x, cols.clone(), &mut part, stride, pool)
+                .unwrap();
+            for r in 0..m {
+                for i in 0..stride {
+                    let got = part[r * stride + i];
+                    match cols.clone().nth(i) {
+                        Some(n) => assert!(
+                            same_bits(got, want[r * rows + n]),
+                            "rows {rows} m {m} threads {} row {r} column {n}",
+                            pool.threads()
+                        ),
+                        None => assert_eq!(got, -7.0),
+                    }
+                }
+            }
+        }
+    }
 }
 
 fn matches_the_reference(k: Kernels) {

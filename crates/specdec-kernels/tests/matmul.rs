@@ -92,62 +92,6 @@ fn threaded_matmul_gives_the_single_threaded_bits() {
     }
 }
 
-/// The `amx` level's gemm (Q4_K matmuls of 32 rows or more, in whole slabs of 16 and the rest in
-/// passes) gives the 512-bit passes' bits through column ranges that cut groups, an output wider
-/// than the range and threads. Where the CPU lacks AMX it says so and checks nothing (the gemm's
-/// layout is tested on emulated tiles in the library's tests).
-#[test]
-fn the_amx_gemm_gives_the_passes_bits_through_columns_and_threads() {
-    let Ok(amx) = Kernels::with_level(CpuLevel::Amx) else {
-        eprintln!("skipped: needs {}", CpuLevel::Amx.features());
-        return;
-    };
-    let zmm = Kernels::with_level(CpuLevel::Avx512Zmm).expect("the amx level includes avx512zmm");
-    let mut rng = Rng(63);
-    let format = BlockFormat::Q4K;
-    let cols = cols_for(format);
-    for (rows, m) in [(24, 33), (296, 48), (1000, 65)] {
-        let w = random_matrix(&mut rng, format, rows, cols);
-        let x = w
-            .quantize_activations(m, &random_activations(&mut rng, m, cols))
-            .unwrap();
-        let mut want = vec![0.0; m * rows];
-        zmm.matmul(&w, &x, &mut want).unwrap();
-        for range in [3..11, 5..21, 16..24, 0..rows] {
-            let mut part = vec![0.0; m * range.len()];
-            amx.matmul_columns(&w, &x, range.clone(), &mut part)
-                .unwrap();
-            for r in 0..m {
-                for (i, n) in range.clone().enumerate() {
-                    assert!(
-                        same_bits(part[r * range.len() + i], want[r * rows + n]),
-                        "rows {rows} m {m} columns {range:?} row {r} column {n}"
-                    );
-                }
-            }
-        }
-        for pool in &pools() {
-            let (cols, stride) = (rows / 3 + 1..rows, rows + 5);
-            let mut part = vec![-7.0; m * stride];
-            amx.matmul_threaded_columns(&w, &x, cols.clone(), &mut part, stride, pool)
-                .unwrap();
-            for r in 0..m {
-                for i in 0..stride {
-                    let got = part[r * stride + i];
-                    match cols.clone().nth(i) {
-                        Some(n) => assert!(
-                            same_bits(got, want[r * rows + n]),
-                            "rows {rows} m {m} threads {} row {r} column {n}",
-                            pool.threads()
-                        ),
-                        None => assert_eq!(got, -7.0),
-                    }
-                }
-            }
-        }
-    }
-}
-
 /// Several matmuls of the same activations as one job give each matmul's own bits, for more jobs
 /// than one turn holds and matrices of different formats (the same activation format) and sizes.
 #[test]

@@ -180,10 +180,23 @@ impl ModelConfig {
             .first()
             .copied()
             .unwrap_or(0);
+        // The layer count sizes loops and allocations before any layer's tensors are read: it
+        // must be what the file's tensors hold (the last layer's first tensor present, and no
+        // more layers than tensors), not whatever a corrupt header says.
+        let n_layer = g.usize(&key("block_count"))?;
+        if n_layer > g.content().tensor_infos.len()
+            || (n_layer > 0 && !g.has_tensor(&format!("blk.{}.attn_norm.weight", n_layer - 1)))
+        {
+            return Err(Error::BadKey {
+                path: g.path().to_path_buf(),
+                key: key("block_count"),
+                expected: "the number of layers whose tensors the file holds",
+            });
+        }
         Ok(Self {
             arch,
             name: g.str("general.name").unwrap_or_default().to_string(),
-            n_layer: g.usize(&key("block_count"))?,
+            n_layer,
             n_embd,
             n_head,
             n_head_kv,

@@ -11,6 +11,40 @@ use candle_core::quantized::GgmlDType;
 use crate::error::{Error, Result};
 use crate::weights::QWeight;
 
+/// candle's header parser, with its panics (a header whose `general.alignment` is 0 divides by
+/// zero in it) caught and returned as errors like its own, so that a malformed file is an error,
+/// never a crash. While it runs, this thread's panics are not printed: a caught panic's message is
+/// in the error.
+fn read_header(reader: &mut BufReader<&File>) -> std::result::Result<Content, String> {
+    use std::cell::Cell;
+    thread_local! {
+        static QUIET: Cell<bool> = const { Cell::new(false) };
+    }
+    static HOOK: std::sync::Once = std::sync::Once::new();
+    HOOK.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if !QUIET.with(Cell::get) {
+                previous(info);
+            }
+        }));
+    });
+    QUIET.with(|q| q.set(true));
+    let read = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Content::read(reader)));
+    QUIET.with(|q| q.set(false));
+    match read {
+        Ok(content) => content.map_err(|e| e.to_string()),
+        Err(panic) => Err(format!(
+            "the header parser failed: {}",
+            panic
+                .downcast_ref::<&str>()
+                .copied()
+                .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+                .unwrap_or("a malformed header")
+        )),
+    }
+}
+
 /// An open GGUF file: its header, with the tensor data left on disk until asked for.
 #[derive(Debug)]
 pub struct Gguf {
@@ -28,9 +62,9 @@ impl Gguf {
         let file = File::open(&path).map_err(|e| Error::io(&path, e))?;
         let len = file.metadata().map_err(|e| Error::io(&path, e))?.len();
         let mut reader = BufReader::new(&file);
-        let content = Content::read(&mut reader).map_err(|e| Error::Gguf {
+        let content = read_header(&mut reader).map_err(|reason| Error::Gguf {
             path: path.clone(),
-            reason: e.to_string(),
+            reason,
         })?;
         Ok(Self {
             path,
@@ -179,7 +213,10 @@ impl Gguf {
                 dtype: format!("{dtype:?} with rows of {cols} values"),
             });
         }
-        let bytes = self.read_bytes(name, info, rows * cols)?;
+        let elems = rows
+            .checked_mul(cols)
+            .ok_or_else(|| self.truncated(name, u64::MAX))?;
+        let bytes = self.read_bytes(name, info, elems)?;
         QWeight::from_bytes(dtype, &bytes, rows, cols)
     }
 
@@ -213,7 +250,9 @@ impl Gguf {
     /// they lie inside the file.
     fn read_bytes(&self, name: &str, info: &TensorInfo, elems: usize) -> Result<AlignedBytes> {
         let dtype = info.ggml_dtype;
-        let size = (elems / dtype.block_size()) as u64 * dtype.type_size() as u64;
+        let size = ((elems / dtype.block_size()) as u64)
+            .checked_mul(dtype.type_size() as u64)
+            .ok_or_else(|| self.truncated(name, u64::MAX))?;
         let start = self
             .content
             .tensor_data_offset

@@ -105,10 +105,15 @@ impl Tokenizer {
         fix_pre_tokenizer(g, &mut inner)?;
         let vocab = g.array_len("tokenizer.ggml.tokens")?;
         let token = |key: &str| -> Result<Option<(TokenId, String)>> {
-            Ok(match g.usize_opt(key)? {
-                Some(id) => inner.id_to_token(id as TokenId).map(|s| (id as TokenId, s)),
-                None => None,
-            })
+            let Some(id) = g.usize_opt(key)? else {
+                return Ok(None);
+            };
+            let id = TokenId::try_from(id).map_err(|_| Error::BadKey {
+                path: g.path().to_path_buf(),
+                key: key.to_string(),
+                expected: "a token id (below 2^32)",
+            })?;
+            Ok(inner.id_to_token(id).map(|s| (id, s)))
         };
         let bos = token("tokenizer.ggml.bos_token_id")?;
         let eos = token("tokenizer.ggml.eos_token_id")?;

@@ -222,6 +222,46 @@ fn assert_unsupported_key(e: &Error, want: &str, value: &str) {
     }
 }
 
+/// Malformed headers are typed errors, never crashes: an alignment of 0 (candle's parser divides
+/// by it), a layer count the tensors do not hold (it sizes loops and allocations before any
+/// tensor is read).
+#[test]
+fn malformed_headers_are_errors_not_crashes() {
+    let spec = || TinySpec::new(Arch::Llama, GgmlDType::Q8_0);
+    let e = load_err(&TinySpec {
+        extra_keys: vec![("general.alignment".into(), Value::U32(0))],
+        ..spec()
+    });
+    assert!(matches!(e, Error::Gguf { .. }), "{e}");
+    assert!(e.to_string().contains("tiny.gguf"), "{e}");
+    let layers = spec().n_layer as u32;
+    for n in [layers + 1, 1 << 20, u32::MAX] {
+        let e = load_err(&with_key(Arch::Llama, "block_count", Value::U32(n)));
+        match &e {
+            Error::BadKey { key, .. } => assert_eq!(key, "llama.block_count"),
+            _ => panic!("block_count {n}: expected BadKey, got {e}"),
+        }
+    }
+}
+
+/// A special token id that does not fit a token id is a bad key, not a truncated id.
+#[test]
+fn a_token_id_past_2_32_is_a_bad_key() {
+    let (_dir, path) = tiny(&TinySpec {
+        extra_keys: vec![(
+            "tokenizer.ggml.bos_token_id".into(),
+            Value::U64((1 << 32) | 256),
+        )],
+        ..TinySpec::new(Arch::Qwen2, GgmlDType::Q8_0)
+    });
+    let e = specdec_runtime::Tokenizer::from_gguf(&specdec_runtime::Gguf::open(&path).unwrap())
+        .unwrap_err();
+    match &e {
+        Error::BadKey { key, .. } => assert_eq!(key, "tokenizer.ggml.bos_token_id"),
+        _ => panic!("expected BadKey, got {e}"),
+    }
+}
+
 #[test]
 fn unimplemented_rope_scaling_types_are_rejected_by_name() {
     for arch in [Arch::Llama, Arch::Qwen2] {

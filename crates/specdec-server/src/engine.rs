@@ -9,10 +9,10 @@
 //!   to the handler; a handler that went away (client disconnected) ends its sequence before the
 //!   next step.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::ops::ControlFlow;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TryRecvError, TrySendError};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -508,7 +508,9 @@ pub struct Shared {
 /// The handlers' side of the engine.
 #[derive(Clone, Debug)]
 pub struct EngineHandle {
-    tx: SyncSender<Job>,
+    /// To the engine, which moves each job into its own queue at its next turn: the `queued`
+    /// count, not the channel, bounds the jobs waiting.
+    tx: Sender<Job>,
     /// Shared state.
     pub shared: Arc<Shared>,
     queue: usize,
@@ -539,22 +541,14 @@ impl EngineHandle {
             .parallel
             .saturating_sub(self.shared.active.load(Ordering::SeqCst));
         let waiting = self.shared.queued.fetch_add(1, Ordering::SeqCst);
-        if waiting >= self.queue + free {
+        if waiting >= self.queue.saturating_add(free) {
             self.shared.queued.fetch_sub(1, Ordering::SeqCst);
             return Err(ApiError::overloaded(self.queue));
         }
-        match self.tx.try_send(job) {
-            Ok(()) => Ok(()),
-            Err(e) => {
-                self.shared.queued.fetch_sub(1, Ordering::SeqCst);
-                Err(match e {
-                    TrySendError::Full(_) => ApiError::overloaded(self.queue),
-                    TrySendError::Disconnected(_) => {
-                        ApiError::unavailable("the engine has stopped")
-                    }
-                })
-            }
-        }
+        self.tx.send(job).map_err(|_| {
+            self.shared.queued.fetch_sub(1, Ordering::SeqCst);
+            ApiError::unavailable("the engine has stopped")
+        })
     }
 }
 
@@ -614,8 +608,9 @@ where
     F: FnOnce() -> Result<Loaded<M, T>, String> + Send + 'static,
 {
     let parallel = options.parallel.max(1);
-    // Room for the queue and for jobs that free slots are about to take; `submit` keeps the count.
-    let (tx, rx) = std::sync::mpsc::sync_channel(options.queue + parallel);
+    // `submit` bounds the jobs waiting (the queue and the free slots) by its count; the engine
+    // moves them out of the channel at every turn.
+    let (tx, rx) = std::sync::mpsc::channel();
     let shared = Arc::new(Shared::default());
     let handle = EngineHandle {
         tx,
@@ -628,7 +623,13 @@ where
     let spawned = std::thread::Builder::new()
         .name("specdec-engine".into())
         .spawn(move || {
-            let loaded = match load() {
+            // A loader that panics fails the load like one that returns an error: otherwise no
+            // load error is ever set and every request waits for models that never come.
+            let loaded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(load))
+                .unwrap_or_else(|panic| {
+                    Err(format!("the loader panicked: {}", panic_message(&*panic)))
+                });
+            let loaded = match loaded {
                 Ok(l) => l,
                 Err(e) => {
                     tracing::error!("loading failed: {e}");
@@ -660,6 +661,7 @@ where
             Engine {
                 batch,
                 jobs: HashMap::new(),
+                waiting: VecDeque::new(),
                 codec,
                 shared,
                 parallel,
@@ -698,6 +700,10 @@ struct Active {
 struct Engine<M: Target, T: Target> {
     batch: Batch<T, MultiDrafter<M>>,
     jobs: HashMap<SeqId, Active>,
+    /// Requests waiting for a slot, in the order they came: moved out of the channel every turn,
+    /// so that one whose client left frees its place in the queue at once, not when a slot would
+    /// have taken it.
+    waiting: VecDeque<Job>,
     codec: Arc<dyn Codec>,
     shared: Arc<Shared>,
     parallel: usize,
@@ -723,23 +729,47 @@ impl<M: Target, T: Target> Engine<M, T> {
                     self.finish(id, Ok(out));
                 }
             }
-            // New requests join between steps.
+            // New requests wait here; those whose clients left while waiting leave the queue.
+            let mut disconnected = false;
+            loop {
+                match rx.try_recv() {
+                    Ok(j) => self.waiting.push_back(j),
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => {
+                        disconnected = true;
+                        break;
+                    }
+                }
+            }
+            let before = self.waiting.len();
+            self.waiting.retain(|j| !j.events.is_closed());
+            let left = before - self.waiting.len();
+            if left > 0 {
+                self.shared.queued.fetch_sub(left, Ordering::SeqCst);
+            }
+            // With nothing to do, wait for a request, and take those that came with it too.
+            if self.batch.is_empty() && self.waiting.is_empty() && !disconnected {
+                match rx.recv_timeout(Duration::from_millis(100)) {
+                    Ok(j) => {
+                        self.waiting.push_back(j);
+                        while let Ok(j) = rx.try_recv() {
+                            self.waiting.push_back(j);
+                        }
+                    }
+                    Err(RecvTimeoutError::Timeout) => {}
+                    Err(RecvTimeoutError::Disconnected) => return,
+                }
+            }
+            // They join between steps.
             while self.batch.len() < self.parallel {
-                let job = if self.batch.is_empty() {
-                    match rx.recv_timeout(Duration::from_millis(100)) {
-                        Ok(j) => j,
-                        Err(RecvTimeoutError::Timeout) => break,
-                        Err(RecvTimeoutError::Disconnected) => return,
-                    }
-                } else {
-                    match rx.try_recv() {
-                        Ok(j) => j,
-                        Err(TryRecvError::Empty) => break,
-                        Err(TryRecvError::Disconnected) => return,
-                    }
+                let Some(job) = self.waiting.pop_front() else {
+                    break;
                 };
                 self.shared.queued.fetch_sub(1, Ordering::SeqCst);
                 self.admit(job);
+            }
+            if disconnected && self.batch.is_empty() && self.waiting.is_empty() {
+                return;
             }
             self.shared.active.store(self.batch.len(), Ordering::SeqCst);
             if self.batch.is_empty() {
@@ -925,6 +955,9 @@ impl<M: Target, T: Target> Engine<M, T> {
             }
         }
         while let Ok(job) = rx.try_recv() {
+            self.waiting.push_back(job);
+        }
+        for job in self.waiting.drain(..) {
             self.shared.queued.fetch_sub(1, Ordering::SeqCst);
             let _ = job
                 .events
@@ -1008,6 +1041,15 @@ pub async fn collect(
         }
     }
     (text, tokens, Err("the engine stopped".into()))
+}
+
+/// A panic's message, where it is a string.
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
+    panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("(no message)")
 }
 
 #[cfg(test)]

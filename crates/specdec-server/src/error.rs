@@ -21,6 +21,9 @@ pub struct ApiError {
     pub code: Option<&'static str>,
     /// Seconds after which to retry (429 and 503).
     pub retry_after: Option<u64>,
+    /// The text generated before a generation failed (`error.partial_text`), so that a
+    /// non-streaming client keeps what was produced, as a streaming one does.
+    pub partial_text: Option<Box<str>>,
 }
 
 #[derive(Serialize)]
@@ -35,6 +38,8 @@ struct Inner<'a> {
     kind: &'a str,
     param: Option<&'a str>,
     code: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    partial_text: Option<&'a str>,
 }
 
 impl ApiError {
@@ -46,6 +51,15 @@ impl ApiError {
             param: None,
             code: None,
             retry_after: None,
+            partial_text: None,
+        }
+    }
+
+    /// The same error, carrying the text generated before it (none if `text` is empty).
+    pub fn with_partial_text(self, text: String) -> Self {
+        Self {
+            partial_text: (!text.is_empty()).then(|| text.into_boxed_str()),
+            ..self
         }
     }
 
@@ -129,6 +143,7 @@ impl ApiError {
                 kind: self.kind,
                 param: self.param.as_deref(),
                 code: self.code,
+                partial_text: self.partial_text.as_deref(),
             },
         })
         .unwrap_or_default()

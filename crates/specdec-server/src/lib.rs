@@ -304,7 +304,9 @@ async fn complete(s: AppState, kind: Kind, body: Result<Bytes, BytesRejection>) 
     let (text, tokens, result) = engine::collect(&mut rx).await;
     match result {
         Ok(summary) => Json(api::response(&req, info, &text, &tokens, &summary)).into_response(),
-        Err(e) => ApiError::internal(format!("generation failed: {e}")).into_response(),
+        Err(e) => ApiError::internal(format!("generation failed: {e}"))
+            .with_partial_text(text)
+            .into_response(),
     }
 }
 

@@ -293,6 +293,63 @@ async fn health_is_503_until_the_models_are_loaded() {
     assert_eq!(v["error"]["param"], "drafter");
 }
 
+/// A loader that panics fails the load like one that returns an error: the server reports it
+/// instead of waiting for models that never come.
+#[tokio::test]
+async fn a_loader_that_panics_fails_the_load() {
+    let h = start(
+        &EngineOptions {
+            parallel: 1,
+            queue: 1,
+            batch_draft_len: None,
+            prefill_chunk: None,
+        },
+        || -> Result<Loaded<MockModel, MockModel>, String> { panic!("a malformed file") },
+    );
+    wait(|| h.shared.load_error.get().is_some());
+    let error = h.shared.load_error.get().unwrap();
+    assert!(error.contains("a malformed file"), "{error}");
+}
+
+/// A non-streaming request whose generation fails part way keeps the text generated before the
+/// failure, in `error.partial_text`, as a streaming one keeps the chunks it was sent.
+#[tokio::test]
+async fn a_failed_generation_returns_the_text_made_before_it() {
+    let h = start(
+        &EngineOptions {
+            parallel: 1,
+            queue: 1,
+            batch_draft_len: None,
+            prefill_chunk: None,
+        },
+        || {
+            Ok(Loaded {
+                // The prefill and 5 decoding steps, then a failure.
+                target: MockModel::new(target_logits()).fail_at_call(7),
+                drafter: MultiDrafter::<MockModel>::new(None),
+                codec: Arc::new(ByteCodec),
+                model: "mock".into(),
+                learner: None,
+            })
+        },
+    );
+    wait(|| h.shared.info.get().is_some());
+    let app = router(h.clone(), ServerOptions::default());
+    let (s, v) = post(
+        &app,
+        "/v1/completions",
+        json!({"prompt": "abc", "max_tokens": 50, "drafter": "none"}),
+    )
+    .await;
+    assert_eq!(s, StatusCode::INTERNAL_SERVER_ERROR, "{v}");
+    let partial = v["error"]["partial_text"].as_str().unwrap_or_default();
+    assert!(!partial.is_empty(), "{v}");
+    assert!(v["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("injected failure"));
+}
+
 #[tokio::test]
 async fn chat_and_completion_responses_have_openai_shapes() {
     let app = app();
@@ -637,6 +694,32 @@ async fn a_full_queue_is_429_and_a_client_that_leaves_frees_its_slot() {
     );
     assert!(m.contains("specdec_time_to_first_token_seconds_count"));
     assert!(m.contains("specdec_active_sequences 0"));
+}
+
+/// A client that leaves while its request waits for a slot frees its place in the queue at once,
+/// not when a slot would have taken the request.
+#[tokio::test]
+async fn a_client_that_leaves_the_queue_frees_its_place_at_once() {
+    let (app, h) = app_with(ServerOptions::default(), 1, 1, Duration::from_millis(20));
+    let stream = |n: u32| stream_request(&format!("p{n}"), 400);
+    let first = app.clone().oneshot(stream(1)).await.unwrap();
+    assert_eq!(first.status(), StatusCode::OK);
+    wait(|| h.shared.active.load(Ordering::SeqCst) == 1);
+    let second = app.clone().oneshot(stream(2)).await.unwrap();
+    assert_eq!(second.status(), StatusCode::OK);
+    wait(|| h.shared.queued.load(Ordering::SeqCst) == 1);
+    // The waiting client leaves while the first still decodes (400 tokens, 20 ms a step).
+    drop(second);
+    wait(|| h.shared.queued.load(Ordering::SeqCst) == 0);
+    assert_eq!(
+        h.shared.active.load(Ordering::SeqCst),
+        1,
+        "the first still decodes"
+    );
+    let third = app.clone().oneshot(stream(3)).await.unwrap();
+    assert_eq!(third.status(), StatusCode::OK, "the queue has room again");
+    drop(first);
+    drop(third);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -450,6 +450,9 @@ pub fn generate_config(args: &DecodeArgs, tokenizer: &Tokenizer) -> Result<Gener
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64)
     });
+    if args.max_tokens == 0 {
+        bail!("--max-tokens must be at least 1");
+    }
     let config = GenerateConfig {
         max_new_tokens: args.max_tokens,
         stop_tokens: if args.ignore_eos {

@@ -20,8 +20,11 @@ pub fn command(args: &ServeArgs, ui: Ui) -> Result<()> {
     if args.parallel == 0 {
         bail!("--parallel must be at least 1");
     }
-    if !(args.shutdown_grace.is_finite() && args.shutdown_grace >= 0.0) {
-        bail!("--shutdown-grace must be a number of seconds >= 0");
+    let Ok(shutdown_grace) = Duration::try_from_secs_f64(args.shutdown_grace) else {
+        bail!("--shutdown-grace must be a number of seconds >= 0 (and below 2^64)");
+    };
+    if args.decode.max_tokens == 0 {
+        bail!("--max-tokens must be at least 1");
     }
     let drafter = match args.decode.drafter {
         CliDrafter::None => DrafterKind::None,
@@ -163,7 +166,7 @@ pub fn command(args: &ServeArgs, ui: Ui) -> Result<()> {
             listener,
             app,
             shared.clone(),
-            Duration::from_secs_f64(args.shutdown_grace),
+            shutdown_grace,
         ))
         .context("serving")?;
     if let Some(e) = shared.load_error.get() {

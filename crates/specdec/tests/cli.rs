@@ -147,6 +147,30 @@ fn argument_errors_are_one_clear_line() {
     assert_clean_error(&run(base(&["--draft-len", "0"])), "draft-len");
     assert_clean_error(&run(base(&["--draft-len", "many"])), "draft-len");
     assert_clean_error(&run(base(&["--min-confidence", "2"])), "min_confidence");
+    assert_clean_error(&run(base(&["--max-tokens", "0"])), "--max-tokens");
+    // Huge but finite penalties are valid, and decode.
+    let out = run(base(&[
+        "--temperature",
+        "1",
+        "--presence-penalty",
+        "-3e38",
+        "--frequency-penalty",
+        "-3e38",
+        "--max-tokens",
+        "4",
+    ]));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let serve = |extra: &[&str]| {
+        let mut a = vec!["serve", "--target", t, "--drafter", "ngram", "--port", "0"];
+        a.extend_from_slice(extra);
+        specdec(&f, &a)
+    };
+    assert_clean_error(&serve(&["--shutdown-grace", "1e20"]), "--shutdown-grace");
+    assert_clean_error(&serve(&["--max-tokens", "0"]), "--max-tokens");
     assert_clean_error(
         &specdec(&f, &["bench", "--target", t, "--min-confidence", "2"]),
         "min-confidence",

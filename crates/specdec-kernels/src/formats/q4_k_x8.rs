@@ -929,61 +929,20 @@ pub(crate) mod amx {
     }
 }
 
-#[cfg(test)]
-mod tests {
+/// Weights and checks for the tests: here and [`crate::testing`]'s layout checks.
+#[cfg(any(test, feature = "testing"))]
+pub(crate) mod testing {
     use super::*;
 
-    fn q4k(seed: u8) -> BlockQ4K {
+    /// A Q4_K block from `seed`: its scale bytes cover every 6-bit scale and minimum over a few
+    /// seeds.
+    pub(crate) fn q4k(seed: u8) -> BlockQ4K {
         BlockQ4K {
             d: F16(0x3c00 + u16::from(seed)),
             dmin: F16(0x3800 + u16::from(seed)),
             scales: std::array::from_fn(|i| seed.wrapping_mul(29).wrapping_add(i as u8 * 13)),
             qs: std::array::from_fn(|i| seed.wrapping_mul(31).wrapping_add(i as u8 * 17)),
         }
-    }
-
-    /// The two arithmetics of a Q4_K row differ only in how the float operations are grouped: the
-    /// same integers, so results agree to a few rounding errors of the sum of magnitudes.
-    #[test]
-    fn the_grouped_arithmetic_agrees_with_the_per_lane_one() {
-        let w: Vec<BlockQ4K> = (0..6).map(|b| q4k(17 * b + 5)).collect();
-        super::super::assert_arithmetics_agree(&w, dot_q4_kx8_q8_k, super::super::dot_q4_k_q8_k);
-    }
-
-    /// The AMX pass's layout (the weights' tile, the natural activation rows, the sums' tile and
-    /// what the vectors make of it), with the tiles emulated: bit for bit the reference for every
-    /// row count, an odd last group and a window that cuts groups. The hardware's tiles are tested
-    /// against the reference at [`crate::CpuLevel::Amx`] by the level tests where a CPU has them.
-    #[cfg(target_arch = "x86_64")]
-    #[test]
-    fn the_amx_pass_with_emulated_tiles_matches_the_reference() {
-        if !crate::CpuLevel::Avx512Zmm.is_supported() {
-            eprintln!("skipped: needs {}", crate::CpuLevel::Avx512Zmm.features());
-            return;
-        }
-        let rows: Vec<BlockQ4K> = (0..8 * 5 * 3).map(|i| q4k((i * 37 % 251) as u8)).collect();
-        crate::amx::check_emulated::<amx::Q4Kx8>(&rows, 3, dot_q4_kx8_q8_k);
-    }
-
-    /// The folded gemm's layout ([`amx::gemm`]: weights times the parts of their scales, four
-    /// products of depth 64 per block into two sums' tiles), with the tiles emulated: bit for bit
-    /// the reference for 1, 2, 3 and 5 slabs of rows (one slab alone, pairs, pairs and one), an
-    /// odd last group, a window that cuts groups and an output wider than the window. Scales of
-    /// every value 0..63 occur (`q4k`'s bytes cover them).
-    #[cfg(target_arch = "x86_64")]
-    #[test]
-    fn the_folded_gemm_with_emulated_tiles_matches_the_reference() {
-        if !crate::CpuLevel::Avx512Zmm.is_supported() {
-            eprintln!("skipped: needs {}", crate::CpuLevel::Avx512Zmm.features());
-            return;
-        }
-        let rows: Vec<BlockQ4K> = (0..8 * 5 * 2).map(|i| q4k((i * 37 % 251) as u8)).collect();
-        check_gemm(
-            &rows,
-            2,
-            &mut crate::amx::Emulated::default(),
-            &[16, 32, 48, 80],
-        );
     }
 
     /// [`amx::gemm`] on `tiles` for each row count in `counts` against `rows` (weight rows of `nb`
@@ -1041,17 +1000,19 @@ mod tests {
             }
         }
     }
+}
 
-    /// [`amx::gemm`] on this CPU's tiles, where it has them.
-    #[cfg(target_arch = "x86_64")]
+#[cfg(test)]
+mod tests {
+    use super::testing::q4k;
+    use super::*;
+
+    /// The two arithmetics of a Q4_K row differ only in how the float operations are grouped: the
+    /// same integers, so results agree to a few rounding errors of the sum of magnitudes.
     #[test]
-    fn the_folded_gemm_on_this_cpus_tiles_matches_the_reference() {
-        if !crate::CpuLevel::Amx.is_supported() {
-            eprintln!("skipped: needs {}", crate::CpuLevel::Amx.features());
-            return;
-        }
-        let rows: Vec<BlockQ4K> = (0..8 * 5 * 3).map(|i| q4k((i * 41 % 253) as u8)).collect();
-        check_gemm(&rows, 3, &mut crate::amx::Hardware, &[16, 32, 48, 64, 80]);
+    fn the_grouped_arithmetic_agrees_with_the_per_lane_one() {
+        let w: Vec<BlockQ4K> = (0..6).map(|b| q4k(17 * b + 5)).collect();
+        super::super::assert_arithmetics_agree(&w, dot_q4_kx8_q8_k, super::super::dot_q4_k_q8_k);
     }
 
     #[test]

@@ -351,6 +351,16 @@ struct Recording<D> {
     numbers: Vec<(usize, f64)>,
 }
 
+impl<D> Recording<D> {
+    fn new(inner: D) -> Self {
+        Self {
+            inner,
+            calls: Vec::new(),
+            numbers: Vec::new(),
+        }
+    }
+}
+
 impl<D: Draft> Draft for Recording<D> {
     type Error = D::Error;
 
@@ -403,14 +413,7 @@ impl<D: Draft> Draft for Recording<D> {
 /// from it) cannot steer the draw that proposes it again.
 #[test]
 fn each_drafting_round_draws_new_numbers() {
-    let mut batch = Batch::new(
-        target(),
-        Recording {
-            inner: draft_model(),
-            calls: Vec::new(),
-            numbers: Vec::new(),
-        },
-    );
+    let mut batch = Batch::new(target(), Recording::new(draft_model()));
     let config = GenerateConfig {
         max_new_tokens: 40,
         sampling: SamplingParams {
@@ -483,14 +486,7 @@ fn decode_recorded(
     reqs: &[(Vec<TokenId>, GenerateConfig)],
     mut each_step: impl FnMut(&Recording<ModelDrafter<MockModel>>),
 ) -> Vec<Vec<(u64, usize)>> {
-    let mut batch = Batch::new(
-        target(),
-        Recording {
-            inner: draft_model(),
-            calls: Vec::new(),
-            numbers: Vec::new(),
-        },
-    );
+    let mut batch = Batch::new(target(), Recording::new(draft_model()));
     for (i, (p, c)) in reqs.iter().cloned().enumerate() {
         batch.add(SeqId(i as u64), p, c, None).unwrap();
     }

@@ -657,6 +657,9 @@ async fn oversize_bodies_are_413_and_the_api_key_is_checked() {
     assert!(v["error"]["message"].as_str().unwrap().contains("1000"));
 }
 
+/// A full queue is a 429; a client that leaves while its request waits frees its place in the
+/// queue at once (not when a slot would have taken the request), and one that leaves while it
+/// decodes frees its slot.
 #[tokio::test]
 async fn a_full_queue_is_429_and_a_client_that_leaves_frees_its_slot() {
     let (app, h) = app_with(ServerOptions::default(), 1, 1, Duration::from_millis(20));
@@ -673,9 +676,19 @@ async fn a_full_queue_is_429_and_a_client_that_leaves_frees_its_slot() {
     let v: Value =
         serde_json::from_slice(&third.into_body().collect().await.unwrap().to_bytes()).unwrap();
     assert_eq!(v["error"]["type"], "rate_limit_error");
+    // The waiting client leaves while the first still decodes (400 tokens, 20 ms a step).
+    drop(second);
+    wait(|| h.shared.queued.load(Ordering::SeqCst) == 0);
+    assert_eq!(
+        h.shared.active.load(Ordering::SeqCst),
+        1,
+        "the first still decodes"
+    );
+    let fourth = app.clone().oneshot(stream(4)).await.unwrap();
+    assert_eq!(fourth.status(), StatusCode::OK, "the queue has room again");
     // Both clients leave: their sequences end and the slots free up.
     drop(first);
-    drop(second);
+    drop(fourth);
     wait(|| {
         h.shared.active.load(Ordering::SeqCst) == 0 && h.shared.queued.load(Ordering::SeqCst) == 0
     });
@@ -694,32 +707,6 @@ async fn a_full_queue_is_429_and_a_client_that_leaves_frees_its_slot() {
     );
     assert!(m.contains("specdec_time_to_first_token_seconds_count"));
     assert!(m.contains("specdec_active_sequences 0"));
-}
-
-/// A client that leaves while its request waits for a slot frees its place in the queue at once,
-/// not when a slot would have taken the request.
-#[tokio::test]
-async fn a_client_that_leaves_the_queue_frees_its_place_at_once() {
-    let (app, h) = app_with(ServerOptions::default(), 1, 1, Duration::from_millis(20));
-    let stream = |n: u32| stream_request(&format!("p{n}"), 400);
-    let first = app.clone().oneshot(stream(1)).await.unwrap();
-    assert_eq!(first.status(), StatusCode::OK);
-    wait(|| h.shared.active.load(Ordering::SeqCst) == 1);
-    let second = app.clone().oneshot(stream(2)).await.unwrap();
-    assert_eq!(second.status(), StatusCode::OK);
-    wait(|| h.shared.queued.load(Ordering::SeqCst) == 1);
-    // The waiting client leaves while the first still decodes (400 tokens, 20 ms a step).
-    drop(second);
-    wait(|| h.shared.queued.load(Ordering::SeqCst) == 0);
-    assert_eq!(
-        h.shared.active.load(Ordering::SeqCst),
-        1,
-        "the first still decodes"
-    );
-    let third = app.clone().oneshot(stream(3)).await.unwrap();
-    assert_eq!(third.status(), StatusCode::OK, "the queue has room again");
-    drop(first);
-    drop(third);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

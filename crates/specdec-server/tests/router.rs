@@ -132,6 +132,16 @@ fn engine_learning(
     h
 }
 
+/// One slot and a queue of one, no batch cap, no prefill chunks.
+fn one_slot() -> EngineOptions {
+    EngineOptions {
+        parallel: 1,
+        queue: 1,
+        batch_draft_len: None,
+        prefill_chunk: None,
+    }
+}
+
 fn wait(mut ok: impl FnMut() -> bool) {
     let t = Instant::now();
     while !ok() {
@@ -255,24 +265,16 @@ async fn health_models_and_page() {
 #[tokio::test]
 async fn health_is_503_until_the_models_are_loaded() {
     let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
-    let h = start(
-        &EngineOptions {
-            parallel: 1,
-            queue: 1,
-            batch_draft_len: None,
-            prefill_chunk: None,
-        },
-        move || {
-            let _ = go_rx.recv();
-            Ok(Loaded {
-                target: MockModel::new(target_logits()),
-                drafter: MultiDrafter::<MockModel>::new(None),
-                codec: Arc::new(ByteCodec),
-                model: "mock".into(),
-                learner: None,
-            })
-        },
-    );
+    let h = start(&one_slot(), move || {
+        let _ = go_rx.recv();
+        Ok(Loaded {
+            target: MockModel::new(target_logits()),
+            drafter: MultiDrafter::<MockModel>::new(None),
+            codec: Arc::new(ByteCodec),
+            model: "mock".into(),
+            learner: None,
+        })
+    });
     let app = router(h.clone(), ServerOptions::default());
     let (s, _) = call(&app, "GET", "/health", Body::empty()).await;
     assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE);
@@ -298,12 +300,7 @@ async fn health_is_503_until_the_models_are_loaded() {
 #[tokio::test]
 async fn a_loader_that_panics_fails_the_load() {
     let h = start(
-        &EngineOptions {
-            parallel: 1,
-            queue: 1,
-            batch_draft_len: None,
-            prefill_chunk: None,
-        },
+        &one_slot(),
         || -> Result<Loaded<MockModel, MockModel>, String> { panic!("a malformed file") },
     );
     wait(|| h.shared.load_error.get().is_some());
@@ -315,24 +312,16 @@ async fn a_loader_that_panics_fails_the_load() {
 /// failure, in `error.partial_text`, as a streaming one keeps the chunks it was sent.
 #[tokio::test]
 async fn a_failed_generation_returns_the_text_made_before_it() {
-    let h = start(
-        &EngineOptions {
-            parallel: 1,
-            queue: 1,
-            batch_draft_len: None,
-            prefill_chunk: None,
-        },
-        || {
-            Ok(Loaded {
-                // The prefill and 5 decoding steps, then a failure.
-                target: MockModel::new(target_logits()).fail_at_call(7),
-                drafter: MultiDrafter::<MockModel>::new(None),
-                codec: Arc::new(ByteCodec),
-                model: "mock".into(),
-                learner: None,
-            })
-        },
-    );
+    let h = start(&one_slot(), || {
+        Ok(Loaded {
+            // The prefill and 5 decoding steps, then a failure.
+            target: MockModel::new(target_logits()).fail_at_call(7),
+            drafter: MultiDrafter::<MockModel>::new(None),
+            codec: Arc::new(ByteCodec),
+            model: "mock".into(),
+            learner: None,
+        })
+    });
     wait(|| h.shared.info.get().is_some());
     let app = router(h.clone(), ServerOptions::default());
     let (s, v) = post(

@@ -842,6 +842,7 @@ impl Sequence {
         let drafted = draft.tokens.len();
         let lookup = !draft.confidence.is_empty();
         let (extension, prefix, lag) = (draft.extension, draft.prefix, draft.lag);
+        let non_finite = draft.non_finite;
         // What the round was expected to yield, before its verdict: a draft whose last token ends
         // the generation brings no bonus token after it.
         let ends = draft.ends_at(&self.config.stop_tokens);
@@ -864,6 +865,7 @@ impl Sequence {
             extension,
             prefix,
             lag,
+            non_finite,
         };
         self.output.metrics.record(&round);
         if timed {

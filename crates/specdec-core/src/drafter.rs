@@ -26,7 +26,8 @@ pub struct ModelDrafter<M> {
     /// Dense buffers of the previous round's draft distributions, reused for the next round's.
     spare: Vec<Vec<f32>>,
     /// Sequences whose prompt the model left unread ([`Draft::prefill_priced`]): nothing is
-    /// drafted for them until the rounds since forgo the price of reading it ([`DeferredReads`]).
+    /// drafted for them until the rounds since forgo the price of reading it, where the tokens
+    /// left can still repay it ([`DeferredReads`]).
     reads: DeferredReads,
     /// The answers of the sequences it was given the prompt of lately ([`Draft::prefill`],
     /// [`Draft::prefill_priced`]), read or left unread (none covered by a lookup).
@@ -103,6 +104,7 @@ impl<M: Target> Draft for ModelDrafter<M> {
         for p in out.iter_mut() {
             p.tokens.clear();
             p.confidence.clear();
+            p.non_finite = false;
             self.spare.extend(p.probs.drain(..).filter_map(|q| match q {
                 Probs::Dense(v) => Some(v),
                 Probs::OneHot(_) => None,
@@ -184,8 +186,10 @@ impl<M: Target> Draft for ModelDrafter<M> {
                 let mut q = spare.pop().map_or(Probs::OneHot(0), Probs::Dense);
                 if samplers[b].probs(row, &contexts[b], &mut q).is_err() {
                     // Logits this sequence's draft cannot sample from (not finite) end its draft
-                    // here; the target decodes on, and the other sequences' drafts go on.
+                    // here; the target decodes on, and the other sequences' drafts go on. The
+                    // round says so, for the metrics.
                     active[b] = false;
+                    out[b].non_finite = true;
                     if let Probs::Dense(v) = q {
                         spare.push(v);
                     }
@@ -254,7 +258,8 @@ impl<M: Target> Draft for ModelDrafter<M> {
     /// emit ([`crate::RoundCosts::prompt_read_pays`], [`RecentAnswers::model_tokens`]): the model
     /// then leaves it unread and drafts nothing for the sequence, which decodes plainly, until the
     /// savings its drafts were expected to bring in the rounds since ([`crate::forgone`], against
-    /// plain decoding) reach the price of reading it; the next round's draft then reads it first.
+    /// plain decoding) reach the price of reading it, where the tokens left can still repay it
+    /// ([`DeferredReads`]); the next round's draft then reads it first.
     fn prefill_priced(&mut self, req: &PrefillRequest<'_>) -> Result<(), Self::Error> {
         self.start(req.seq, req.prompt.len());
         if req.read_pays(
@@ -264,7 +269,7 @@ impl<M: Target> Draft for ModelDrafter<M> {
         ) {
             return self.prefill(req.seq, req.prompt);
         }
-        self.reads.leave_unread(req.seq);
+        self.reads.leave_unread(req);
         Ok(())
     }
 
@@ -450,7 +455,21 @@ mod tests {
         let (mut d, prompt) = reading_setup();
         let sampling = SamplingParams::greedy();
         let seq = SeqId(0);
-        d.prefill_priced(&priced(&prompt, 100, &costs)).unwrap();
+        // A recent answer of 100 tokens (its prompt left unread: one token could not repay it)
+        // prices the reading over 100 tokens, which cannot repay its 50 steps, though the limit
+        // of 1,000 could after the 150 rounds the reading waits for.
+        let other = SeqId(9);
+        d.prefill_priced(&PrefillRequest {
+            seq: other,
+            ..priced(&prompt, 1, &costs)
+        })
+        .unwrap();
+        let mut answer = prompt.clone();
+        answer.extend(std::iter::repeat_n(7, 100));
+        d.commit(other, &answer).unwrap();
+        d.release(other);
+        assert_eq!(d.recent_answers().expected_len(1_000), 100.0);
+        d.prefill_priced(&priced(&prompt, 1_000, &costs)).unwrap();
         assert!(!d.model_drafts(seq));
         let mut context = prompt.clone();
         let mut drafted = 0;
@@ -479,7 +498,7 @@ mod tests {
         let saved = d.read_savings().saved_per_token().unwrap_or(f64::NAN);
         assert!((saved + 0.7).abs() < 1e-9, "{saved}");
         // The next prompt, which the prediction would read (100 tokens, 5 steps, within a third
-        // of a step for each of the 1,000 expected), is left unread.
+        // of a step for each of the 100 or more expected), is left unread.
         let short: Vec<TokenId> = (0..100).collect();
         d.prefill_priced(&priced(&short, 1_000, &costs)).unwrap();
         assert!(!d.model_drafts(seq));

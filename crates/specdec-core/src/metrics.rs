@@ -33,6 +33,9 @@ pub struct Round {
     pub prefix: usize,
     /// The model's catch-up before drafting ([`crate::Proposal::lag`]).
     pub lag: usize,
+    /// Whether the model's draft ended at logits that were not finite
+    /// ([`crate::Proposal::non_finite`]).
+    pub non_finite: bool,
 }
 
 /// Acceptance at one draft position.
@@ -101,6 +104,11 @@ pub struct Metrics {
     /// Rounds whose model draft the lookup continued ([`crate::continue_by_lookup`]).
     #[serde(default)]
     pub continued_rounds: u64,
+    /// Rounds whose model draft ended because the draft model's logits were not finite (NaN or
+    /// infinite; [`crate::Proposal::non_finite`]): the target decodes on, but a draft model that
+    /// does so in every round drafts nothing, and this says why.
+    #[serde(default)]
+    pub non_finite_rounds: u64,
 }
 
 impl Metrics {
@@ -115,6 +123,7 @@ impl Metrics {
         self.expected += r.expected;
         self.extended_rounds += u64::from(r.extension > 0);
         self.continued_rounds += u64::from(r.prefix > 0);
+        self.non_finite_rounds += u64::from(r.non_finite);
         grow(&mut self.rounds_by_draft_len, r.drafted + 1);
         self.rounds_by_draft_len[r.drafted] += 1;
         grow(&mut self.per_position, r.drafted);
@@ -367,6 +376,7 @@ mod tests {
             extension: 0,
             prefix: 0,
             lag: 0,
+            non_finite: false,
         };
         let mut m = Metrics::default();
         m.record(&round(4, 4, 0.04, 0.2));
@@ -520,6 +530,7 @@ mod tests {
             extension: 0,
             prefix: 0,
             lag: 0,
+            non_finite: false,
         });
         let s = serde_json::to_string(&m).unwrap();
         let back: Metrics = serde_json::from_str(&s).unwrap();

@@ -221,6 +221,10 @@ pub struct Proposal {
     /// For a draft a model made (alone or extending a lookup draft): the committed tokens it had not
     /// read before this round and read first (its catch-up); 0 otherwise.
     pub lag: usize,
+    /// Whether a model's draft ended early because the draft model's logits were not finite (NaN or
+    /// infinite): the round verifies what was drafted before, and [`crate::Metrics`] counts it
+    /// ([`crate::Metrics::non_finite_rounds`]) so that a draft model that fails silently shows.
+    pub non_finite: bool,
 }
 
 impl Proposal {
@@ -238,6 +242,7 @@ impl Proposal {
         self.extension = 0;
         self.prefix = 0;
         self.lag = 0;
+        self.non_finite = false;
     }
 
     /// Keeps the first `len` tokens.

@@ -86,9 +86,10 @@ impl Draft for NGramDrafter {
 /// to draft ([`RoundCosts::prompt_read_pays`], [`LookupDrafter::recent_answers`], through
 /// [`Draft::prefill_priced`]): the sequence is then drafted by the lookup alone until the savings
 /// the model's drafts were expected to bring in its rounds since reach the price of reading what
-/// it has not read ([`forgone`]), and the model then reads it, as a catch-up, in the next round
-/// without a lookup draft. Once it has measured what the model's rounds saved in answers whose
-/// prompt it read ([`ReadSavings`]), that measure prices the reading in place of the prediction:
+/// it has not read ([`forgone`]), if the tokens left can still repay it ([`DeferredReads`]), and
+/// the model then reads it, as a catch-up, in the next round without a lookup draft. Once it has
+/// measured what the model's rounds saved in answers whose prompt it read ([`ReadSavings`]), that
+/// measure prices the reading in place of the prediction:
 /// each model round is settled against the lookup alone replayed over the tokens the round emitted
 /// ([`LookupSavings`]), which after the round's first token may have copied the rest.
 #[derive(Debug)]
@@ -345,22 +346,32 @@ impl ModelLag {
 /// The sequences whose prompt a hybrid's model left unread ([`Draft::prefill_priced`]), and the
 /// ski-rental rule that reads it after all: each round adds what it forwent ([`forgone`]), and once
 /// the sum reaches the price of reading what the model does not hold, the prompt is due, read by
-/// the model as the catch-up of its next draft (forced at the next round without a lookup draft).
+/// the model as the catch-up of its next draft (forced at the next round without a lookup draft),
+/// if the tokens the sequence may still emit can repay that price at the rate its rounds forwent
+/// savings so far (the rule's horizon, since stop 65; else it stays unread).
 /// Both [`HybridDrafter`] and the server's drafter plan their rounds through it.
 #[derive(Debug, Default)]
 pub struct DeferredReads {
     /// Sequences whose prompt is unread, with the savings forgone in their rounds since.
-    unread: HashMap<SeqId, f64>,
+    unread: HashMap<SeqId, Unread>,
     /// Sequences whose prompt is read after all, at their next round that calls the model.
     due: HashSet<SeqId>,
 }
 
 impl DeferredReads {
-    /// The model leaves the sequence's prompt unread: its rounds go to the lookup alone until they
-    /// forgo the price of reading it.
-    pub fn leave_unread(&mut self, seq: SeqId) {
-        self.due.remove(&seq);
-        self.unread.insert(seq, 0.0);
+    /// The model leaves the prompt of `req`'s sequence unread: its rounds go to the lookup alone
+    /// until they forgo the price of reading it, if the tokens the sequence may still emit then
+    /// can repay it ([`DeferredReads::plan`]).
+    pub fn leave_unread(&mut self, req: &PrefillRequest<'_>) {
+        self.due.remove(&req.seq);
+        self.unread.insert(
+            req.seq,
+            Unread {
+                saved: 0.0,
+                remaining: req.remaining,
+                span: None,
+            },
+        );
     }
 
     /// Whether the sequence's prompt is unread and not yet due.
@@ -376,9 +387,10 @@ impl DeferredReads {
     /// The plan of one round of `req`, after the lookup proposed `lookup` at `lookup_rate`
     /// ([`LookupDrafter::propose_one`]): for an unread prompt, [`HybridPlan::Lookup`] until the
     /// rounds since forwent the price of reading what the model does not hold (`cached`, asked
-    /// only then); for a due one, [`HybridPlan::Model`] where the lookup has no draft and the
-    /// costs allow a model draft; otherwise `plan`. Any plan that calls the model reads what it
-    /// has not read, so it clears the prompt's due read.
+    /// only then) and the tokens the sequence may still emit can repay it at the rate its rounds
+    /// forwent savings per token so far; for a due one, [`HybridPlan::Model`] where the lookup has
+    /// no draft and the costs allow a model draft; otherwise `plan`. Any plan that calls the model
+    /// reads what it has not read, so it clears the prompt's due read.
     pub fn plan(
         &mut self,
         req: &DraftRequest<'_>,
@@ -387,14 +399,19 @@ impl DeferredReads {
         cached: impl FnOnce() -> usize,
         plan: impl FnOnce() -> HybridPlan,
     ) -> HybridPlan {
-        if let Some(saved) = self.unread.get_mut(&req.seq) {
+        if let Some(u) = self.unread.get_mut(&req.seq) {
             let Some(c) = req.costs else {
                 return HybridPlan::Lookup;
             };
-            *saved += forgone(c, lookup, lookup_rate);
-            let unread = req.context.len().saturating_sub(cached());
+            u.saved += forgone(c, lookup, lookup_rate);
+            // The span is taken at the first round: a decode loop reads the prompt once the
+            // first token is out, so the context then may hold tokens the prompt did not.
+            let len = req.context.len();
+            u.span.get_or_insert((len, len.saturating_add(u.remaining)));
+            let unread = len.saturating_sub(cached());
+            let price = c.prompt_read * unread as f64;
             // A price that is not a number is never reached.
-            let due = *saved >= c.prompt_read * unread as f64;
+            let due = u.saved >= price && u.repays(len, price);
             if !due {
                 return HybridPlan::Lookup;
             }
@@ -421,6 +438,40 @@ impl DeferredReads {
     }
 }
 
+/// A sequence whose prompt the model left unread ([`DeferredReads`]).
+#[derive(Clone, Copy, Debug)]
+struct Unread {
+    /// The savings forgone in its rounds since ([`forgone`]), in target steps.
+    saved: f64,
+    /// The tokens it could still emit when the prompt was left unread.
+    remaining: usize,
+    /// From its first round on: its context length then, and that plus `remaining`, the context
+    /// length by which it ends at the latest.
+    span: Option<(usize, usize)>,
+}
+
+impl Unread {
+    /// Whether the tokens the sequence may still emit after `len` committed tokens can repay a
+    /// reading of `price` steps at the rate its rounds forwent savings so far (per token emitted
+    /// since its first round): the horizon of the ski-rental rule. At a steady rate `s` a token,
+    /// the rent reaches the price after `price / s` tokens, and the reading is made only if as
+    /// many are left then, so a prompt the rent pays for only in the second half of the token
+    /// limit stays unread: reading it then costs what the rounds left cannot bring back. (In
+    /// stop 65's run at temperature 0.7, before this horizon, the hybrid left four of five
+    /// translation prompts unread and read each later, at a point the run did not record; the
+    /// draft model's time, reading and drafting, was 0.8–2.0 s, 11–26% of their decoding, it
+    /// then drafted 4–19 tokens, and those four decoded at 0.84–0.89 times plain decoding's
+    /// speed.)
+    fn repays(&self, len: usize, price: f64) -> bool {
+        let Some((start, end)) = self.span else {
+            return true;
+        };
+        let emitted = len.saturating_sub(start) as f64;
+        let left = end.saturating_sub(len) as f64;
+        self.saved * left >= price * emitted
+    }
+}
+
 /// What a hybrid drafts in one round.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum HybridPlan {
@@ -439,8 +490,9 @@ pub enum HybridPlan {
 /// decoding, `1 / r(1)`, where the lookup has none), the time the round's expected tokens take at
 /// the lookup's rate less their time at the model's. Summed over the rounds since the prompt was
 /// left unread, it is the rent of a ski-rental rule: the prompt is read once the sum reaches the
-/// price of reading it, so that a sequence mispriced at its start (an answer longer, or less
-/// copied from the prompt, than the recent ones) loses at most about that price again.
+/// price of reading it (where the tokens left can still repay it: [`DeferredReads`]), so that a
+/// sequence mispriced at its start (an answer longer, or less copied from the prompt, than the
+/// recent ones) loses at most about that price again.
 pub fn forgone(costs: &RoundCosts, lookup: &Proposal, lookup_rate: f64) -> f64 {
     if costs.model_len == 0 {
         return 0.0;
@@ -682,6 +734,7 @@ pub fn draft_planned<D: Draft>(
             let extended = p.tokens.len();
             out.extension = extended;
             out.lag = behind;
+            out.non_finite = p.non_finite;
             for (i, (token, q)) in p.tokens.into_iter().zip(p.probs).enumerate() {
                 out.push(token, q);
                 out.confidence
@@ -780,7 +833,7 @@ impl<D: Draft> Draft for HybridDrafter<D> {
             self.lag.prefill(req.seq, req.prompt.len());
             return self.model.prefill(req.seq, req.prompt);
         }
-        self.reads.leave_unread(req.seq);
+        self.reads.leave_unread(req);
         self.lag.prefill(req.seq, 0);
         Ok(())
     }
@@ -1175,6 +1228,16 @@ mod tests {
         assert!(!hybrid.left_unread(short));
     }
 
+    /// The prompt `context` of `seq` left unread, with no limit on the tokens it may emit.
+    fn unread_prompt(seq: SeqId, context: &[TokenId]) -> PrefillRequest<'_> {
+        PrefillRequest {
+            seq,
+            prompt: context,
+            remaining: usize::MAX,
+            costs: None,
+        }
+    }
+
     /// A due read waits through rounds with a lookup draft, and any round that calls the model (an
     /// extension of the lookup's draft too) reads it: the prompt is then neither unread nor due.
     #[test]
@@ -1188,7 +1251,7 @@ mod tests {
         lookup.push(7, Probs::OneHot(7));
         lookup.confidence.push(0.9);
         let mut reads = DeferredReads::default();
-        reads.leave_unread(SeqId(1));
+        reads.leave_unread(&unread_prompt(SeqId(1), &context));
         // 40 tokens unread cost 2 steps; a plain round forgoes a third of one (the model's
         // drafts are predicted at 1.5 tokens a step), five of them 1.67 steps.
         for round in 1..=5 {
@@ -1210,7 +1273,7 @@ mod tests {
         assert!(!reads.is_due(SeqId(1)) && !reads.is_unread(SeqId(1)));
         // Without a lookup draft, the round that finds the price forgone reads the prompt by a
         // model draft, whatever the planner would say.
-        reads.leave_unread(SeqId(2));
+        reads.leave_unread(&unread_prompt(SeqId(2), &context));
         let req2 = DraftRequest {
             seq: SeqId(2),
             ..req
@@ -1225,6 +1288,42 @@ mod tests {
     }
 
     #[test]
+    fn a_prompt_the_rounds_pay_for_only_late_in_the_answer_stays_unread() {
+        let sampling = SamplingParams::greedy();
+        let costs = reading_costs();
+        let plain = Proposal::default();
+        let prompt: Vec<TokenId> = (100..140).collect();
+        // Reading the context costs 0.05 steps a token; a plain round forgoes a third of a step
+        // (the model's drafts are predicted at 1.5 tokens a step): round 7's 7/3 steps pay the
+        // 2.3 steps of its 46 tokens, 6 of them emitted since the prompt.
+        let due_at = |remaining: usize| {
+            let mut reads = DeferredReads::default();
+            reads.leave_unread(&PrefillRequest {
+                seq: SeqId(1),
+                prompt: &prompt,
+                remaining,
+                costs: None,
+            });
+            let mut context = prompt.clone();
+            for round in 1..=remaining {
+                let req = crate::mock::draft_request(SeqId(1), &context, &sampling, Some(&costs));
+                let plan = reads.plan(&req, &plain, f64::NAN, || 0, || HybridPlan::Lookup);
+                if plan == HybridPlan::Model {
+                    return Some(round);
+                }
+                assert!(reads.is_unread(SeqId(1)));
+                context.push(1_000 + round as TokenId);
+            }
+            None
+        };
+        assert_eq!(due_at(100), Some(7));
+        // At the 7/18 of a step a token forgone so far, the 6 tokens left of 12 repay 2.33 steps,
+        // more than the price; the 5 left of 11 do not (1.94), nor fewer later.
+        assert_eq!(due_at(12), Some(7));
+        assert_eq!(due_at(11), None);
+    }
+
+    #[test]
     fn a_prompt_left_unread_is_read_once_the_rounds_since_forwent_its_price() {
         let sampling = SamplingParams::greedy();
         // The model's drafts are predicted at 1.5 tokens per step: a plain round forgoes a third
@@ -1232,14 +1331,24 @@ mod tests {
         let costs = reading_costs();
         let prompt: Vec<TokenId> = (100..1_100).collect();
         let mut hybrid = HybridDrafter::new(LookupDrafter::default(), Counting::default());
-        // 30 tokens unread: 1.5 steps, more than 4 tokens repay (1.33 steps).
+        // 30 tokens unread: 1.5 steps, more than 4 tokens repay (1.33 steps). A recent answer of
+        // 4 tokens (its prompt left unread too) prices the reading over 4 tokens, though the
+        // sequence may emit 100, which can repay it after the rounds the reading waits for.
         hybrid.model.held = 970;
-        let Ok(()) = hybrid.prefill_priced(&PrefillRequest {
-            seq: SeqId(1),
+        let read = |seq, remaining| PrefillRequest {
+            seq,
             prompt: &prompt,
-            remaining: 4,
+            remaining,
             costs: Some(&costs),
-        });
+        };
+        let Ok(()) = hybrid.prefill_priced(&read(SeqId(9), 4));
+        assert!(hybrid.left_unread(SeqId(9)));
+        let mut answer = prompt.clone();
+        answer.extend(9_000..9_004);
+        let Ok(()) = hybrid.commit(SeqId(9), &answer);
+        hybrid.release(SeqId(9));
+        assert_eq!(hybrid.lookup.recent_answers().expected_len(100), 4.0);
+        let Ok(()) = hybrid.prefill_priced(&read(SeqId(1), 100));
         assert!(hybrid.left_unread(SeqId(1)));
         // Tokens the lookup never saw: every round is plain, and forgoes a third of a step. At
         // round n the context holds n - 1 new tokens, so the price is 0.05 (29 + n) steps:

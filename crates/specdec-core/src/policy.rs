@@ -1798,6 +1798,7 @@ mod tests {
                 extension: 0,
                 prefix: 0,
                 lag: 0,
+                non_finite: false,
             });
             if i >= 300 && k > 0 {
                 drafted_rounds += 1;
@@ -1847,6 +1848,7 @@ mod tests {
             extension: 0,
             prefix: 0,
             lag: 0,
+            non_finite: false,
         };
         for _ in 0..40 {
             // No drafting, a lookup draft, then a model draft that also catches up on both rounds:
@@ -1905,6 +1907,7 @@ mod tests {
             extension: 0,
             prefix: 0,
             lag: 0,
+            non_finite: false,
         }
     }
 
@@ -1975,6 +1978,7 @@ mod tests {
                 extension: 0,
                 prefix: 0,
                 lag: 0,
+                non_finite: false,
             });
         }
         c.next_draft_len();

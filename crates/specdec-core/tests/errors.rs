@@ -155,7 +155,8 @@ fn a_target_failure_keeps_what_was_produced() {
 }
 
 /// A draft model whose logits are not finite at some positions ends its draft there, not the
-/// generation: the target decodes on, and the greedy text is the target's own.
+/// generation: the target decodes on, the greedy text is the target's own, and the metrics count
+/// the rounds whose draft ended so (a healthy draft's count none).
 #[test]
 fn a_draft_with_non_finite_logits_ends_its_draft_not_the_generation() {
     let mut script: Vec<Vec<f32>> = (0..5)
@@ -177,6 +178,56 @@ fn a_draft_with_non_finite_logits_ends_its_draft_not_the_generation() {
     .unwrap();
     assert_eq!(out.tokens, reference.tokens);
     assert!(out.metrics.drafted > 0, "the other positions are drafted");
+    assert!(out.metrics.non_finite_rounds > 0);
+    assert!(out.metrics.non_finite_rounds < out.metrics.rounds);
+}
+
+/// The hybrid's model rounds count the same way: the draft ends, the target decodes on.
+#[test]
+fn a_hybrid_whose_model_has_non_finite_logits_counts_those_rounds() {
+    let mut script: Vec<Vec<f32>> = (0..5)
+        .map(|i| (0..16).map(|t| ((t * 7 + i * 3) % 16) as f32).collect())
+        .collect();
+    script[1][2] = f32::NAN;
+    let config = GenerateConfig {
+        draft_len: DraftLenPolicy::Fixed { draft_len: 3 },
+        ..greedy(30)
+    };
+    let reference = run(MockModel::new(logits(16)), None, &[1, 2], &config).unwrap();
+    let mut hybrid = specdec_core::HybridDrafter::new(
+        specdec_core::LookupDrafter::default(),
+        ModelDrafter::new(MockModel::new(MockLogits::Scripted(script))),
+    );
+    let out = generate(
+        &mut MockModel::new(logits(16)),
+        &mut hybrid,
+        &[1, 2],
+        &config,
+        &mut |_| ControlFlow::Continue(()),
+    )
+    .unwrap();
+    assert_eq!(out.tokens, reference.tokens);
+    assert!(out.metrics.non_finite_rounds > 0);
+}
+
+/// The same scripted draft with finite logits everywhere: no round counts as non-finite.
+#[test]
+fn a_draft_with_finite_logits_counts_no_non_finite_rounds() {
+    let script: Vec<Vec<f32>> = (0..5)
+        .map(|i| (0..16).map(|t| ((t * 7 + i * 3) % 16) as f32).collect())
+        .collect();
+    let out = run(
+        MockModel::new(logits(16)),
+        Some(MockModel::new(MockLogits::Scripted(script))),
+        &[1, 2],
+        &GenerateConfig {
+            draft_len: DraftLenPolicy::Fixed { draft_len: 3 },
+            ..greedy(30)
+        },
+    )
+    .unwrap();
+    assert!(out.metrics.drafted > 0);
+    assert_eq!(out.metrics.non_finite_rounds, 0);
 }
 
 #[test]

@@ -519,6 +519,7 @@ pub fn speculative(s: &Summary) -> Value {
         "accepted": m.accepted,
         "acceptance_rate": m.acceptance_rate(),
         "mean_accepted_len": m.mean_accepted_len(),
+        "non_finite_rounds": m.non_finite_rounds,
         "prefill_secs": m.prefill_secs,
         "first_token_secs": m.first_token_secs,
         "decode_secs": m.decode_secs,

@@ -125,7 +125,8 @@ pub struct MultiDrafter<M: Target> {
     lag: ModelLag,
     choice: HashMap<SeqId, DrafterKind>,
     /// Sequences whose prompt the draft model is not to read: it could not repay it
-    /// ([`Draft::prefill_priced`]), until the rounds since forgo its price.
+    /// ([`Draft::prefill_priced`]), until the rounds since forgo its price while the tokens left
+    /// can still repay it ([`specdec_core::DeferredReads`]).
     reads: DeferredReads,
     /// What the model's rounds saved against the lookup alone in the hybrid requests whose
     /// prompt it read, which prices the next hybrid request's reading.
@@ -198,8 +199,8 @@ impl<M: Target> Draft for MultiDrafter<M> {
                 f64::NAN
             };
             // A prompt left unread is read after all once the model's drafts would have saved
-            // its price in the rounds since (as `HybridDrafter` does); the model then reads the
-            // whole context as its catch-up (counted as its lag).
+            // its price in the rounds since and the tokens left can repay it (as `HybridDrafter`
+            // does); the model then reads the whole context as its catch-up (counted as its lag).
             let was_unread = self.reads.is_unread(req.seq);
             let (model, lag) = (self.model.as_ref(), &self.lag);
             let plan = self.reads.plan(
@@ -317,7 +318,7 @@ impl<M: Target> Draft for MultiDrafter<M> {
         if self.kind(req.seq).needs_model()
             && !req.read_pays(self.cached(req.seq, req.prompt), recent, saved)
         {
-            self.reads.leave_unread(req.seq);
+            self.reads.leave_unread(req);
         }
         Ok(())
     }
@@ -1127,22 +1128,36 @@ mod tests {
     }
 
     /// A prompt left unread is read after all, by a model draft, once the plain rounds since
-    /// forwent the price of reading it (a third of a step each here, against 0.05 a token).
+    /// forwent the price of reading it (a third of a step each here, against 0.05 a token) and
+    /// the tokens left could repay it.
     #[test]
     fn a_prompt_left_unread_is_read_once_the_rounds_since_forwent_its_price() {
         let costs = reading_costs();
         let prompt: Vec<TokenId> = (0..40).collect();
         let mut d = hashed_drafter();
+        let read = |d: &mut MultiDrafter<MockModel>, seq, remaining| {
+            assert!(d.select(seq, DrafterKind::Model));
+            d.prefill_priced(&PrefillRequest {
+                seq,
+                prompt: &prompt,
+                remaining,
+                costs: Some(&costs),
+            })
+            .unwrap();
+        };
+        // 40 tokens at 0.05 are 2 steps, more than 4 tokens repay: a model-kind answer of 4
+        // tokens, its prompt left unread, prices the next one over 4 tokens, though that may
+        // emit 100.
+        let short = SeqId(9);
+        read(&mut d, short, 4);
+        assert!(!d.model_drafts(short));
+        let mut answer = prompt.clone();
+        answer.extend(900..904);
+        d.commit(short, &answer).unwrap();
+        d.release(short);
+        assert_eq!(d.model_answers.answers().expected_len(100), 4.0);
         let seq = SeqId(1);
-        assert!(d.select(seq, DrafterKind::Model));
-        // 40 tokens at 0.05 are 2 steps, more than 4 tokens repay.
-        d.prefill_priced(&PrefillRequest {
-            seq,
-            prompt: &prompt,
-            remaining: 4,
-            costs: Some(&costs),
-        })
-        .unwrap();
+        read(&mut d, seq, 100);
         assert!(!d.model_drafts(seq));
         let sampling = SamplingParams::greedy();
         let mut context = prompt.clone();

@@ -67,6 +67,8 @@ pub struct ServerMetrics {
     pub accepted: u64,
     /// Per draft position: rounds that drafted it, and how many accepted it.
     pub positions: Vec<(u64, u64)>,
+    /// Rounds whose model draft ended at draft logits that were not finite.
+    pub non_finite_rounds: u64,
     /// Engine steps.
     pub steps: u64,
     /// Time from a request's arrival to its first token.
@@ -85,6 +87,7 @@ impl Default for ServerMetrics {
             drafted: 0,
             accepted: 0,
             positions: Vec::new(),
+            non_finite_rounds: 0,
             steps: 0,
             ttft: Histogram::new(TTFT_BOUNDS),
             itl: Histogram::new(ITL_BOUNDS),
@@ -99,6 +102,7 @@ impl ServerMetrics {
         self.rounds += m.rounds;
         self.drafted += m.drafted;
         self.accepted += m.accepted;
+        self.non_finite_rounds += m.non_finite_rounds;
         if self.positions.len() < m.per_position.len() {
             self.positions.resize(m.per_position.len(), (0, 0));
         }
@@ -151,6 +155,12 @@ impl ServerMetrics {
             "specdec_accepted_tokens_total",
             "Drafted tokens the target accepted.",
             self.accepted,
+        );
+        counter(
+            &mut o,
+            "specdec_non_finite_draft_rounds_total",
+            "Rounds whose model draft ended because the draft model's logits were not finite.",
+            self.non_finite_rounds,
         );
         counter(
             &mut o,

@@ -369,12 +369,14 @@ async fn chat_and_completion_responses_have_openai_shapes() {
         "accepted",
         "acceptance_rate",
         "mean_accepted_len",
+        "non_finite_rounds",
         "drafter",
         "draft_len",
     ] {
         assert!(!sp[k].is_null(), "speculative.{k}");
     }
     assert_eq!(sp["drafter"], "model");
+    assert_eq!(sp["non_finite_rounds"], 0);
     assert!(sp["drafted"].as_u64().unwrap() > 0);
 
     let (s, v) = post(
@@ -696,6 +698,7 @@ async fn a_full_queue_is_429_and_a_client_that_leaves_frees_its_slot() {
     );
     assert!(m.contains("specdec_time_to_first_token_seconds_count"));
     assert!(m.contains("specdec_active_sequences 0"));
+    assert!(m.contains("specdec_non_finite_draft_rounds_total 0"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -162,6 +162,8 @@ struct Record {
     rounds: u64,
     /// Rounds whose lookup draft the draft model extended.
     extended_rounds: u64,
+    /// Rounds whose model draft ended at draft logits that were not finite.
+    non_finite_rounds: u64,
     drafted: u64,
     accepted: u64,
     per_position: Vec<(u64, u64)>,
@@ -346,6 +348,15 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
                     // Sampled outputs differ between modes (each follows the target's distribution).
                     Some(r) => !sampling.is_greedy() || *r == g.output.tokens,
                 };
+                if m.non_finite_rounds > 0 {
+                    eprintln!(
+                        "warning: prompt {} mode {}: the draft model's logits were not finite in \
+                         {} rounds, whose drafts ended there",
+                        p.id,
+                        mode_name(*kind),
+                        m.non_finite_rounds
+                    );
+                }
                 if !matches {
                     divergences += 1;
                     eprintln!(
@@ -365,6 +376,7 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
                     mean_accepted_len: m.mean_accepted_len(),
                     rounds: m.rounds,
                     extended_rounds: m.extended_rounds,
+                    non_finite_rounds: m.non_finite_rounds,
                     drafted: m.drafted,
                     accepted: m.accepted,
                     per_position: m
@@ -772,6 +784,7 @@ mod tests {
             mean_accepted_len: 2.0,
             rounds: 5,
             extended_rounds: 0,
+            non_finite_rounds: 0,
             drafted: 10,
             accepted: 5,
             per_position: Vec::new(),

@@ -177,6 +177,7 @@ pub fn stats_json(g: &Generation, config: &GenerateConfig, drafter: &str) -> ser
         "acceptance_rate": m.acceptance_rate(),
         "mean_accepted_len": m.mean_accepted_len(),
         "per_position_acceptance": m.per_position_acceptance(),
+        "non_finite_rounds": m.non_finite_rounds,
         "drafter": drafter,
         "draft_len_policy": policy_name(&config.draft_len),
         "seed": config.seed,
@@ -209,6 +210,13 @@ pub fn stats_line(g: &Generation, config: &GenerateConfig) -> String {
         if let Some(p) = m.predicted_speedup_with(calibration.as_ref().map(|p| p.r.as_slice())) {
             s.push_str(&format!(", predicted speedup {p:.2}x"));
         }
+    }
+    // Outside the drafted case: a draft model whose logits are never finite drafts nothing.
+    if m.non_finite_rounds > 0 {
+        s.push_str(&format!(
+            ", draft logits not finite in {} rounds (their drafts ended there)",
+            m.non_finite_rounds
+        ));
     }
     s
 }

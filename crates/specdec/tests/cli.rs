@@ -261,6 +261,7 @@ fn json_output_has_the_documented_schema() {
         "acceptance_rate",
         "mean_accepted_len",
         "per_position_acceptance",
+        "non_finite_rounds",
         "draft_len_policy",
         "cost_ratio",
         "predicted_speedup",

@@ -460,8 +460,8 @@ impl Unread {
     /// stop 65's run at temperature 0.7, before this horizon, the hybrid left four of five
     /// translation prompts unread and read each later, at a point the run did not record; the
     /// draft model's time, reading and drafting, was 0.8–2.0 s, 11–26% of their decoding, it
-    /// then drafted 4–19 tokens, and those four decoded at 0.84–0.89 times plain decoding's
-    /// speed.)
+    /// then drafted in 4–19 rounds of each, and those four decoded at 0.84–0.89 times plain
+    /// decoding's speed.)
     fn repays(&self, len: usize, price: f64) -> bool {
         let Some((start, end)) = self.span else {
             return true;

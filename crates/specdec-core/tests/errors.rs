@@ -154,14 +154,19 @@ fn a_target_failure_keeps_what_was_produced() {
     }
 }
 
+/// The scripted draft logits of the non-finite tests: five positions' finite rows over 16 tokens.
+fn draft_script() -> Vec<Vec<f32>> {
+    (0..5)
+        .map(|i| (0..16).map(|t| ((t * 7 + i * 3) % 16) as f32).collect())
+        .collect()
+}
+
 /// A draft model whose logits are not finite at some positions ends its draft there, not the
 /// generation: the target decodes on, the greedy text is the target's own, and the metrics count
 /// the rounds whose draft ended so (a healthy draft's count none).
 #[test]
 fn a_draft_with_non_finite_logits_ends_its_draft_not_the_generation() {
-    let mut script: Vec<Vec<f32>> = (0..5)
-        .map(|i| (0..16).map(|t| ((t * 7 + i * 3) % 16) as f32).collect())
-        .collect();
+    let mut script = draft_script();
     script[2][5] = f32::NAN;
     script[4][0] = f32::INFINITY;
     let config = GenerateConfig {
@@ -185,9 +190,7 @@ fn a_draft_with_non_finite_logits_ends_its_draft_not_the_generation() {
 /// The hybrid's model rounds count the same way: the draft ends, the target decodes on.
 #[test]
 fn a_hybrid_whose_model_has_non_finite_logits_counts_those_rounds() {
-    let mut script: Vec<Vec<f32>> = (0..5)
-        .map(|i| (0..16).map(|t| ((t * 7 + i * 3) % 16) as f32).collect())
-        .collect();
+    let mut script = draft_script();
     script[1][2] = f32::NAN;
     let config = GenerateConfig {
         draft_len: DraftLenPolicy::Fixed { draft_len: 3 },
@@ -213,9 +216,7 @@ fn a_hybrid_whose_model_has_non_finite_logits_counts_those_rounds() {
 /// The same scripted draft with finite logits everywhere: no round counts as non-finite.
 #[test]
 fn a_draft_with_finite_logits_counts_no_non_finite_rounds() {
-    let script: Vec<Vec<f32>> = (0..5)
-        .map(|i| (0..16).map(|t| ((t * 7 + i * 3) % 16) as f32).collect())
-        .collect();
+    let script = draft_script();
     let out = run(
         MockModel::new(logits(16)),
         Some(MockModel::new(MockLogits::Scripted(script))),

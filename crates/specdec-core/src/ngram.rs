@@ -369,7 +369,7 @@ impl DeferredReads {
             Unread {
                 saved: 0.0,
                 remaining: req.remaining,
-                span: None,
+                start: None,
             },
         );
     }
@@ -404,10 +404,10 @@ impl DeferredReads {
                 return HybridPlan::Lookup;
             };
             u.saved += forgone(c, lookup, lookup_rate);
-            // The span is taken at the first round: a decode loop reads the prompt once the
+            // The start is taken at the first round: a decode loop reads the prompt once the
             // first token is out, so the context then may hold tokens the prompt did not.
             let len = req.context.len();
-            u.span.get_or_insert((len, len.saturating_add(u.remaining)));
+            u.start.get_or_insert(len);
             let unread = len.saturating_sub(cached());
             let price = c.prompt_read * unread as f64;
             // A price that is not a number is never reached.
@@ -445,9 +445,9 @@ struct Unread {
     saved: f64,
     /// The tokens it could still emit when the prompt was left unread.
     remaining: usize,
-    /// From its first round on: its context length then, and that plus `remaining`, the context
-    /// length by which it ends at the latest.
-    span: Option<(usize, usize)>,
+    /// Its context length at its first round: that plus `remaining` is the context length by
+    /// which it ends at the latest.
+    start: Option<usize>,
 }
 
 impl Unread {
@@ -463,11 +463,11 @@ impl Unread {
     /// then drafted in 4–19 rounds of each, and those four decoded at 0.84–0.89 times plain
     /// decoding's speed.)
     fn repays(&self, len: usize, price: f64) -> bool {
-        let Some((start, end)) = self.span else {
+        let Some(start) = self.start else {
             return true;
         };
         let emitted = len.saturating_sub(start) as f64;
-        let left = end.saturating_sub(len) as f64;
+        let left = start.saturating_add(self.remaining).saturating_sub(len) as f64;
         self.saved * left >= price * emitted
     }
 }

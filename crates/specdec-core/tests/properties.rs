@@ -93,7 +93,7 @@ proptest! {
                 }
                 let drafted = d.min(k);
                 let accepted = a.min(drafted);
-                c.observe(&Round { drafted, accepted, emitted: accepted + 1, draft_secs: ds, verify_secs: vs, verified: drafted + 1, lookup: false, expected: 0.0, extension: 0, prefix: 0, lag: 0, non_finite: false });
+                c.observe(&Round { drafted, accepted, emitted: accepted + 1, draft_secs: ds, verify_secs: vs, verified: drafted + 1, ..Round::default() });
             }
         }
     }

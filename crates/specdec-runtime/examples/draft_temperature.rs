@@ -26,17 +26,6 @@ fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
         .unwrap_or(default)
 }
 
-fn dense(p: Probs, vocab: usize) -> Vec<f32> {
-    match p {
-        Probs::Dense(v) => v,
-        Probs::OneHot(t) => {
-            let mut v = vec![0.0; vocab];
-            v[t as usize] = 1.0;
-            v
-        }
-    }
-}
-
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
     let (target_path, draft_path, prompts) = match &args[..] {
@@ -138,7 +127,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         for r in 0..answer.len() {
             let mut p = Probs::OneHot(0);
             target_sampler.probs(&p_logits[r * vocab..(r + 1) * vocab], &[], &mut p)?;
-            let p = dense(p, vocab);
             for (id, (q, &l)) in q_row
                 .iter_mut()
                 .zip(&q_logits[r * vocab..(r + 1) * vocab])
@@ -154,8 +142,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 });
                 let mut q = Probs::OneHot(0);
                 s.probs(&q_row, &[], &mut q)?;
-                let q = dense(q, vocab);
-                let a: f64 = p.iter().zip(&q).map(|(&a, &b)| f64::from(a.min(b))).sum();
+                let a: f64 = (0..vocab as u32)
+                    .map(|id| f64::from(p.prob(id).min(q.prob(id))))
+                    .sum();
                 entry.0[j] += a;
             }
             entry.1 += 1;

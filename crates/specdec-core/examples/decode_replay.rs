@@ -10,10 +10,12 @@
 //! after it); the draft model answers with its recorded prediction. With greedy verification that
 //! is exactly what the real models decide: a draft is accepted as far as it follows the answer.
 //!
-//! Time is simulated by spinning: a target pass over `m` new rows takes `r(m)` target steps of
-//! `REPLAY_STEP_MS` milliseconds (default 5), a draft pass `c` steps (reading `n > 2` rows at once
-//! `c · (1 + r(n) − r(2))`, more than 16 rows at the calibrated prompt-reading price per token),
-//! the target's prefill `REPLAY_PREFILL` steps per token (default 0.15). The loop measures those
+//! Time is simulated by spinning: a target pass verifying `m` rows takes `r(m)` target steps of
+//! `REPLAY_STEP_MS` milliseconds (default 5; `r` continued past 16 rows with its last slope), a
+//! draft pass `c` steps (reading `n > 2` rows at once `c · (1 + r(n) − r(2))`, more than 16 rows
+//! at the calibrated prompt-reading price per token), the target's prefill `REPLAY_PREFILL` steps
+//! per token (default 0.15). Plain decoding, the baseline, takes one step a token after the first
+//! (and one for a stop token). The loop measures those
 //! times as it measures real ones, so the cost model learns as it would. Each mode of
 //! `REPLAY_MODES` (default `ngram,model,hybrid`) keeps one drafter over the prompts, in the
 //! file's order, and starts each prompt from the acceptance its earlier prompts saw, as `bench`
@@ -21,12 +23,13 @@
 //! speedups against plain decoding (one target step per token; also all the prompts' time
 //! together), the mean accepted length and the rounds by draft length; `REPLAY_VERBOSE=1` adds a
 //! line per prompt, `REPLAY_FIXED=k` drafts `k` tokens a round instead of the cost model's choice.
-//! Stop 66 found with it that a burst of rejections stopped drafting for the rest of an answer
-//! (now `IDLE_DECAY` in the cost model), and that fixed draft lengths beat `auto` by 5–10% per
-//! category (README, section "Stop 66").
+//! Stop 66 found with it that fixed draft lengths beat `auto` by up to 10–12% in some categories,
+//! that a burst of rejections stopped drafting for most of an answer, and that the hybrid's
+//! deferred readings cost it most of its losses (README, section "Stop 66").
 //!
-//! Leaves out: the cost of a longer context, timing noise, sampled decoding, and a draft model
-//! whose teacher-forced prediction differs from its step-by-step one in the last bits.
+//! Leaves out: the cost of a longer context, timing noise, sampled decoding, a draft model whose
+//! teacher-forced prediction differs from its step-by-step one in the last bits, and which stop
+//! token ended an answer (the replay's target ends each with the first stop token).
 
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
@@ -34,8 +37,9 @@ use std::rc::Rc;
 use std::time::{Duration, Instant};
 
 use specdec_core::{
-    generate, DraftLenPolicy, FixedCost, GenerateConfig, HybridDrafter, Logits, LookupDrafter,
-    Metrics, ModelDrafter, SamplingParams, Score, SeqId, Target, VerifyMode, PRIOR_ACCEPTANCE,
+    acceptance_by_position, generate, isotonic_curve, DraftLenPolicy, FixedCost, GenerateConfig,
+    HybridDrafter, Logits, LookupDrafter, ModelDrafter, RoundCosts, SamplingParams, Score, SeqId,
+    StopReason, Target, VerifyMode,
 };
 
 /// One prompt's path: the prompt and greedy answer, and the draft's prediction after each prefix.
@@ -77,14 +81,22 @@ struct Costs {
 }
 
 impl Costs {
+    /// `r(m)`, continued past the calibrated lengths with the last slope, as the cost model reads it.
     fn r(&self, m: usize) -> f64 {
-        self.r[(m.max(1) - 1).min(self.r.len() - 1)]
+        RoundCosts {
+            r: self.r.clone(),
+            ..RoundCosts::default()
+        }
+        .r(m)
     }
 
-    fn steps(&self, rows: usize, draft: bool) -> f64 {
+    /// A pass over `rows` new rows: a verification (a block with a draft, or a short one) on the
+    /// target's curve, a prompt at the prefill price; a draft step, a catch-up on the curve, a
+    /// prompt at the reading price.
+    fn steps(&self, rows: usize, draft: bool, verifies: bool) -> f64 {
         match (draft, rows) {
             (_, 0) => 0.0,
-            (false, 1..=16) => self.r(rows),
+            (false, _) if verifies || rows <= 16 => self.r(rows),
             (false, _) => rows as f64 * self.prefill,
             (true, 1..=2) => self.c,
             (true, 3..=16) => self.c * (1.0 + self.r(rows) - self.r(2)),
@@ -102,11 +114,11 @@ fn spin(costs: &Costs, steps: f64) {
 }
 
 /// A model that says what the path says.
-struct Replay {
+struct ReplayModel {
     path: Rc<RefCell<Path>>,
     draft: bool,
     vocab: usize,
-    held: Vec<u32>,
+    cached_tokens: Vec<u32>,
     costs: Costs,
 }
 
@@ -114,7 +126,7 @@ fn common(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
-impl Target for Replay {
+impl Target for ReplayModel {
     type Error = std::convert::Infallible;
 
     fn vocab_size(&self) -> usize {
@@ -128,16 +140,18 @@ impl Target for Replay {
     fn score(&mut self, batch: &[Score<'_>], out: &mut [Logits]) -> Result<(), Self::Error> {
         for (s, logits) in batch.iter().zip(out.iter_mut()) {
             let all: Vec<u32> = s.context.iter().chain(s.draft).copied().collect();
-            let cached = common(&self.held, s.context);
+            let cached = common(&self.cached_tokens, s.context);
             spin(
                 &self.costs,
-                self.costs.steps(all.len() - cached, self.draft),
+                self.costs
+                    .steps(all.len() - cached, self.draft, !s.draft.is_empty()),
             );
-            self.held = all;
+            self.cached_tokens = all;
             let path = self.path.borrow();
             let buf = logits.buffer(self.vocab);
             for i in 0..=s.draft.len() {
-                let token = path.next(&self.held[..s.context.len() + i], self.draft) as usize;
+                let token =
+                    path.next(&self.cached_tokens[..s.context.len() + i], self.draft) as usize;
                 let start = buf.len();
                 buf.resize(start + self.vocab, 0.0);
                 buf[start + token] = 10.0;
@@ -147,24 +161,24 @@ impl Target for Replay {
     }
 
     fn commit(&mut self, _seq: SeqId, committed: &[u32]) -> Result<(), Self::Error> {
-        let keep = common(&self.held, committed);
-        self.held.truncate(keep);
+        let keep = common(&self.cached_tokens, committed);
+        self.cached_tokens.truncate(keep);
         Ok(())
     }
 
     fn release(&mut self, _seq: SeqId) {
-        self.held.clear();
+        self.cached_tokens.clear();
     }
 
     fn cached(&self, _seq: SeqId, context: &[u32]) -> usize {
-        common(&self.held, context)
+        common(&self.cached_tokens, context)
     }
 }
 
 enum Mode {
     Lookup(Box<LookupDrafter>),
-    Model(Box<ModelDrafter<Replay>>),
-    Hybrid(Box<HybridDrafter<ModelDrafter<Replay>>>),
+    Model(Box<ModelDrafter<ReplayModel>>),
+    Hybrid(Box<HybridDrafter<ModelDrafter<ReplayModel>>>),
 }
 
 /// A replayed prompt.
@@ -202,38 +216,6 @@ fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
-/// The acceptance by position that a run's model drafts saw, folded into the earlier runs'
-/// (which count half as much each run), as `bench` primes each run's cost model.
-fn fold(recent: &mut Vec<(f64, f64)>, m: &Metrics) {
-    let run = &m.model_per_position;
-    if run.iter().all(|p| p.reached == 0) {
-        return;
-    }
-    for p in recent.iter_mut() {
-        p.0 *= 0.5;
-        p.1 *= 0.5;
-    }
-    if recent.len() < run.len() {
-        recent.resize(run.len(), (0.0, 0.0));
-    }
-    for (p, s) in recent.iter_mut().zip(run) {
-        p.0 += s.reached as f64;
-        p.1 += s.accepted as f64;
-    }
-}
-
-fn acceptance(recent: &[(f64, f64)]) -> Vec<f64> {
-    let mut last = PRIOR_ACCEPTANCE;
-    recent
-        .iter()
-        .take_while(|p| p.0 > 0.0)
-        .map(|&(reached, accepted)| {
-            last = (accepted + last) / (reached + 1.0);
-            last
-        })
-        .collect()
-}
-
 fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
     std::env::var(name)
         .ok()
@@ -248,16 +230,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let doc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(bench)?)?;
     let cal = &doc["calibration"];
-    let mut r: Vec<f64> = cal["r"]
+    let r: Vec<f64> = cal["r"]
         .as_array()
         .ok_or("no calibrated r(m)")?
         .iter()
         .filter_map(serde_json::Value::as_f64)
         .collect();
-    // Non-decreasing, as the cost model reads a calibration.
-    for i in 1..r.len() {
-        r[i] = r[i].max(r[i - 1]);
-    }
+    // Non-decreasing, as the CLI hands a calibration to the cost model.
+    let r = isotonic_curve(&r, &[]);
     let c = cal["c"].as_f64().ok_or("no calibrated c")?;
     let target_step = cal["target_step_s"].as_f64().ok_or("no target step")?;
     let draft_read = cal["draft_read_s"].as_f64().ok_or("no draft read")? / target_step;
@@ -314,11 +294,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .ok()
         .and_then(|v| v.parse().ok());
     let shared = Rc::new(RefCell::new(Path::default()));
-    let model = |draft: bool| Replay {
+    let model = |draft: bool| ReplayModel {
         path: shared.clone(),
         draft,
         vocab,
-        held: Vec::new(),
+        cached_tokens: Vec::new(),
         costs: costs.clone(),
     };
     for name in &modes {
@@ -347,7 +327,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 r: r.clone(),
                 context: None,
                 step_secs: Some(costs.step.as_secs_f64()),
-                acceptance: acceptance(&recent),
+                acceptance: acceptance_by_position(&recent),
                 draft_read: Some(draft_read / c),
                 draft_step_secs: Some(c * costs.step.as_secs_f64()),
             };
@@ -366,20 +346,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 },
                 min_confidence: 0.0,
             };
-            target.held.clear();
+            target.cached_tokens.clear();
             let prompt = &path.full[..prompt_len];
             let out = match &mut mode {
                 Mode::Lookup(d) => generate(&mut target, d.as_mut(), prompt, &config, &mut |_| {
                     std::ops::ControlFlow::Continue(())
                 }),
                 Mode::Model(d) => {
-                    d.model_mut().held.clear();
+                    d.model_mut().cached_tokens.clear();
                     generate(&mut target, d.as_mut(), prompt, &config, &mut |_| {
                         std::ops::ControlFlow::Continue(())
                     })
                 }
                 Mode::Hybrid(d) => {
-                    d.model.model_mut().held.clear();
+                    d.model.model_mut().cached_tokens.clear();
                     generate(&mut target, d.as_mut(), prompt, &config, &mut |_| {
                         std::ops::ControlFlow::Continue(())
                     })
@@ -392,16 +372,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 return Err(format!("{id}: the replay left the recorded answer").into());
             }
             let m = &out.metrics;
-            fold(&mut recent, m);
+            m.fold_model_positions(&mut recent, 0.5);
             let step = costs.step.as_secs_f64();
-            let plain = n.saturating_sub(1) as f64;
+            // Plain decoding's steps after the first token: one a token, and one for a stop token.
+            let stopped = matches!(out.stop_reason, Some(StopReason::StopToken(_)));
+            let plain = (n.saturating_sub(1) + usize::from(stopped)) as f64;
             let prefill = prompt_len as f64 * costs.prefill;
             let line = Line {
                 id: id.clone(),
                 category: category.clone(),
                 decode: plain / (m.decode_secs / step),
                 e2e: (prefill + plain) / ((m.prefill_secs + m.decode_secs) / step),
-                mean_len: m.emitted as f64 / m.rounds.max(1) as f64,
+                mean_len: m.mean_accepted_len(),
                 plain,
                 spent: m.decode_secs / step,
                 by_len: m.rounds_by_draft_len.clone(),

@@ -87,8 +87,9 @@ pub use ngram::{
     HybridPlan, LookupSavings, ModelLag, NGramDrafter,
 };
 pub use policy::{
-    best_batch_draft_cap, best_batch_trim, best_draft_len, best_draft_len_with, isotonic_curve,
-    ContextCost, Controller, DraftLenPolicy, FixedCost, RoundCosts, PRIOR_ACCEPTANCE,
+    acceptance_by_position, best_batch_draft_cap, best_batch_trim, best_draft_len,
+    best_draft_len_with, isotonic_curve, ContextCost, Controller, DraftLenPolicy, FixedCost,
+    RoundCosts, PRIOR_ACCEPTANCE,
 };
 pub use rng::{CounterRng, Stream};
 pub use sampling::{Probs, Sampler, SamplingParams};

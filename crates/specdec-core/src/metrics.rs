@@ -112,6 +112,28 @@ pub struct Metrics {
 }
 
 impl Metrics {
+    /// Folds this run's model-draft counts by position ([`Metrics::model_per_position`]) into
+    /// `positions`, the `(reached, accepted)` counts of earlier runs, which first weigh `decay`
+    /// each; a run whose model drafted nothing leaves them as they are. What a later run's cost
+    /// model starts from ([`crate::acceptance_by_position`]).
+    pub fn fold_model_positions(&self, positions: &mut Vec<(f64, f64)>, decay: f64) {
+        let run = &self.model_per_position;
+        if run.iter().all(|p| p.reached == 0) {
+            return;
+        }
+        for p in positions.iter_mut() {
+            p.0 *= decay;
+            p.1 *= decay;
+        }
+        if positions.len() < run.len() {
+            positions.resize(run.len(), (0.0, 0.0));
+        }
+        for (p, s) in positions.iter_mut().zip(run) {
+            p.0 += s.reached as f64;
+            p.1 += s.accepted as f64;
+        }
+    }
+
     /// Adds one round.
     pub fn record(&mut self, r: &Round) {
         self.rounds += 1;

@@ -14,7 +14,7 @@
 use std::io::Write;
 use std::sync::Arc;
 
-use specdec_runtime::{GgmlDType, Gguf, LoadOptions, Model, Session, Tokenizer};
+use specdec_runtime::{GgmlDType, Gguf, LoadOptions, Model, ModelConfig, Session, Tokenizer};
 
 fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
     std::env::var(name)
@@ -40,24 +40,35 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let g = Gguf::open(draft_path)?;
     let tok = Tokenizer::from_gguf(&g)?;
-    let stops = tok.stop_tokens().to_vec();
+    let vocab = ModelConfig::from_gguf(&g)?.vocab;
+    // As the CLI loads a draft: the restricted vocabulary at most the whole one, and the stop
+    // tokens within it scored beside it.
+    let stops: Vec<u32> = tok
+        .stop_tokens()
+        .iter()
+        .copied()
+        .filter(|&t| (t as usize) < vocab)
+        .collect();
     let draft = Arc::new(Model::from_gguf(
         &g,
         &LoadOptions {
             threads: Some(env_or("DP_THREADS", 2)),
-            logits_vocab: Some(env_or("DP_VOCAB", 65536)),
+            logits_vocab: Some(env_or("DP_VOCAB", 65536).min(vocab)),
             logits_also: stops.clone(),
             requantize: Some(GgmlDType::Q4_0),
             ..LoadOptions::default()
         },
     )?);
-    let vocab = draft.config().vocab;
     let doc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(bench)?)?;
     let records = doc["records"]
         .as_array()
         .ok_or("no records in the bench JSON")?;
     let mut f = std::io::BufWriter::new(std::fs::File::create(out)?);
-    for r in records.iter().filter(|r| r["mode"] == "ar") {
+    // One line a prompt: a repeated benchmark has an `ar` record for each repetition.
+    for r in records
+        .iter()
+        .filter(|r| r["mode"] == "ar" && r["repeat"].as_u64().unwrap_or(0) == 0)
+    {
         let (prompt, output) = (ids(&r["prompt_tokens"]), ids(&r["output_tokens"]));
         let all: Vec<u32> = prompt.iter().chain(&output).copied().collect();
         let mut s = Session::new(draft.clone(), all.len() + 1);

@@ -10,9 +10,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
-use specdec_core::{
-    isotonic_curve, ContextCost, DraftLenPolicy, FixedCost, Metrics, PRIOR_ACCEPTANCE,
-};
+use specdec_core::{isotonic_curve, ContextCost, DraftLenPolicy, FixedCost, Metrics};
 use specdec_runtime::fetch::home;
 use specdec_runtime::Session;
 
@@ -112,17 +110,9 @@ impl Calibration {
 
     /// Conditional acceptance of the model's drafts by position in the runs learned lately: each
     /// position's counts behind one pseudo-round of the position before (of
-    /// [`PRIOR_ACCEPTANCE`] at the first), up to the last position a run reached.
+    /// [`specdec_core::PRIOR_ACCEPTANCE`] at the first), up to the last position a run reached.
     pub fn recent_acceptance(&self) -> Vec<f64> {
-        let mut last = PRIOR_ACCEPTANCE;
-        self.recent_positions
-            .iter()
-            .take_while(|p| p.0 > 0.0)
-            .map(|&(reached, accepted)| {
-                last = (accepted + last) / (reached + 1.0);
-                last
-            })
-            .collect()
+        specdec_core::acceptance_by_position(&self.recent_positions)
     }
 
     /// The run's mean single step into [`Calibration::recent_step`] (moved to the calibration's
@@ -190,21 +180,7 @@ impl Calibration {
 /// [`Calibration::recent_positions`]), the counts before weighing [`RECENT_RUN_DECAY`]; a run
 /// whose model drafted nothing leaves them as they are.
 fn fold_positions(positions: &mut Vec<(f64, f64)>, m: &Metrics) {
-    let run = &m.model_per_position;
-    if run.iter().all(|p| p.reached == 0) {
-        return;
-    }
-    for p in positions.iter_mut() {
-        p.0 *= RECENT_RUN_DECAY;
-        p.1 *= RECENT_RUN_DECAY;
-    }
-    if positions.len() < run.len() {
-        positions.resize(run.len(), (0.0, 0.0));
-    }
-    for (p, s) in positions.iter_mut().zip(run) {
-        p.0 += s.reached as f64;
-        p.1 += s.accepted as f64;
-    }
+    m.fold_model_positions(positions, RECENT_RUN_DECAY);
 }
 
 /// The model-draft counts ([`Calibration::recent_positions`]) kept per drafter kind, so that a
@@ -643,6 +619,7 @@ pub fn apply(
 mod tests {
     use super::*;
     use specdec_core::metrics::{PositionStats, VerifyTiming};
+    use specdec_core::PRIOR_ACCEPTANCE;
     use specdec_server::DrafterKind;
 
     /// Attention costs of the size stop 30 calibrated on the default pair.

@@ -23,7 +23,7 @@
 //! speedups against plain decoding (one target step per token; also all the prompts' time
 //! together), the mean accepted length and the rounds by draft length; `REPLAY_VERBOSE=1` adds a
 //! line per prompt, `REPLAY_FIXED=k` drafts `k` tokens a round instead of the cost model's choice.
-//! Stop 66 found with it that fixed draft lengths beat `auto` by up to 10–12% in some categories,
+//! Stop 66 found with it that fixed draft lengths beat `auto` by about 10% in some categories,
 //! that a burst of rejections stopped drafting for most of an answer, and that the hybrid's
 //! deferred readings cost it most of its losses (README, section "Stop 66").
 //!

@@ -115,7 +115,7 @@ fn spin(costs: &Costs, steps: f64) {
 
 /// A model that says what the path says.
 struct ReplayModel {
-    path: Rc<RefCell<Path>>,
+    path: Rc<RefCell<Rc<Path>>>,
     draft: bool,
     vocab: usize,
     cached_tokens: Vec<u32>,
@@ -279,10 +279,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let off = map.len() as u32;
     let vocab = map.len() + 1;
     let stop = *stops.first().ok_or("no stop token")?;
-    for (_, _, p) in &mut paths {
-        p.stop = stop;
-        p.off = off;
-    }
+    // Shared, not copied: the replay models read the prompt being replayed through `current`.
+    let paths: Vec<(String, String, Rc<Path>)> = paths
+        .into_iter()
+        .map(|(id, category, p)| (id, category, Rc::new(Path { stop, off, ..p })))
+        .collect();
 
     let modes: Vec<String> = std::env::var("REPLAY_MODES")
         .unwrap_or_else(|_| "ngram,model,hybrid".into())
@@ -293,9 +294,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let fixed: Option<usize> = std::env::var("REPLAY_FIXED")
         .ok()
         .and_then(|v| v.parse().ok());
-    let shared = Rc::new(RefCell::new(Path::default()));
+    let current = Rc::new(RefCell::new(Rc::new(Path::default())));
     let model = |draft: bool| ReplayModel {
-        path: shared.clone(),
+        path: current.clone(),
         draft,
         vocab,
         cached_tokens: Vec::new(),
@@ -316,11 +317,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let mut lines = Vec::new();
         for (id, category, path) in &paths {
             let prompt_len = path.prompt_len;
-            *shared.borrow_mut() = Path {
-                full: path.full.clone(),
-                pred: path.pred.clone(),
-                ..*path
-            };
+            *current.borrow_mut() = path.clone();
             let prior = FixedCost {
                 c,
                 draft_fixed: 0.0,
@@ -372,6 +369,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 return Err(format!("{id}: the replay left the recorded answer").into());
             }
             let m = &out.metrics;
+            // `bench`'s `RECENT_RUN_DECAY`.
             m.fold_model_positions(&mut recent, 0.5);
             let step = costs.step.as_secs_f64();
             // Plain decoding's steps after the first token: one a token, and one for a stop token.

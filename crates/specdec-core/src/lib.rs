@@ -74,7 +74,7 @@ pub type TokenId = u32;
 
 pub use batch::{Batch, Emitted, Finished, TokenLogprob};
 pub use decode::{generate, DecodeError, GenerateConfig, Output, StopReason};
-pub use drafter::{DraftError, ModelDrafter};
+pub use drafter::{DraftError, ModelDrafter, READ_PROBE_AFTER};
 pub use error::{Error, Result, Side};
 pub use lookup::{LookupConfig, LookupDrafter};
 pub use metrics::{CostProfile, Metrics, Round};

@@ -522,9 +522,9 @@ pub const MODEL_PROBE_ROUNDS: u64 = 16;
 /// its prior, and every deeper position unseen yet with it: in stop 65's benchmark, replayed
 /// (`decode_replay`), the model drafter on `HumanEval/0` drafted 3 tokens in 15 of its 19 rounds,
 /// with 96–99% acceptance at positions 1–3, as a draft of 5 in its second round was rejected at
-/// position 4 (estimate 0.66), and the calibration carried that to the prompts after it. At 4, in
-/// three replays each of stops 65's and 66's benchmarks (stop 67), the model drafter ran 1–4%
-/// faster over the 30 prompts and the hybrid 2–4%.
+/// position 4 (estimate 0.63–0.67), and the calibration carried that to the prompts after it.
+/// At 4, in three replays each of stops 65's and 66's benchmarks (stop 67), the model drafter ran
+/// about 2% faster over the 30 prompts (−1 to +4% per replay) and the hybrid 2–4% (+1 to +5%).
 const PRIOR_WEIGHT: f64 = 4.0;
 /// Per-round decay of the cost model's counts, so that it follows drift (a half-life of ~140 rounds).
 const DECAY: f64 = 0.995;
@@ -843,9 +843,9 @@ impl Controller {
     }
 
     /// Estimated conditional acceptance at positions `1..=max`: this sequence's counts behind a
-    /// prior of four rounds, the acceptance seen lately
-    /// ([`FixedCost::acceptance`]) where the calibration carries it, else [`PRIOR_ACCEPTANCE`] at the first position and the
-    /// estimate of the position before at the others.
+    /// prior of four rounds, the acceptance seen lately ([`FixedCost::acceptance`]) where the
+    /// calibration carries it, else [`PRIOR_ACCEPTANCE`] at the first position and the estimate of
+    /// the position before at the others.
     pub fn acceptance(&self, max: usize) -> Vec<f64> {
         let seen: &[f64] = match &self.policy {
             DraftLenPolicy::CostModel {

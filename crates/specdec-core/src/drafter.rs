@@ -41,13 +41,14 @@ pub struct ModelDrafter<M> {
 
 /// Prompts in a row a [`ModelDrafter`] leaves unread at prefill before it reads the next one
 /// whatever its price: the savings that price a reading ([`ReadSavings`]) are measured only on
-/// prompts it read, so without this a run of answers where its drafts saved little would keep it
-/// from reading, and from measuring, for good. Stop 67's benchmark found it so: the model drafter
-/// alone (stop 66's code, same session) left all ten code edit and qa prompts unread after the
-/// HumanEval answers and decoded them plainly (0.99× both), where the run with stop 67's code, which
-/// read them, decoded qa at 1.08× and edits at 1.56×; that run in turn left three summaries
-/// unread, two of which the other had read (0.66× and 1.87×). At most one reading in five prompts
-/// is the price of measuring again.
+/// prompts it read, so without this a run of answers where its drafts saved little could keep it
+/// from reading, and from measuring, for long. Stop 67's benchmark found it so: the model drafter
+/// alone (stop 66's code, same session) drafted nothing in 14 prompts in a row from
+/// `HumanEval/2` on, all ten code edit and qa prompts among them, and decoded them plainly (0.99×
+/// both), where the run of stop 67's first change (the acceptance prior, not this) read them and
+/// decoded qa at 1.08× and edits at 1.56×; that run in turn left three summaries unread, two of
+/// which the other had read (0.66× and 1.87×). At most one reading in five prompts is the price
+/// of measuring again. The server's drafter keeps the same count for its model-kind requests.
 pub const READ_PROBE_AFTER: usize = 4;
 
 impl<M: Target> ModelDrafter<M> {
@@ -274,7 +275,8 @@ impl<M: Target> Draft for ModelDrafter<M> {
     /// then leaves it unread and drafts nothing for the sequence, which decodes plainly, until the
     /// savings its drafts were expected to bring in the rounds since ([`crate::forgone`], against
     /// plain decoding) reach the price of reading it, where the tokens left can still repay it
-    /// ([`DeferredReads`]); the next round's draft then reads it first.
+    /// ([`DeferredReads`]); the next round's draft then reads it first. After
+    /// [`READ_PROBE_AFTER`] prompts left unread in a row it reads the next whatever its price.
     fn prefill_priced(&mut self, req: &PrefillRequest<'_>) -> Result<(), Self::Error> {
         self.start(req.seq, req.prompt.len());
         let probe = self.unread_in_a_row >= READ_PROBE_AFTER;
@@ -421,7 +423,8 @@ mod tests {
     fn after_prompts_left_unread_in_a_row_the_next_one_is_read_whatever_its_price() {
         let costs = crate::mock::reading_costs();
         let (mut d, prompt) = reading_setup();
-        // 50 steps of reading that 100 tokens cannot repay (a third of a step each): left unread, READ_PROBE_AFTER times.
+        // 50 steps of reading that 100 tokens cannot repay (a third of a step each): left
+        // unread, READ_PROBE_AFTER times.
         for i in 0..READ_PROBE_AFTER {
             d.prefill_priced(&priced(&prompt, 100, &costs)).unwrap();
             assert!(!d.model_drafts(SeqId(0)), "prompt {i}");

@@ -20,7 +20,7 @@ use specdec_core::{
     AnswerLengths, Batch, DeferredReads, Draft, DraftLenPolicy, DraftRequest, Emitted,
     GenerateConfig, HybridPlan, LookupDrafter, LookupSavings, Metrics, ModelDrafter, ModelLag,
     PrefillRequest, Proposal, ReadSavings, RecentAnswers, SeqId, StopReason, Target, TokenId,
-    TokenLogprob,
+    TokenLogprob, READ_PROBE_AFTER,
 };
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 
@@ -137,6 +137,10 @@ pub struct MultiDrafter<M: Target> {
     /// The answers of the model-kind requests lately, read or left unread (none covered by a
     /// lookup): how many tokens the next one is expected to emit, which prices its reading.
     model_answers: AnswerLengths,
+    /// Model-kind prompts left unread at prefill in a row: after
+    /// [`specdec_core::READ_PROBE_AFTER`] the next one is read whatever its price, as a
+    /// [`ModelDrafter`] alone does, since `model_savings` is measured only on prompts read.
+    model_unread_in_a_row: usize,
 }
 
 impl<M: Target> MultiDrafter<M> {
@@ -151,6 +155,7 @@ impl<M: Target> MultiDrafter<M> {
             hybrid_savings: LookupSavings::default(),
             model_savings: ReadSavings::default(),
             model_answers: AnswerLengths::default(),
+            model_unread_in_a_row: 0,
         }
     }
 
@@ -315,10 +320,18 @@ impl<M: Target> Draft for MultiDrafter<M> {
             DrafterKind::Ngram => (self.lookup.recent_answers(), &none.1),
             DrafterKind::None => (&none.0, &none.1),
         };
-        if self.kind(req.seq).needs_model()
+        let kind = self.kind(req.seq);
+        let probe = kind == DrafterKind::Model && self.model_unread_in_a_row >= READ_PROBE_AFTER;
+        if kind.needs_model()
+            && !probe
             && !req.read_pays(self.cached(req.seq, req.prompt), recent, saved)
         {
             self.reads.leave_unread(req);
+            if kind == DrafterKind::Model {
+                self.model_unread_in_a_row += 1;
+            }
+        } else if kind == DrafterKind::Model {
+            self.model_unread_in_a_row = 0;
         }
         Ok(())
     }
@@ -1059,6 +1072,7 @@ mod tests {
     use specdec_core::mock::{reading_costs, MockLogits, MockModel};
     use specdec_core::{
         Draft, ModelDrafter, PrefillRequest, Proposal, SamplingParams, SeqId, TokenId,
+        READ_PROBE_AFTER,
     };
 
     /// A drafter with a draft model of hashed logits over 1,024 tokens.
@@ -1125,6 +1139,30 @@ mod tests {
         assert!(d.select(lookup, DrafterKind::Ngram));
         assert!(!d.model_drafts(hybrid) && !d.model_drafts(model) && !d.model_drafts(lookup));
         assert!(d.model_drafts(roomy));
+    }
+
+    /// After [`READ_PROBE_AFTER`] model-kind prompts left unread in a row, the next is read
+    /// whatever its price (its model drafts, reading it as their catch-up), and the count starts
+    /// over; hybrid requests, whose lookup drafts for an unread prompt, do not count.
+    #[test]
+    fn after_model_kind_prompts_left_unread_in_a_row_the_next_one_is_read() {
+        let costs = reading_costs();
+        let prompt: Vec<TokenId> = (0..1_000).collect();
+        let mut d = hashed_drafter();
+        let mut next = 0;
+        let mut read = |d: &mut MultiDrafter<MockModel>, kind| {
+            next += 1;
+            let seq = SeqId(next);
+            select_and_read(d, seq, kind, &prompt, 16, &costs);
+            d.model_drafts(seq)
+        };
+        assert!(!read(&mut d, DrafterKind::Hybrid));
+        for i in 0..READ_PROBE_AFTER {
+            assert!(!read(&mut d, DrafterKind::Model), "prompt {i}");
+            assert!(!read(&mut d, DrafterKind::Hybrid), "prompt {i}");
+        }
+        assert!(read(&mut d, DrafterKind::Model));
+        assert!(!read(&mut d, DrafterKind::Model));
     }
 
     /// A prompt left unread is read after all, by a model draft, once the plain rounds since

@@ -7,7 +7,8 @@
 //! the `draft_predictions` example's (specdec-runtime) over it: each prompt's ids, its greedy answer
 //! and the draft model's greedy prediction at every answer position. The target of the replay
 //! answers every context on that answer's path with the answer's next token (and a stop token
-//! after it); the draft model answers with its recorded prediction. With greedy verification that
+//! after it); the draft model answers with its recorded prediction, at its recorded probability
+//! (`conf`, where the file has it; the position's also where a draft left the answer). With greedy verification that
 //! is exactly what the real models decide: a draft is accepted as far as it follows the answer.
 //!
 //! Time is simulated by spinning: a target pass verifying `m` rows takes `r(m)` target steps of
@@ -22,7 +23,8 @@
 //! does; the calibration stays fixed. Prints per category the median decoding and end-to-end
 //! speedups against plain decoding (one target step per token; also all the prompts' time
 //! together), the mean accepted length and the rounds by draft length; `REPLAY_VERBOSE=1` adds a
-//! line per prompt, `REPLAY_FIXED=k` drafts `k` tokens a round instead of the cost model's choice.
+//! line per prompt, `REPLAY_FIXED=k` drafts `k` tokens a round instead of the cost model's choice,
+//! `REPLAY_MIN_CONFIDENCE=p` sets `--min-confidence`.
 //! Stop 66 found with it that fixed draft lengths beat `auto` by about 10% in some categories,
 //! that a burst of rejections stopped drafting for most of an answer, and that the hybrid's
 //! deferred readings cost it most of its losses (README, section "Stop 66").
@@ -48,6 +50,7 @@ struct Path {
     full: Vec<u32>,
     prompt_len: usize,
     pred: Vec<u32>,
+    conf: Vec<f32>,
     stop: u32,
     off: u32,
 }
@@ -66,6 +69,19 @@ impl Path {
                 .unwrap_or(self.stop)
         } else {
             self.full.get(n).copied().unwrap_or(self.stop)
+        }
+    }
+
+    /// The logit that gives the draft's token after `prefix` its recorded probability over `vocab`
+    /// tokens (the answer position's, also off the answer), or 10 where none was recorded.
+    fn draft_logit(&self, prefix: &[u32], vocab: usize) -> f32 {
+        let j = prefix.len().saturating_sub(self.prompt_len);
+        match self.conf.get(j.min(self.conf.len().saturating_sub(1))) {
+            Some(&p) => {
+                let p = f64::from(p).clamp(1e-6, 1.0 - 1e-6);
+                (p * (vocab - 1) as f64 / (1.0 - p)).ln() as f32
+            }
+            None => 10.0,
         }
     }
 }
@@ -154,7 +170,12 @@ impl Target for ReplayModel {
                     path.next(&self.cached_tokens[..s.context.len() + i], self.draft) as usize;
                 let start = buf.len();
                 buf.resize(start + self.vocab, 0.0);
-                buf[start + token] = 10.0;
+                let prefix = &self.cached_tokens[..s.context.len() + i];
+                buf[start + token] = if self.draft {
+                    path.draft_logit(prefix, self.vocab)
+                } else {
+                    10.0
+                };
             }
         }
         Ok(())
@@ -262,6 +283,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let prompt = ids(&v["prompt"], &mut map);
         let output = ids(&v["output"], &mut map);
         let pred = ids(&v["pred"], &mut map);
+        let conf: Vec<f32> = v["conf"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(serde_json::Value::as_f64)
+                    .map(|x| x as f32)
+                    .collect()
+            })
+            .unwrap_or_default();
         stops = ids(&v["stop"], &mut map);
         let full: Vec<u32> = prompt.iter().chain(&output).copied().collect();
         paths.push((
@@ -271,6 +301,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 prompt_len: prompt.len(),
                 full,
                 pred,
+                conf,
                 stop: 0,
                 off: 0,
             },
@@ -341,7 +372,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     Some(k) => DraftLenPolicy::Fixed { draft_len: k },
                     None => DraftLenPolicy::auto(Some(prior)),
                 },
-                min_confidence: 0.0,
+                min_confidence: env_or("REPLAY_MIN_CONFIDENCE", 0.0),
             };
             target.cached_tokens.clear();
             let prompt = &path.full[..prompt_len];

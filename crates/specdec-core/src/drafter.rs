@@ -160,6 +160,9 @@ impl<M: Target> Draft for ModelDrafter<M> {
         let vocab = model.vocab_size();
         logits.resize_with(batch.len(), || Logits::new(vocab));
         let mut active = Vec::with_capacity(batch.len());
+        // Each request's estimated probability that its tokens drafted so far are all accepted: the
+        // product of the draft's largest probabilities at their positions.
+        let mut reach = vec![1.0f64; batch.len()];
         for (req, out) in batch.iter().zip(out.iter_mut()) {
             out.lag = 0;
             let mut drafts = req.model_len() > 0;
@@ -211,10 +214,11 @@ impl<M: Target> Draft for ModelDrafter<M> {
                     }
                     continue;
                 }
-                if req.min_confidence > 0.0 {
-                    // Decided from q alone, before sampling. The verifier assumes each drafted token
-                    // is drawn from the q reported with it; a stop that looked at the drawn token
-                    // would keep only the likely draws, and rejection sampling would then be biased.
+                // Both early stops are decided from q alone, before sampling. The verifier assumes
+                // each drafted token is drawn from the q reported with it; a stop that looked at the
+                // drawn token would keep only the likely draws, and rejection sampling would then
+                // be biased.
+                if req.min_confidence > 0.0 || req.costs.is_some() {
                     let confidence = match &q {
                         Probs::OneHot(_) => top_prob(row, scratch),
                         Probs::Dense(v) => kernels::max(v),
@@ -226,12 +230,17 @@ impl<M: Target> Draft for ModelDrafter<M> {
                         }
                         continue;
                     }
+                    reach[b] *= f64::from(confidence);
                 }
                 let pos = contexts[b].len();
                 let token = q.sample(req.rng.uniform(pos, Stream::Draft));
                 out[b].push(token, q);
                 contexts[b].push(token);
-                if out[b].tokens.len() >= req.model_len() || req.stop_tokens.contains(&token) {
+                let drafted = out[b].tokens.len();
+                if drafted >= req.model_len()
+                    || req.stop_tokens.contains(&token)
+                    || req.costs.is_some_and(|c| !c.drafts_on(drafted, reach[b]))
+                {
                     active[b] = false;
                 }
             }
@@ -338,14 +347,12 @@ mod tests {
     use crate::mock::{MockLogits, MockModel};
     use crate::{RoundCosts, SamplingParams};
 
-    /// The prompt-reading tests' drafter, over a mock model of 48 tokens, and their prompt: 1,000
-    /// tokens repeating 0..40.
+    /// The prompt-reading tests' drafter, over a mock model of 48 tokens sure of its drafts (so
+    /// that its confidence drafts the cost model's length), and their prompt: 1,000 tokens
+    /// repeating 0..40.
     fn reading_setup() -> (ModelDrafter<MockModel>, Vec<TokenId>) {
-        let model = MockModel::new(MockLogits::Hashed {
-            vocab: 48,
-            seed: 1,
-            scale: 1.0,
-        });
+        let sure: Vec<f32> = (0..48).map(|t| if t == 7 { 12.0 } else { 0.0 }).collect();
+        let model = MockModel::new(MockLogits::Fixed(sure));
         (
             ModelDrafter::new(model),
             (0..1_000).map(|i| i % 40).collect(),
@@ -547,5 +554,50 @@ mod tests {
         let short: Vec<TokenId> = (0..100).collect();
         d.prefill_priced(&priced(&short, 1_000, &costs)).unwrap();
         assert!(!d.model_drafts(seq));
+    }
+
+    #[test]
+    fn a_model_draft_ends_where_its_confidence_no_longer_pays_for_another_token() {
+        // Another token costs 0.25 + 0.1 steps, worth 0.4375 tokens at 1.25 tokens per step; each
+        // position is estimated accepted at 0.9, so a draft goes on while its reach is at least
+        // 0.486.
+        let costs = RoundCosts {
+            r: (1..=17).map(|m| 1.0 + 0.1 * (m - 1) as f64).collect(),
+            draft_per_token: 0.25,
+            model_len: 4,
+            model_rate: 1.25,
+            model_steps: 2.4,
+            model_acceptance: vec![0.9; 4],
+            ..RoundCosts::default()
+        };
+        // Over 4 tokens, token 0 with probability `p` at a position.
+        let sure = |p: f32| -> Vec<f32> {
+            let rest = ((1.0 - p) / 3.0).ln();
+            vec![p.ln(), rest, rest, rest]
+        };
+        let prompt: Vec<TokenId> = vec![1, 2, 3, 1];
+        let sampling = SamplingParams::greedy();
+        let drafted = |script: Vec<Vec<f32>>, costs: Option<&RoundCosts>| {
+            let mut d = ModelDrafter::new(MockModel::new(MockLogits::Scripted(script)));
+            d.prefill(SeqId(0), &prompt).unwrap();
+            let mut out = [Proposal::default()];
+            let req = crate::mock::draft_request(SeqId(0), &prompt, &sampling, costs);
+            d.propose(&[DraftRequest { max_len: 4, ..req }], &mut out)
+                .unwrap();
+            out[0].tokens.len()
+        };
+        let unsure_third = vec![sure(0.95), sure(0.95), sure(0.4), sure(0.95)];
+        // Reach 0.95, 0.90, then 0.36 after the unsure third token: drafted, and the draft ends.
+        assert_eq!(drafted(unsure_third.clone(), Some(&costs)), 3);
+        // Confident throughout (reach 0.86 after three), the cost model's length.
+        assert_eq!(drafted(vec![sure(0.95); 4], Some(&costs)), 4);
+        // A slower round rate makes each token cheaper: the unsure draft goes on.
+        let slow = RoundCosts {
+            model_rate: 0.5,
+            ..costs.clone()
+        };
+        assert_eq!(drafted(unsure_third.clone(), Some(&slow)), 4);
+        // Without a cost model, the requested length.
+        assert_eq!(drafted(unsure_third, None), 4);
     }
 }

@@ -7,7 +7,8 @@
 //! defaults load it (re-quantised to Q4_0, scoring ids below `DP_VOCAB`, default 65536, and the
 //! stop tokens). Writes one line per record: `id`, `category`, the `prompt` and `output` ids, and
 //! `pred`, where `pred[j]` is the draft's most likely token after the prompt and the first `j`
-//! answer tokens (`j = 0..=output.len()`), and the `stop` tokens. With greedy verification, a model
+//! answer tokens (`j = 0..=output.len()`), `conf`, where `conf[j]` is that token's probability (the
+//! draft's confidence, at temperature 1), and the `stop` tokens. With greedy verification, a model
 //! draft made from a context the target committed is exactly this walk, so a replay can decide
 //! acceptance without the models. `DP_THREADS` sets the kernel threads (default 2).
 
@@ -74,7 +75,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let mut s = Session::new(draft.clone(), all.len() + 1);
         let rows = output.len() + 1;
         let logits = s.feed(&all, rows)?;
-        let pred: Vec<u32> = logits
+        let (pred, conf): (Vec<u32>, Vec<f32>) = logits
             .chunks_exact(vocab)
             .map(|row| {
                 let mut best = 0;
@@ -83,15 +84,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                         best = i;
                     }
                 }
-                best as u32
+                let max = row[best];
+                let total: f64 = row.iter().map(|&x| f64::from(x - max).exp()).sum();
+                (best as u32, (1.0 / total) as f32)
             })
-            .collect();
+            .unzip();
         let line = serde_json::json!({
             "id": r["id"],
             "category": r["category"],
             "prompt": prompt,
             "output": output,
             "pred": pred,
+            "conf": conf,
             "stop": stops,
         });
         writeln!(f, "{line}")?;

@@ -73,15 +73,16 @@ impl Path {
     }
 
     /// The logit that gives the draft's token after `prefix` its recorded probability over `vocab`
-    /// tokens (the answer position's, also off the answer), or 10 where none was recorded.
+    /// tokens (the answer position's, also off the answer), or 10 where none was recorded (or it
+    /// was not finite).
     fn draft_logit(&self, prefix: &[u32], vocab: usize) -> f32 {
         let j = prefix.len().saturating_sub(self.prompt_len);
         match self.conf.get(j.min(self.conf.len().saturating_sub(1))) {
-            Some(&p) => {
+            Some(&p) if p.is_finite() => {
                 let p = f64::from(p).clamp(1e-6, 1.0 - 1e-6);
                 (p * (vocab - 1) as f64 / (1.0 - p)).ln() as f32
             }
-            None => 10.0,
+            _ => 10.0,
         }
     }
 }
@@ -283,12 +284,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let prompt = ids(&v["prompt"], &mut map);
         let output = ids(&v["output"], &mut map);
         let pred = ids(&v["pred"], &mut map);
+        // A probability that was not finite (written as null) keeps its place, as NaN.
         let conf: Vec<f32> = v["conf"]
             .as_array()
             .map(|a| {
                 a.iter()
-                    .filter_map(serde_json::Value::as_f64)
-                    .map(|x| x as f32)
+                    .map(|x| x.as_f64().map_or(f32::NAN, |x| x as f32))
                     .collect()
             })
             .unwrap_or_default();

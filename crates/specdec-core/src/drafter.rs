@@ -13,8 +13,10 @@ use crate::TokenId;
 /// Drafts by running a model one token at a time, sampling each token with the target's sampling
 /// parameters (greedy stays greedy) and the draft stream of the RNG. All sequences of a batch advance
 /// together, one model call per drafted position. A sequence's draft ends after a token that ends its
-/// generation ([`DraftRequest::stop_tokens`]): nothing after it can be emitted. Exact: whether
-/// position `i + 1` is drafted depends only on the tokens drawn before it, as any draft length may.
+/// generation ([`DraftRequest::stop_tokens`]): nothing after it can be emitted; under a cost model
+/// it also ends where its own confidence no longer pays for more ([`crate::RoundCosts::drafts_on`]).
+/// Exact: whether position `i + 1` is drafted depends only on the tokens drawn before it, as any
+/// draft length may, and a token once drawn is never dropped.
 #[derive(Debug)]
 pub struct ModelDrafter<M> {
     model: M,
@@ -214,10 +216,12 @@ impl<M: Target> Draft for ModelDrafter<M> {
                     }
                     continue;
                 }
-                // Both early stops are decided from q alone, before sampling. The verifier assumes
-                // each drafted token is drawn from the q reported with it; a stop that looked at the
-                // drawn token would keep only the likely draws, and rejection sampling would then
-                // be biased.
+                // `min_confidence` stops before this position's token is drawn, from q alone: the
+                // verifier assumes each drafted token is drawn from the q reported with it, and a
+                // stop that dropped a token for what was drawn would keep only the likely draws,
+                // biasing rejection sampling. The cost model's stop below comes after the draw and
+                // only decides whether later positions are drafted, from the tokens drawn so far
+                // (their q's largest probabilities), as any draft length may: it drops nothing.
                 if req.min_confidence > 0.0 || req.costs.is_some() {
                     let confidence = match &q {
                         Probs::OneHot(_) => top_prob(row, scratch),
@@ -239,7 +243,9 @@ impl<M: Target> Draft for ModelDrafter<M> {
                 let drafted = out[b].tokens.len();
                 if drafted >= req.model_len()
                     || req.stop_tokens.contains(&token)
-                    || req.costs.is_some_and(|c| !c.drafts_on(drafted, reach[b]))
+                    || req
+                        .costs
+                        .is_some_and(|c| !c.drafts_on(drafted, reach[b], req.model_len()))
                 {
                     active[b] = false;
                 }

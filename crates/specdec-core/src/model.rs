@@ -179,7 +179,7 @@ pub struct DraftRequest<'a> {
     pub min_confidence: f32,
     /// The cost model's view of this round, when the draft length is chosen by one
     /// ([`crate::DraftLenPolicy::CostModel`], once it has measured its costs). A drafter with several
-    /// options (lookup of any length, a model draft of [`RoundCosts::model_len`] tokens, a lookup
+    /// options (lookup of any length, a model draft of up to [`RoundCosts::model_len`] tokens, a lookup
     /// draft extended by the model, nothing) picks the one with the most expected tokens per unit of
     /// time; `max_len` is then only a cap.
     pub costs: Option<&'a RoundCosts>,
@@ -190,8 +190,8 @@ pub struct DraftRequest<'a> {
 }
 
 impl DraftRequest<'_> {
-    /// How many tokens a model drafter should draft: the cost model's choice when there is one, else
-    /// `max_len`.
+    /// How many tokens a model drafter should draft at most: the cost model's choice when there is
+    /// one (which the model drafter may end sooner, [`RoundCosts::drafts_on`]), else `max_len`.
     pub fn model_len(&self) -> usize {
         self.costs
             .map_or(self.max_len, |c| c.model_len.min(self.max_len))

@@ -477,7 +477,7 @@ impl Unread {
 pub enum HybridPlan {
     /// The lookup draft as it is (when empty: no drafting).
     Lookup,
-    /// A model draft of [`DraftRequest::model_len`] tokens instead.
+    /// A model draft of up to [`DraftRequest::model_len`] tokens instead.
     Model,
     /// The lookup draft, extended by this many tokens the model drafts after it.
     Extend(usize),
@@ -610,8 +610,10 @@ pub fn continue_by_lookup(
     // so that whether a drawn token stays is decided by the tokens before it alone; a greedy draft
     // (a function of the context) is cut where it pays best.
     let first = !req.sampling.is_greedy();
-    // The length the model was asked for: a sampled draft that a stop token it drew cut short is
-    // weighed, and let continue, as planned.
+    // The length the model was asked for: a sampled draft that a stop token it drew, or its own
+    // confidence (`RoundCosts::drafts_on`), cut short is weighed, and let continue, as planned. Not
+    // `k`: the length drawn depends on the draws, and a baseline that moved with the draws after a
+    // prefix would make whether that prefix's tokens stay depend on them.
     let planned = if first { k.max(req.model_len()) } else { k };
     if k == 0 || !draft.confidence.is_empty() || draft.extension > 0 || planned >= req.max_len {
         return false;

@@ -995,7 +995,9 @@ impl Controller {
             (&mut self.realised_lookup, r)
         } else {
             // A model draft the lookup continued was planned, and paid for, as the model draft of
-            // `model_len` tokens: its continuation counts to the model's realised rate.
+            // `model_len` tokens: its continuation counts to the model's realised rate. (Since
+            // stop 68 the model may have ended that draft sooner where it was unsure, and drafted
+            // fewer: the prediction then charges a few draft steps too many.)
             let drafted = if round.prefix > 0 {
                 costs.model_len.max(round.prefix)
             } else {
@@ -1190,7 +1192,8 @@ pub struct RoundCosts {
     pub draft_per_token: f64,
     /// The draft model's cost of reading one prompt token ([`FixedCost::draft_read`] times `c`).
     pub prompt_read: f64,
-    /// The model draft length the cost model chose for this round (0: a model draft does not pay).
+    /// The model draft length the cost model chose for this round (0: a model draft does not pay):
+    /// the model drafter's cap, which it may end sooner ([`RoundCosts::drafts_on`]).
     pub model_len: usize,
     /// Expected tokens per target step with that model draft (`1 / r(1)` at length 0), scaled by
     /// how the model's drafts have realised their predictions so far, for a model that has read every
@@ -1262,7 +1265,8 @@ impl RoundCosts {
     }
 
     /// Whether a model draft of `drafted` tokens, all accepted with the estimated probability
-    /// `reach`, should draft more (within [`RoundCosts::model_len`]): whether some longer draft's
+    /// `reach`, should draft more (up to `limit` tokens, the request's [`RoundCosts::model_len`]
+    /// within its `max_len`, [`crate::DraftRequest::model_len`]): whether some longer draft's
     /// further tokens yield, at `reach` times the cost model's acceptance estimates for their
     /// positions ([`RoundCosts::model_acceptance`]), at least what they cost (their draft steps and
     /// rows of the verification, `(len − drafted) c + r(len + 1) − r(drafted + 1)` target steps)
@@ -1274,13 +1278,16 @@ impl RoundCosts {
     /// positions of 30 benchmark prompts, the 0.5B draft's greedy token was the 1.5B target's in
     /// 22% of the positions where its probability was below 0.3, 79% at 0.7–0.8 and 99.7% above
     /// 0.99). The length the cost model chose is priced at each position's average acceptance;
-    /// this cuts a round short where the draft is unsure. A NaN `reach` or rate drafts on.
-    pub fn drafts_on(&self, drafted: usize, reach: f64) -> bool {
-        if drafted >= self.model_len {
+    /// this cuts a round short where the draft is unsure. A NaN `reach` or rate drafts on; a
+    /// position without an acceptance estimate counts as accepted (the draft's confidence alone
+    /// then decides).
+    pub fn drafts_on(&self, drafted: usize, reach: f64, limit: usize) -> bool {
+        let limit = limit.min(self.model_len);
+        if drafted >= limit {
             return false;
         }
         let (mut gain, mut reached) = (0.0, reach);
-        for len in drafted + 1..=self.model_len {
+        for len in drafted + 1..=limit {
             reached *= self.model_acceptance.get(len - 1).copied().unwrap_or(1.0);
             gain += reached;
             let cost = (len - drafted) as f64 * self.draft_per_token + self.r(len + 1)
@@ -2549,22 +2556,28 @@ mod tests {
     #[test]
     fn a_model_draft_goes_on_while_its_reach_pays_for_the_tokens_after_it() {
         // The third row costs 0.4 steps, the fourth and fifth 0.05 each; c = 0.2, 1.5 tokens a
-        // step, each position estimated accepted at 0.9.
+        // step; positions 1..=4 estimated accepted at 0.5, 0.9, 0.9, 0.6.
         let costs = RoundCosts {
             r: vec![1.0, 1.1, 1.5, 1.55, 1.6],
             draft_per_token: 0.2,
             model_len: 4,
             model_rate: 1.5,
-            model_acceptance: vec![0.9; 4],
+            model_acceptance: vec![0.5, 0.9, 0.9, 0.6],
             ..RoundCosts::default()
         };
         // After one token at reach 0.9: the second alone yields 0.81 for 0.6 steps (0.9 tokens),
         // but with the third 1.54 for 0.85 steps (1.275 tokens): drafted on.
-        assert!(costs.drafts_on(1, 0.9));
-        // At reach 0.5 no length pays: 0.45, 0.86 and 1.22 tokens against 0.9, 1.275 and 1.65.
-        assert!(!costs.drafts_on(1, 0.5));
+        assert!(costs.drafts_on(1, 0.9, 4));
+        // Not where the request cannot reach the third token.
+        assert!(!costs.drafts_on(1, 0.9, 2));
+        // At reach 0.5 no length pays: 0.45, 0.86 and 1.10 tokens against 0.9, 1.275 and 1.65.
+        assert!(!costs.drafts_on(1, 0.5, 4));
+        // After three at reach 0.8: the fourth yields 0.48 (its estimate 0.6) for 0.25 steps
+        // (0.375 tokens); at reach 0.6, 0.36.
+        assert!(costs.drafts_on(3, 0.8, 4));
+        assert!(!costs.drafts_on(3, 0.6, 4));
         // Never past the cost model's length; a NaN reach drafts on.
-        assert!(!costs.drafts_on(4, 1.0));
-        assert!(costs.drafts_on(1, f64::NAN));
+        assert!(!costs.drafts_on(4, 1.0, 8));
+        assert!(costs.drafts_on(1, f64::NAN, 4));
     }
 }

@@ -187,7 +187,7 @@ pub struct DecodeArgs {
     pub seed: Option<u64>,
     /// Tokens drafted per round, 1..=64, or `auto`: the cost model picks each round what maximises
     /// expected tokens per second from measured acceptance and timings (the model draft's length, 0
-    /// included, and how much of a lookup draft to keep, up to 16), starting from a calibration
+    /// included, a cap the draft ends sooner where its own confidence no longer pays, and how much of a lookup draft to keep, up to 16), starting from a calibration
     /// saved for these models on this machine (measured once, in about ten seconds), and decoding a
     /// round without a draft now and then (round 16, then every 64 rounds without one) to time the
     /// target's plain step as the machine runs now (the draft model reads the prompt only where it

@@ -1075,13 +1075,15 @@ mod tests {
         READ_PROBE_AFTER,
     };
 
-    /// A drafter with a draft model of hashed logits over 1,024 tokens.
+    /// A drafter with a draft model of hashed logits over 1,024 tokens, spread so wide that it is
+    /// sure of each token (so that its confidence drafts the cost model's length: these tests
+    /// are about readings).
     fn hashed_drafter() -> MultiDrafter<MockModel> {
         MultiDrafter::new(Some(ModelDrafter::new(MockModel::new(
             MockLogits::Hashed {
                 vocab: 1_024,
                 seed: 3,
-                scale: 2.0,
+                scale: 100_000.0,
             },
         ))))
     }

@@ -213,6 +213,8 @@ struct Line {
     plain: f64,
     spent: f64,
     by_len: Vec<u64>,
+    /// The cost model's predicted decoding speedup over the replayed one.
+    pred: Option<f64>,
 }
 
 fn ids(v: &serde_json::Value, map: &mut HashMap<u64, u32>) -> Vec<u32> {
@@ -417,10 +419,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 plain,
                 spent: m.decode_secs / step,
                 by_len: m.rounds_by_draft_len.clone(),
+                pred: m.predicted_speedup_with(Some(&r)),
             };
+            let pred = line.pred.map_or(f64::NAN, |p| p / line.decode);
             if verbose {
                 eprintln!(
-                    "{name:7} {:24} {:5.2}x decoding {:5.2}x e2e, mean len {:.2}, {} rounds by draft length {:?}, draft {:.1} steps, prompt read {:.1} steps",
+                    "{name:7} {:24} {:5.2}x decoding {:5.2}x e2e, mean len {:.2}, {} rounds by draft length {:?}, draft {:.1} steps, prompt read {:.1} steps, pred/meas {pred:.2}",
                     line.id, line.decode, line.e2e, line.mean_len, m.rounds, m.rounds_by_draft_len, m.draft_secs / step, (m.prefill_secs - m.first_token_secs) / step
                 );
             }
@@ -441,13 +445,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             while by_len.len() > 1 && by_len.last() == Some(&0) {
                 by_len.pop();
             }
+            let ratios: Vec<f64> = ls
+                .iter()
+                .filter_map(|l| l.pred.map(|p| p / l.decode))
+                .collect();
+            let within = ratios.iter().filter(|q| (*q - 1.0).abs() <= 0.1).count();
             println!(
-                "{name:7} {cat:10} {:3} prompts  {:5.3}x decoding (median; {:5.3}x in all)  {:5.3}x e2e  mean len {:.2}  rounds by draft length {by_len:?}",
+                "{name:7} {cat:10} {:3} prompts  {:5.3}x decoding (median; {:5.3}x in all)  {:5.3}x e2e  mean len {:.2}  pred/meas {:.2}, {within} within 10%  rounds by draft length {by_len:?}",
                 ls.len(),
                 median(ls.iter().map(|l| l.decode).collect()),
                 ls.iter().map(|l| l.plain).sum::<f64>() / ls.iter().map(|l| l.spent).sum::<f64>(),
                 median(ls.iter().map(|l| l.e2e).collect()),
                 ls.iter().map(|l| l.mean_len).sum::<f64>() / ls.len() as f64,
+                median(ratios.clone()),
             );
         }
     }

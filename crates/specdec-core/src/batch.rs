@@ -843,14 +843,14 @@ impl Sequence {
         let lookup = !draft.confidence.is_empty();
         let (extension, prefix, lag) = (draft.extension, draft.prefix, draft.lag);
         let non_finite = draft.non_finite;
-        // What the round was expected to yield, before its verdict: a draft whose last token ends
-        // the generation brings no bonus token after it.
         let ends = draft.ends_at(&self.config.stop_tokens);
-        let expected = if lookup {
-            expected_tokens_ending(draft.confidence.iter().map(|&a| f64::from(a)), ends)
-        } else {
-            expected_tokens_ending(self.controller.acceptance(drafted), ends)
-        };
+        let (expected, expected_by_position) = expected_yield(draft, &self.controller, ends);
+        let model_tokens = if lookup { prefix } else { drafted };
+        let confident = model_tokens > 0 && draft.top_probs.len() == model_tokens;
+        if confident {
+            self.controller
+                .observe_confidence(&draft.top_probs, accepted);
+        }
         let before = self.output.tokens.len();
         let stop = self.emit(&emitted, accepted, on_token);
         let round = Round {
@@ -862,6 +862,7 @@ impl Sequence {
             verified: m,
             lookup,
             expected,
+            expected_by_position,
             extension,
             prefix,
             lag,
@@ -1048,6 +1049,34 @@ fn check_proposal(p: &Proposal, k: usize, vocab: usize) -> Result<()> {
     Ok(())
 }
 
+/// What a round drafting `draft` is expected to yield before its verdict, in tokens (a draft whose
+/// last token ends the generation, `ends`, brings no bonus token after it): first with each model
+/// token at the draft model's confidence as `controller` calibrates it
+/// ([`Proposal::top_probs`], [`crate::ConfidenceCalibration`]), where the drafter gave one for
+/// every token it drafted alone (a whole model draft, or the prefix of one the lookup continued),
+/// and each lookup token at the lookup's estimate, the prediction the metrics report
+/// ([`Round::expected`]); then with every model token at the cost model's acceptance for its
+/// position, what its realised factors compare the round against ([`Round::expected_by_position`]).
+fn expected_yield(draft: &Proposal, controller: &Controller, ends: bool) -> (f64, f64) {
+    let drafted = draft.tokens.len();
+    let lookup = !draft.confidence.is_empty();
+    let by_position = if lookup {
+        expected_tokens_ending(draft.confidence.iter().map(|&a| f64::from(a)), ends)
+    } else {
+        expected_tokens_ending(controller.acceptance(drafted), ends)
+    };
+    let model_tokens = if lookup { draft.prefix } else { drafted };
+    if model_tokens == 0 || draft.top_probs.len() != model_tokens {
+        return (by_position, by_position);
+    }
+    let calibration = controller.calibration();
+    let acceptance = (0..drafted).map(|i| match draft.top_probs.get(i) {
+        Some(&p) => calibration.acceptance(p),
+        None => draft.confidence.get(i).map_or(0.0, |&a| f64::from(a)),
+    });
+    (expected_tokens_ending(acceptance, ends), by_position)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1062,5 +1091,53 @@ mod tests {
         let ids: Vec<TokenId> = lp.top.iter().map(|t| t.0).collect();
         assert_eq!(ids, [1, 2, 0]);
         assert!((lp.top[0].1 - (3.0f32.exp() / z).ln()).abs() < 1e-5);
+    }
+
+    #[test]
+    fn a_model_round_is_expected_to_yield_what_its_confidence_says() {
+        let policy = crate::DraftLenPolicy::auto(Some(crate::FixedCost {
+            c: 0.1,
+            draft_fixed: 0.0,
+            r: vec![1.0, 1.1, 1.2, 1.3, 1.4],
+            context: None,
+            step_secs: None,
+            acceptance: vec![0.8; 4],
+            draft_read: None,
+            draft_step_secs: None,
+        }));
+        let controller = policy.controller();
+        let draft = |tokens: u32| {
+            let mut p = Proposal::default();
+            for t in 0..tokens {
+                p.push(t, Probs::OneHot(t));
+            }
+            p
+        };
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-6;
+        // A model draft of two tokens at the cost model's 0.8 a position: 1 + 0.8 + 0.64.
+        let mut model = draft(2);
+        let (expected, by_position) = expected_yield(&model, &controller, false);
+        assert!(
+            close(expected, 2.44) && close(by_position, 2.44),
+            "{expected}"
+        );
+        // With the draft's confidence (0.9, then 0.5): 1 + 0.9 + 0.45; by position as before.
+        model.top_probs = vec![0.9, 0.5];
+        let (expected, by_position) = expected_yield(&model, &controller, false);
+        assert!(close(expected, 2.35), "{expected}");
+        assert!(close(by_position, 2.44), "{by_position}");
+        // Ending the generation: no bonus token after the last, 1 + 0.9.
+        assert!(close(expected_yield(&model, &controller, true).0, 1.9));
+        // A confidence for only some of its tokens is not used.
+        model.top_probs.pop();
+        assert!(close(expected_yield(&model, &controller, false).0, 2.44));
+        // A model prefix of one token (at 0.5) the lookup continued with a token estimated at 0.6.
+        let mut continued = draft(2);
+        continued.confidence = vec![0.8, 0.6];
+        continued.prefix = 1;
+        continued.top_probs = vec![0.5];
+        let (expected, by_position) = expected_yield(&continued, &controller, false);
+        assert!(close(expected, 1.0 + 0.5 + 0.3), "{expected}");
+        assert!(close(by_position, 1.0 + 0.8 + 0.48), "{by_position}");
     }
 }

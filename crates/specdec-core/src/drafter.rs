@@ -122,6 +122,7 @@ impl<M: Target> Draft for ModelDrafter<M> {
         for p in out.iter_mut() {
             p.tokens.clear();
             p.confidence.clear();
+            p.top_probs.clear();
             p.non_finite = false;
             self.spare.extend(p.probs.drain(..).filter_map(|q| match q {
                 Probs::Dense(v) => Some(v),
@@ -222,23 +223,29 @@ impl<M: Target> Draft for ModelDrafter<M> {
                 // biasing rejection sampling. The cost model's stop below comes after the draw and
                 // only decides whether later positions are drafted, from the tokens drawn so far
                 // (their q's largest probabilities), as any draft length may: it drops nothing.
+                let mut confidence = None;
                 if req.min_confidence > 0.0 || req.costs.is_some() {
-                    let confidence = match &q {
+                    let p = match &q {
                         Probs::OneHot(_) => top_prob(row, scratch),
                         Probs::Dense(v) => kernels::max(v),
                     };
-                    if confidence < req.min_confidence {
+                    if p < req.min_confidence {
                         active[b] = false;
                         if let Probs::Dense(v) = q {
                             spare.push(v);
                         }
                         continue;
                     }
-                    reach[b] *= f64::from(confidence);
+                    confidence = Some(p);
                 }
                 let pos = contexts[b].len();
                 let token = q.sample(req.rng.uniform(pos, Stream::Draft));
                 out[b].push(token, q);
+                if let (Some(p), Some(c)) = (confidence, req.costs) {
+                    // The calibrated chance that this position is accepted, given the ones before.
+                    reach[b] *= c.calibration.acceptance(p);
+                    out[b].top_probs.push(p);
+                }
                 contexts[b].push(token);
                 let drafted = out[b].tokens.len();
                 if drafted >= req.model_len()
@@ -583,18 +590,39 @@ mod tests {
         };
         let prompt: Vec<TokenId> = vec![1, 2, 3, 1];
         let sampling = SamplingParams::greedy();
-        let drafted = |script: Vec<Vec<f32>>, costs: Option<&RoundCosts>| {
+        let drafted_with = |script: Vec<Vec<f32>>, costs: Option<&RoundCosts>| {
             let mut d = ModelDrafter::new(MockModel::new(MockLogits::Scripted(script)));
             d.prefill(SeqId(0), &prompt).unwrap();
             let mut out = [Proposal::default()];
             let req = crate::mock::draft_request(SeqId(0), &prompt, &sampling, costs);
             d.propose(&[DraftRequest { max_len: 4, ..req }], &mut out)
                 .unwrap();
-            out[0].tokens.len()
+            let [p] = out;
+            (p.tokens.len(), p.top_probs)
         };
+        let drafted =
+            |script: Vec<Vec<f32>>, costs: Option<&RoundCosts>| drafted_with(script, costs).0;
         let unsure_third = vec![sure(0.95), sure(0.95), sure(0.4), sure(0.95)];
         // Reach 0.95, 0.90, then 0.36 after the unsure third token: drafted, and the draft ends.
         assert_eq!(drafted(unsure_third.clone(), Some(&costs)), 3);
+        // Each drafted token's confidence comes with the draft.
+        let (_, top) = drafted_with(unsure_third.clone(), Some(&costs));
+        assert_eq!(top.len(), 3);
+        for (got, want) in top.iter().zip([0.95, 0.95, 0.4]) {
+            assert!((got - want).abs() < 1e-4, "{top:?}");
+        }
+        assert!(drafted_with(unsure_third.clone(), None).1.is_empty());
+        // Where the target has rejected two in three tokens drafted at 0.95, the confidence
+        // calibrated from that is too low to draft a second token.
+        let mut calibration = crate::ConfidenceCalibration::default();
+        for i in 0..100 {
+            calibration.observe(&[0.95], usize::from(i % 3 == 0));
+        }
+        let burnt = RoundCosts {
+            calibration,
+            ..costs.clone()
+        };
+        assert_eq!(drafted(vec![sure(0.95); 4], Some(&burnt)), 1);
         // Confident throughout (reach 0.86 after three), the cost model's length.
         assert_eq!(drafted(vec![sure(0.95); 4], Some(&costs)), 4);
         // A slower round rate makes each token cheaper: the unsure draft goes on.

@@ -88,8 +88,8 @@ pub use ngram::{
 };
 pub use policy::{
     acceptance_by_position, best_batch_draft_cap, best_batch_trim, best_draft_len,
-    best_draft_len_with, isotonic_curve, ContextCost, Controller, DraftLenPolicy, FixedCost,
-    RoundCosts, PRIOR_ACCEPTANCE,
+    best_draft_len_with, isotonic_curve, ConfidenceCalibration, ContextCost, Controller,
+    DraftLenPolicy, FixedCost, RoundCosts, PRIOR_ACCEPTANCE,
 };
 pub use rng::{CounterRng, Stream};
 pub use sampling::{Probs, Sampler, SamplingParams};

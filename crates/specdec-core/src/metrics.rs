@@ -21,10 +21,16 @@ pub struct Round {
     pub verified: usize,
     /// Whether the draft came from lookup (a proposal with confidence estimates) rather than a model.
     pub lookup: bool,
-    /// Tokens the round was expected to emit, estimated before verification: from the lookup's
-    /// confidence estimates, or the controller's per-position acceptance for a model draft, with no
-    /// bonus token after a draft whose last token ends the generation; 0 when unknown.
+    /// Tokens the round was expected to emit, estimated before verification, with no bonus token
+    /// after a draft whose last token ends the generation (0 when unknown): a lookup token at the
+    /// lookup's estimate, a model token at the draft model's confidence as the cost model
+    /// calibrates it ([`crate::ConfidenceCalibration`]) where the drafter gave one, else at the
+    /// cost model's acceptance for its position. Sums to the predicted speedup's tokens.
     pub expected: f64,
+    /// [`Round::expected`] with every model token at the cost model's acceptance for its position
+    /// (the estimates that planned the round), which the cost model's realised factors compare
+    /// the round against.
+    pub expected_by_position: f64,
     /// Of the drafted tokens, how many a model drafted to extend a lookup draft (then `lookup` holds
     /// too); 0 otherwise.
     pub extension: usize,
@@ -395,6 +401,7 @@ mod tests {
             verified: drafted + 1,
             lookup: false,
             expected: 0.0,
+            expected_by_position: 0.0,
             extension: 0,
             prefix: 0,
             lag: 0,
@@ -549,6 +556,7 @@ mod tests {
             verified: 3,
             lookup: false,
             expected: 0.0,
+            expected_by_position: 0.0,
             extension: 0,
             prefix: 0,
             lag: 0,

@@ -225,6 +225,12 @@ pub struct Proposal {
     /// infinite): the round verifies what was drafted before, and [`crate::Metrics`] counts it
     /// ([`crate::Metrics::non_finite_rounds`]) so that a draft model that fails silently shows.
     pub non_finite: bool,
+    /// For the tokens a model drafted alone (a model draft, or the prefix of one the lookup
+    /// continued): per token, the largest probability of the distribution it was drawn from, the
+    /// draft model's confidence in its position, where the drafter computed it (under a cost
+    /// model); empty otherwise. The cost model calibrates it into each token's chance of being
+    /// accepted ([`crate::ConfidenceCalibration`]).
+    pub top_probs: Vec<f32>,
 }
 
 impl Proposal {
@@ -239,6 +245,7 @@ impl Proposal {
         self.tokens.clear();
         self.probs.clear();
         self.confidence.clear();
+        self.top_probs.clear();
         self.extension = 0;
         self.prefix = 0;
         self.lag = 0;
@@ -253,6 +260,7 @@ impl Proposal {
         self.tokens.truncate(len);
         self.probs.truncate(len);
         self.confidence.truncate(len);
+        self.top_probs.truncate(len);
     }
 
     /// Appends a drafted token.

@@ -50,7 +50,8 @@ pub struct ModelDrafter<M> {
 /// both), where the run of stop 67's first change (the acceptance prior, not this) read them and
 /// decoded qa at 1.08× and edits at 1.56×; that run in turn left three summaries unread, two of
 /// which the other had read (0.66× and 1.87×). At most one reading in five prompts is the price
-/// of measuring again. The server's drafter keeps the same count for its model-kind requests.
+/// of measuring again. A [`crate::HybridDrafter`] keeps the same count (since stop 69), and the
+/// server's drafter one for its model-kind requests and one for its hybrid-kind ones.
 pub const READ_PROBE_AFTER: usize = 4;
 
 impl<M: Target> ModelDrafter<M> {

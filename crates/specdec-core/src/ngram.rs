@@ -103,6 +103,8 @@ pub struct HybridDrafter<D> {
     reads: DeferredReads,
     /// What the model's rounds saved in the sequences whose prompt it read.
     savings: LookupSavings,
+    /// Prompts left unread at prefill in a row since the last one read there.
+    unread_in_a_row: usize,
 }
 
 /// What a hybrid's model rounds saved, in target steps, in the sequences whose prompt the model
@@ -282,6 +284,7 @@ impl<D> HybridDrafter<D> {
             lag: ModelLag::default(),
             reads: DeferredReads::default(),
             savings: LookupSavings::default(),
+            unread_in_a_row: 0,
         }
     }
 
@@ -820,21 +823,31 @@ impl<D: Draft> Draft for HybridDrafter<D> {
     /// [`Draft::prefill`], except that the model leaves a prompt unread where the cost model says
     /// reading it cannot pay ([`crate::RoundCosts::prompt_read_pays`], for the tokens the model
     /// does not hold already, over the tokens of an answer the lookup is not expected to draft,
-    /// [`LookupDrafter::recent_answers`]): the lookup then drafts the sequence alone.
+    /// [`LookupDrafter::recent_answers`]): the lookup then drafts the sequence alone. After
+    /// [`crate::READ_PROBE_AFTER`] prompts left unread in a row it reads the next whatever its
+    /// price, as a [`crate::ModelDrafter`] does (since stop 69): what its model rounds save is
+    /// measured only on prompts read. (Replayed on stop 68's benchmark, the hybrid had left all
+    /// 15 QA, summary and translation prompts unread, the translations decoding at 1.00×; with
+    /// the probe it read one of each kind, the fifth, and the translations decoded at 1.14×.)
     fn prefill_priced(&mut self, req: &PrefillRequest<'_>) -> Result<(), Self::Error> {
         // The lookup first, which records the answer the sequence held before (a reused id).
         let Ok(()) = self.lookup.prefill(req.seq, req.prompt);
         self.savings.finish(req.seq);
-        if req.read_pays(
-            self.model.cached(req.seq, req.prompt),
-            self.lookup.recent_answers(),
-            self.savings.savings(),
-        ) {
+        let probe = self.unread_in_a_row >= crate::READ_PROBE_AFTER;
+        if probe
+            || req.read_pays(
+                self.model.cached(req.seq, req.prompt),
+                self.lookup.recent_answers(),
+                self.savings.savings(),
+            )
+        {
+            self.unread_in_a_row = 0;
             self.reads.release(req.seq);
             self.savings.read(req.seq, req.prompt.len());
             self.lag.prefill(req.seq, req.prompt.len());
             return self.model.prefill(req.seq, req.prompt);
         }
+        self.unread_in_a_row += 1;
         self.reads.leave_unread(req);
         self.lag.prefill(req.seq, 0);
         Ok(())
@@ -1548,6 +1561,21 @@ mod tests {
         assert!(costs.prompt_read_pays(100, recent.model_tokens(1_000)));
         let Ok(()) = hybrid.prefill_priced(&read(SeqId(2)));
         assert!(hybrid.left_unread(SeqId(2)));
+        hybrid.release(SeqId(2));
+        // After `READ_PROBE_AFTER` prompts left unread in a row, the next is read to measure
+        // again, and the count starts over.
+        let mut seq = 2;
+        for _ in 1..crate::READ_PROBE_AFTER {
+            seq += 1;
+            let Ok(()) = hybrid.prefill_priced(&read(SeqId(seq)));
+            assert!(hybrid.left_unread(SeqId(seq)));
+            hybrid.release(SeqId(seq));
+        }
+        let Ok(()) = hybrid.prefill_priced(&read(SeqId(seq + 1)));
+        assert!(!hybrid.left_unread(SeqId(seq + 1)));
+        hybrid.release(SeqId(seq + 1));
+        let Ok(()) = hybrid.prefill_priced(&read(SeqId(seq + 2)));
+        assert!(hybrid.left_unread(SeqId(seq + 2)));
     }
 
     #[test]

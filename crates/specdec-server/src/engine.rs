@@ -141,6 +141,9 @@ pub struct MultiDrafter<M: Target> {
     /// [`specdec_core::READ_PROBE_AFTER`] the next one is read whatever its price, as a
     /// [`ModelDrafter`] alone does, since `model_savings` is measured only on prompts read.
     model_unread_in_a_row: usize,
+    /// The same count for hybrid-kind prompts, as a [`specdec_core::HybridDrafter`] keeps it
+    /// (since stop 69): `hybrid_savings` too is measured only on prompts read.
+    hybrid_unread_in_a_row: usize,
 }
 
 impl<M: Target> MultiDrafter<M> {
@@ -156,6 +159,7 @@ impl<M: Target> MultiDrafter<M> {
             model_savings: ReadSavings::default(),
             model_answers: AnswerLengths::default(),
             model_unread_in_a_row: 0,
+            hybrid_unread_in_a_row: 0,
         }
     }
 
@@ -321,17 +325,23 @@ impl<M: Target> Draft for MultiDrafter<M> {
             DrafterKind::None => (&none.0, &none.1),
         };
         let kind = self.kind(req.seq);
-        let probe = kind == DrafterKind::Model && self.model_unread_in_a_row >= READ_PROBE_AFTER;
-        if kind.needs_model()
-            && !probe
-            && !req.read_pays(self.cached(req.seq, req.prompt), recent, saved)
-        {
-            self.reads.leave_unread(req);
-            if kind == DrafterKind::Model {
-                self.model_unread_in_a_row += 1;
+        let in_a_row = match kind {
+            DrafterKind::Model => Some(&mut self.model_unread_in_a_row),
+            DrafterKind::Hybrid => Some(&mut self.hybrid_unread_in_a_row),
+            DrafterKind::Ngram | DrafterKind::None => None,
+        };
+        let probe = in_a_row.as_ref().is_some_and(|n| **n >= READ_PROBE_AFTER);
+        let cached = self
+            .model
+            .as_ref()
+            .map_or(0, |m| m.cached(req.seq, req.prompt));
+        if kind.needs_model() && !probe && !req.read_pays(cached, recent, saved) {
+            if let Some(n) = in_a_row {
+                *n += 1;
             }
-        } else if kind == DrafterKind::Model {
-            self.model_unread_in_a_row = 0;
+            self.reads.leave_unread(req);
+        } else if let Some(n) = in_a_row {
+            *n = 0;
         }
         Ok(())
     }
@@ -1145,9 +1155,9 @@ mod tests {
 
     /// After [`READ_PROBE_AFTER`] model-kind prompts left unread in a row, the next is read
     /// whatever its price (its model drafts, reading it as their catch-up), and the count starts
-    /// over; hybrid requests, whose lookup drafts for an unread prompt, do not count.
+    /// over; hybrid-kind prompts keep a count of their own (since stop 69, as a `HybridDrafter`).
     #[test]
-    fn after_model_kind_prompts_left_unread_in_a_row_the_next_one_is_read() {
+    fn after_prompts_of_a_kind_left_unread_in_a_row_the_next_one_is_read() {
         let costs = reading_costs();
         let prompt: Vec<TokenId> = (0..1_000).collect();
         let mut d = hashed_drafter();
@@ -1161,9 +1171,14 @@ mod tests {
         assert!(!read(&mut d, DrafterKind::Hybrid));
         for i in 0..READ_PROBE_AFTER {
             assert!(!read(&mut d, DrafterKind::Model), "prompt {i}");
-            assert!(!read(&mut d, DrafterKind::Hybrid), "prompt {i}");
+            if i + 1 < READ_PROBE_AFTER {
+                assert!(!read(&mut d, DrafterKind::Hybrid), "prompt {i}");
+            }
         }
         assert!(read(&mut d, DrafterKind::Model));
+        assert!(!read(&mut d, DrafterKind::Model));
+        assert!(read(&mut d, DrafterKind::Hybrid));
+        assert!(!read(&mut d, DrafterKind::Hybrid));
         assert!(!read(&mut d, DrafterKind::Model));
     }
 

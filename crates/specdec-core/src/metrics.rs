@@ -23,9 +23,10 @@ pub struct Round {
     pub lookup: bool,
     /// Tokens the round was expected to emit, estimated before verification, with no bonus token
     /// after a draft whose last token ends the generation (0 when unknown): a lookup token at the
-    /// lookup's estimate, a model token at the draft model's confidence as the cost model
-    /// calibrates it ([`crate::ConfidenceCalibration`]) where the drafter gave one, else at the
-    /// cost model's acceptance for its position. Sums to the predicted speedup's tokens.
+    /// lookup's estimate as the cost model calibrates it in this sequence, a model token at the
+    /// draft model's confidence as the cost model calibrates it where the drafter gave one
+    /// ([`crate::ConfidenceCalibration`]), else at the cost model's acceptance for its position.
+    /// Sums to the predicted speedup's tokens.
     pub expected: f64,
     /// [`Round::expected`] with every model token at the cost model's acceptance for its position
     /// (the estimates that planned the round), which the cost model's realised factors compare

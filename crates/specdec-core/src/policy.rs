@@ -389,6 +389,7 @@ impl DraftLenPolicy {
             rounds_without_model: 0,
             context: 0,
             calibration: ConfidenceCalibration::default(),
+            lookup_calibration: ConfidenceCalibration::default(),
         }
     }
 }
@@ -434,6 +435,9 @@ pub struct Controller {
     context: usize,
     /// The draft model's confidence calibrated into acceptance ([`Controller::observe_confidence`]).
     calibration: ConfidenceCalibration,
+    /// The lookup's estimates calibrated into acceptance in this sequence
+    /// ([`Controller::observe_lookup_confidence`]).
+    lookup_calibration: ConfidenceCalibration,
 }
 
 /// How one kind of draft (model, lookup, or extended lookup) has done against the cost model's
@@ -526,7 +530,8 @@ const CONFIDENCE_PRIOR: f64 = 4.0;
 /// and the model drafter ends its draft by it ([`RoundCosts::drafts_on`]); the per-position
 /// averages ([`RoundCosts::model_acceptance`]), which plan a round before any token is drafted,
 /// rate the confident and the unsure rounds alike (stop 68's HumanEval run predicted the model
-/// drafter's speedup at a median 0.87 of the measured one).
+/// drafter's speedup at a median 0.87 of the measured one). A second one calibrates the lookup's
+/// estimates ([`Controller::lookup_calibration`]), for the prediction only.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct ConfidenceCalibration {
     /// Per bin: decayed count of observed tokens the target accepted.
@@ -969,6 +974,22 @@ impl Controller {
     /// whose first `accepted` drafted tokens were accepted ([`ConfidenceCalibration::observe`]).
     pub fn observe_confidence(&mut self, top_probs: &[f32], accepted: usize) {
         self.calibration.observe(top_probs, accepted);
+    }
+
+    /// The lookup's estimates as calibrated by what the target accepted in this sequence
+    /// ([`Controller::observe_lookup_confidence`]), which the predicted speedup prices lookup
+    /// tokens by ([`crate::Round::expected`]). Only the prediction: the lookup drafts by its own
+    /// estimates, which it never raises for a sequence (see its calibration).
+    pub fn lookup_calibration(&self) -> &ConfidenceCalibration {
+        &self.lookup_calibration
+    }
+
+    /// Learns how the lookup's estimates ([`crate::Proposal::confidence`]) translate into
+    /// acceptance in this sequence, from a verified round whose lookup tokens had estimates
+    /// `confidence` and whose first `accepted` of them were accepted (all the tokens drafted
+    /// before them having been).
+    pub fn observe_lookup_confidence(&mut self, confidence: &[f32], accepted: usize) {
+        self.lookup_calibration.observe(confidence, accepted);
     }
 
     /// Learns from a finished round.

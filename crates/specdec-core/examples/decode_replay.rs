@@ -22,8 +22,9 @@
 //! file's order, and starts each prompt from the acceptance its earlier prompts saw, as `bench`
 //! does; the calibration stays fixed. Prints per category the median decoding and end-to-end
 //! speedups against plain decoding (one target step per token; also all the prompts' time
-//! together), the mean accepted length and the rounds by draft length; `REPLAY_VERBOSE=1` adds a
-//! line per prompt, `REPLAY_FIXED=k` drafts `k` tokens a round instead of the cost model's choice,
+//! together), the mean accepted length, the median over prompts of the cost model's predicted
+//! speedup over the replayed one and how many prompts it predicted within 10% (from stop 69), and
+//! the rounds by draft length; `REPLAY_VERBOSE=1` adds a line per prompt, `REPLAY_FIXED=k` drafts `k` tokens a round instead of the cost model's choice,
 //! `REPLAY_MIN_CONFIDENCE=p` sets `--min-confidence`.
 //! Stop 66 found with it that fixed draft lengths beat `auto` by about 10% in some categories,
 //! that a burst of rejections stopped drafting for most of an answer, and that the hybrid's
@@ -457,7 +458,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 ls.iter().map(|l| l.plain).sum::<f64>() / ls.iter().map(|l| l.spent).sum::<f64>(),
                 median(ls.iter().map(|l| l.e2e).collect()),
                 ls.iter().map(|l| l.mean_len).sum::<f64>() / ls.len() as f64,
-                median(ratios.clone()),
+                median(ratios),
             );
         }
     }

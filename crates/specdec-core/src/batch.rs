@@ -845,15 +845,14 @@ impl Sequence {
         let non_finite = draft.non_finite;
         let ends = draft.ends_at(&self.config.stop_tokens);
         let (expected, expected_by_position) = expected_yield(draft, &self.controller, ends);
-        let model_tokens = if lookup { prefix } else { drafted };
-        let confident = model_tokens > 0 && draft.top_probs.len() == model_tokens;
-        if confident {
-            self.controller
-                .observe_confidence(&draft.top_probs, accepted);
+        // The calibrations learn from the verdict, after the round's prediction was made.
+        if let Some(top_probs) = draft.model_top_probs() {
+            self.controller.observe_confidence(top_probs, accepted);
         }
         // The lookup's tokens: after a model prefix, before a model extension.
         if lookup && accepted >= prefix {
-            if let Some(estimates) = draft.confidence.get(prefix..drafted - extension) {
+            let lookup_end = drafted.saturating_sub(extension);
+            if let Some(estimates) = draft.confidence.get(prefix..lookup_end) {
                 self.controller
                     .observe_lookup_confidence(estimates, accepted - prefix);
             }
@@ -1018,6 +1017,22 @@ fn check_proposal(p: &Proposal, k: usize, vocab: usize) -> Result<()> {
     {
         return Err(Error::BadConfidence { index, value });
     }
+    if p.top_probs.len() > p.tokens.len() {
+        return Err(Error::ShapeMismatch {
+            side: Side::Draft,
+            what: "draft model confidences (at most one per drafted token)",
+            expected: p.tokens.len(),
+            got: p.top_probs.len(),
+        });
+    }
+    if let Some((index, &value)) = p
+        .top_probs
+        .iter()
+        .enumerate()
+        .find(|(_, c)| !(0.0..=1.0).contains(*c))
+    {
+        return Err(Error::BadConfidence { index, value });
+    }
     if p.extension > p.tokens.len() || (p.extension > 0 && p.confidence.is_empty()) {
         return Err(Error::ShapeMismatch {
             side: Side::Draft,
@@ -1076,8 +1091,7 @@ fn expected_yield(draft: &Proposal, controller: &Controller, ends: bool) -> (f64
     } else {
         expected_tokens_ending(controller.acceptance(drafted), ends)
     };
-    let model_tokens = if lookup { draft.prefix } else { drafted };
-    let confident = model_tokens > 0 && draft.top_probs.len() == model_tokens;
+    let confident = draft.model_top_probs().is_some();
     if !lookup && !confident {
         return (by_position, by_position);
     }

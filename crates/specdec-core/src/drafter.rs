@@ -165,7 +165,8 @@ impl<M: Target> Draft for ModelDrafter<M> {
         logits.resize_with(batch.len(), || Logits::new(vocab));
         let mut active = Vec::with_capacity(batch.len());
         // Each request's estimated probability that its tokens drafted so far are all accepted: the
-        // product of the draft's largest probabilities at their positions.
+        // product of the draft's largest probabilities at their positions, as the cost model
+        // calibrates them (`RoundCosts::calibration`).
         let mut reach = vec![1.0f64; batch.len()];
         for (req, out) in batch.iter().zip(out.iter_mut()) {
             out.lag = 0;
@@ -613,11 +614,11 @@ mod tests {
             assert!((got - want).abs() < 1e-4, "{top:?}");
         }
         assert!(drafted_with(unsure_third.clone(), None).1.is_empty());
-        // Where the target has rejected two in three tokens drafted at 0.95, the confidence
-        // calibrated from that is too low to draft a second token.
+        // Where the target has rejected two in three tokens drafted at this confidence, the
+        // confidence calibrated from that is too low to draft a second token.
         let mut calibration = crate::ConfidenceCalibration::default();
         for i in 0..100 {
-            calibration.observe(&[0.95], usize::from(i % 3 == 0));
+            calibration.observe(&top[..1], usize::from(i % 3 == 0));
         }
         let burnt = RoundCosts {
             calibration,

@@ -75,7 +75,8 @@ pub enum Error {
         /// Tokens available.
         capacity: usize,
     },
-    /// A drafter's confidence estimate is not a probability.
+    /// A drafter's confidence estimate ([`crate::Proposal::confidence`]) or a draft model's
+    /// confidence ([`crate::Proposal::top_probs`]) is not a probability.
     #[error("confidence {value} for drafted token {index} is not a probability in [0, 1]")]
     BadConfidence {
         /// The drafted token's index in its draft.

@@ -240,6 +240,18 @@ impl Proposal {
         self.tokens.last().is_some_and(|t| stop_tokens.contains(t))
     }
 
+    /// The draft model's confidences in the tokens it drafted alone ([`Proposal::top_probs`]): all
+    /// of a model draft's, or the prefix's of one the lookup continued; `None` where it did not give
+    /// one for each of them (a lookup draft, an extended one, no cost model).
+    pub fn model_top_probs(&self) -> Option<&[f32]> {
+        let model_tokens = if self.confidence.is_empty() {
+            self.tokens.len()
+        } else {
+            self.prefix
+        };
+        (model_tokens > 0 && self.top_probs.len() == model_tokens).then_some(&self.top_probs[..])
+    }
+
     /// Empties the proposal.
     pub fn clear(&mut self) {
         self.tokens.clear();

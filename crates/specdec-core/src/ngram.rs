@@ -84,7 +84,8 @@ impl Draft for NGramDrafter {
 /// The model reads the prompt at prefill, unless the cost model says that reading it cannot pay
 /// for itself within the tokens the sequence is expected to emit that the lookup is not expected
 /// to draft ([`RoundCosts::prompt_read_pays`], [`LookupDrafter::recent_answers`], through
-/// [`Draft::prefill_priced`]): the sequence is then drafted by the lookup alone until the savings
+/// [`Draft::prefill_priced`]; after [`crate::READ_PROBE_AFTER`] prompts left unread in a row it
+/// reads the next whatever its price): the sequence is then drafted by the lookup alone until the savings
 /// the model's drafts were expected to bring in its rounds since reach the price of reading what
 /// it has not read ([`forgone`]), if the tokens left can still repay it ([`DeferredReads`]), and
 /// the model then reads it, as a catch-up, in the next round without a lookup draft. Once it has

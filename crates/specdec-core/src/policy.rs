@@ -522,8 +522,9 @@ const CONFIDENCE_PRIOR: f64 = 4.0;
 /// How a draft model's confidence in a token (the largest probability of the distribution it was
 /// drawn from, [`crate::Proposal::top_probs`]) translates into the chance that the target accepts
 /// it, given that the tokens before it were: per confidence bin, the tokens accepted over the sum
-/// of their confidences, behind four pseudo-tokens at 1, learned from the model's
-/// rounds and decayed with the cost model's other counts. Greedy, the confidence alone is close:
+/// of their confidences, behind four pseudo-tokens at 1, learned from the model's rounds of one
+/// sequence (each generation's cost model starts from the prior) and decayed by the cost model's
+/// per-round factor at each round that brings confidences. Greedy, the confidence alone is close:
 /// stop 68 found the 0.5B draft's greedy token to be the 1.5B target's in 22% of the positions
 /// where its probability was below 0.3, 60% at 0.5–0.7, 86% at 0.8–0.9 and 99.7% above 0.99. The
 /// cost model prices a model round from it ([`crate::Round::expected`], the predicted speedup)
@@ -548,14 +549,15 @@ impl ConfidenceCalibration {
             .unwrap_or(CONFIDENCE_BINS.len() - 1)
     }
 
-    /// The estimated chance that a token drafted at confidence `p` is accepted, given that the
-    /// tokens before it were: `p` times its bin's factor, at most 1. A `p` that is not a number
-    /// stays one.
+    /// The estimated chance that a token drafted at confidence `p` (taken within `[0, 1]`) is
+    /// accepted, given that the tokens before it were: `p` times its bin's factor, at most 1. A
+    /// `p` that is not a number stays one.
     pub fn acceptance(&self, p: f32) -> f64 {
-        let p64 = f64::from(p);
-        if !p.is_finite() {
-            return p64;
+        if p.is_nan() {
+            return f64::NAN;
         }
+        let p = p.clamp(0.0, 1.0);
+        let p64 = f64::from(p);
         let i = Self::bin(p);
         let factor =
             (self.accepted[i] + CONFIDENCE_PRIOR) / (self.confidence[i] + CONFIDENCE_PRIOR);
@@ -564,7 +566,7 @@ impl ConfidenceCalibration {
 
     /// Learns from a round whose model-drafted tokens had confidences `top_probs` and whose first
     /// `accepted` drafted tokens were accepted: each token up to the first rejected one counts.
-    /// Counts decay first, as the cost model's acceptance counts do each round.
+    /// Counts decay first, by the cost model's per-round factor.
     pub fn observe(&mut self, top_probs: &[f32], accepted: usize) {
         if top_probs.is_empty() {
             return;
@@ -573,9 +575,10 @@ impl ConfidenceCalibration {
             *v *= DECAY;
         }
         for (i, &p) in top_probs.iter().enumerate().take(accepted + 1) {
-            if !p.is_finite() {
+            if p.is_nan() {
                 continue;
             }
+            let p = p.clamp(0.0, 1.0);
             let b = Self::bin(p);
             self.confidence[b] += f64::from(p);
             self.accepted[b] += f64::from(u8::from(i < accepted));
@@ -1012,8 +1015,9 @@ impl Controller {
         };
         self.observe_realised(round, timed);
         // Per-position acceptance of model drafts, whatever the policy (it also gives each round's
-        // expected tokens for the predicted speedup); a lookup draft's acceptance is its own, also
-        // where it continues a model draft.
+        // expected tokens by position, and for the predicted speedup where the draft model gave no
+        // confidences); a lookup draft's acceptance is its own, also where it continues a model
+        // draft.
         let model_drafted = if round.lookup {
             round.prefix
         } else {
@@ -1338,7 +1342,7 @@ pub struct RoundCosts {
     /// 27's benchmark found the hybrid on translation decoding plainly for 100 of 107 rounds after
     /// two model rounds had put the factor at 0.8, where the model drafter alone gained 1.14×.
     pub probe_model: bool,
-    /// The draft model's confidence calibrated into acceptance, as learned so far
+    /// The draft model's confidence calibrated into acceptance, as learned so far in this sequence
     /// ([`Controller::observe_confidence`]).
     pub calibration: ConfidenceCalibration,
 }
@@ -2709,6 +2713,28 @@ mod tests {
         // The other bins keep their own counts, decayed round by round.
         assert!(c.acceptance(0.92) < 0.3, "{}", c.acceptance(0.92));
         assert_eq!(c.acceptance(0.3), f64::from(0.3f32));
+    }
+
+    #[test]
+    fn the_round_costs_carry_the_confidence_calibration_learned_so_far() {
+        let mut c = DraftLenPolicy::auto(Some(FixedCost {
+            c: 0.1,
+            draft_fixed: 0.0,
+            r: vec![1.0, 1.1, 1.2, 1.3, 1.4],
+            context: None,
+            step_secs: None,
+            acceptance: vec![0.8; 4],
+            draft_read: None,
+            draft_step_secs: None,
+        }))
+        .controller();
+        for _ in 0..50 {
+            c.observe_confidence(&[0.97], 0);
+        }
+        c.next_draft_len();
+        let costs = c.costs().expect("a prior prices the first round");
+        assert_eq!(costs.calibration, *c.calibration());
+        assert!(costs.calibration.acceptance(0.97) < 0.2);
     }
 
     #[test]

@@ -832,6 +832,10 @@ impl Draft for CountsReads {
         Ok(())
     }
 
+    fn truncated(&mut self, seq: specdec_core::SeqId, len: usize) {
+        self.inner.truncated(seq, len);
+    }
+
     fn cached(&self, seq: specdec_core::SeqId, context: &[TokenId]) -> usize {
         self.inner.cached(seq, context)
     }

@@ -305,6 +305,59 @@ fn a_confidence_that_is_not_a_probability_is_an_error() {
     assert!(go(0.5).is_ok());
 }
 
+/// A drafter that proposes token 1 as a model draft with draft-model confidences of its choosing.
+struct TopProbs(Vec<f32>);
+
+impl specdec_core::Draft for TopProbs {
+    type Error = std::convert::Infallible;
+
+    fn vocab_size(&self) -> Option<usize> {
+        None
+    }
+
+    fn propose(
+        &mut self,
+        batch: &[specdec_core::DraftRequest<'_>],
+        out: &mut [specdec_core::Proposal],
+    ) -> Result<(), Self::Error> {
+        for p in out.iter_mut().take(batch.len()) {
+            p.clear();
+            p.push(1, specdec_core::Probs::OneHot(1));
+            p.top_probs.clone_from(&self.0);
+        }
+        Ok(())
+    }
+
+    fn commit(&mut self, _: specdec_core::SeqId, _: &[u32]) -> Result<(), Self::Error> {
+        Ok(())
+    }
+}
+
+/// A draft model's confidence that is not a probability, or more confidences than drafted tokens,
+/// is a typed error (they would stay in the cost model's calibration); a probability is fine.
+#[test]
+fn a_draft_models_confidence_that_is_not_a_probability_is_an_error() {
+    let go = |top: Vec<f32>| {
+        generate(
+            &mut MockModel::new(logits(16)),
+            &mut TopProbs(top),
+            &[1, 2],
+            &greedy(8),
+            &mut |_| ControlFlow::Continue(()),
+        )
+    };
+    for bad in [f32::NAN, -0.5, 1.5, f32::INFINITY] {
+        let e = go(vec![bad]).unwrap_err();
+        assert!(
+            matches!(e.error, Error::BadConfidence { index: 0, .. }),
+            "{bad}: {e}"
+        );
+    }
+    let e = go(vec![0.5, 0.5]).unwrap_err();
+    assert!(matches!(e.error, Error::ShapeMismatch { .. }), "{e}");
+    assert!(go(vec![0.5]).is_ok());
+}
+
 #[test]
 fn generation_stops_at_the_context_capacity_without_overflowing() {
     for k in 1..=8 {

@@ -768,11 +768,13 @@ fn spread(
 }
 
 impl Sequence {
-    /// Stamps the decode time when the sequence leaves.
+    /// Stamps the decode time, and the draft cost its cost model measured, when the sequence
+    /// leaves.
     fn close(&mut self) {
         if let Some(t) = self.decode_start.take() {
             self.output.metrics.decode_secs = t.elapsed().as_secs_f64();
         }
+        self.output.metrics.draft_cost = self.controller.draft_cost();
     }
 
     fn finish_prefill(

@@ -65,6 +65,19 @@ pub struct VerifyTiming {
     pub secs: f64,
 }
 
+/// The draft model's cost as a cost model measured it in a generation's drafting rounds: a round
+/// drafting `k` tokens took `fixed_secs + per_token_secs · k` seconds (a least-squares line through
+/// the median time at each length; [`crate::Controller::draft_cost`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct DraftCost {
+    /// Seconds a round costs whatever its length (reading the tokens the last verification added).
+    pub fixed_secs: f64,
+    /// Seconds per drafted token.
+    pub per_token_secs: f64,
+    /// The drafting rounds behind the line.
+    pub rounds: u64,
+}
+
 /// Counters and timings of one generation (or the sum of several).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Metrics {
@@ -116,6 +129,11 @@ pub struct Metrics {
     /// does so in every round drafts nothing, and this says why.
     #[serde(default)]
     pub non_finite_rounds: u64,
+    /// The draft model's cost as the generation's cost model last measured it, where it timed
+    /// drafting rounds of its own (`--draft-len auto`): what a later generation of the same
+    /// process may start from instead of a calibration timed minutes before.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub draft_cost: Option<DraftCost>,
 }
 
 impl Metrics {

@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::metrics::{CostProfile, Round, VerifyTiming};
+use crate::metrics::{CostProfile, DraftCost, Round, VerifyTiming};
 use crate::verify::expected_tokens;
 
 /// The longest draft any policy may ask for.
@@ -104,7 +104,8 @@ pub struct FixedCost {
     /// [`RoundCosts::prompt_read`] prices a prompt's reading with. Without it, `r(16) / 16`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub draft_read: Option<f64>,
-    /// Seconds of one draft step, as calibrated, where measured. The draft's step does not follow
+    /// Seconds of one draft step, as calibrated, where measured (or, from stop 70, the cost per
+    /// drafted token a generation of the same process measured lately). The draft's step does not follow
     /// the target's through the machine's stretches (stop 56's six calibrations, minutes apart:
     /// target steps of 22.2–32.4 ms, draft steps of 6.9–8.9 ms and no faster with the target), so
     /// where the target's step is known now (timed lately, [`FixedCost::step_secs`], or by the
@@ -201,6 +202,17 @@ impl FixedCost {
         match (self.draft_step_secs, step) {
             (Some(d), Some(s)) if d.is_finite() && d > 0.0 && s.is_finite() && s > 0.0 => d / s,
             _ => self.c,
+        }
+    }
+
+    /// The draft's fixed cost per round in target steps of `step` seconds: `draft_fixed` moved
+    /// from the unit of `c` to that step as [`FixedCost::c_at`] moves `c` (both came from seconds
+    /// over the same unit), else as it is.
+    pub fn draft_fixed_at(&self, step: Option<f64>) -> f64 {
+        if self.c > 0.0 && self.c.is_finite() {
+            self.draft_fixed * self.c_at(step) / self.c
+        } else {
+            self.draft_fixed
         }
     }
 
@@ -888,7 +900,9 @@ impl Controller {
         let (fixed, c) = match fit_draft_cost(&self.draft_costs) {
             Some((a, b)) => (a / t1, b / t1),
             // The draft not timed yet: its calibrated step over the target's step now.
-            None => prior.map_or((0.0, 0.0), |p| (p.draft_fixed, p.c_at(Some(t1)))),
+            None => prior.map_or((0.0, 0.0), |p| {
+                (p.draft_fixed_at(Some(t1)), p.c_at(Some(t1)))
+            }),
         };
         let samples = |m: usize| {
             if m == 1 && seeded {
@@ -929,6 +943,19 @@ impl Controller {
             .unzip();
         let r = isotonic_curve(&r, &weights);
         Some(Profile { fixed, c, r })
+    }
+
+    /// The draft model's cost as measured in this sequence's last 32 drafting rounds
+    /// timed as its own (a round of a batch that scored one sequence), each right after a round
+    /// that drafted too (none paid for catching up on rounds without the model), in seconds;
+    /// `None` before any was timed, or under another policy.
+    pub fn draft_cost(&self) -> Option<DraftCost> {
+        let (fixed_secs, per_token_secs) = fit_draft_cost(&self.draft_costs)?;
+        Some(DraftCost {
+            fixed_secs,
+            per_token_secs,
+            rounds: self.draft_costs.len() as u64,
+        })
     }
 
     /// The cost model's last decision, if it made one.
@@ -1205,7 +1232,7 @@ struct Profile {
 impl Profile {
     fn fixed(f: &FixedCost) -> Self {
         Self {
-            fixed: f.draft_fixed,
+            fixed: f.draft_fixed_at(f.step_secs),
             c: f.c_at(f.step_secs),
             r: (1..=MAX_DRAFT_LEN + 1).map(|m| f.r(m)).collect(),
         }

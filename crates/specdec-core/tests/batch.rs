@@ -4,9 +4,12 @@
 
 #![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
 
+mod common;
+
 use std::collections::HashMap;
 use std::ops::ControlFlow;
 
+use common::{Hooks, Watched};
 use specdec_core::mock::{MockLogits, MockModel};
 use specdec_core::{
     generate, Batch, Draft, DraftLenPolicy, Emitted, GenerateConfig, HybridDrafter, LookupConfig,
@@ -343,36 +346,21 @@ fn a_long_prompt_is_prefilled_in_chunks_while_others_keep_decoding() {
     assert_eq!(outs[&SeqId(1)].tokens, alone.tokens);
 }
 
-/// Records, for every `propose` call, each request's sequence and model draft length, and the
-/// number its generator gives each position it may draft.
-struct Recording<D> {
-    inner: D,
+/// Hooks that record, for every `propose` call, each request's sequence and model draft length,
+/// and the number its generator gives each position it may draft.
+#[derive(Default)]
+struct Recording {
     calls: Vec<Vec<(u64, usize)>>,
     numbers: Vec<(usize, f64)>,
 }
 
-impl<D> Recording<D> {
-    fn new(inner: D) -> Self {
-        Self {
-            inner,
-            calls: Vec::new(),
-            numbers: Vec::new(),
-        }
-    }
-}
-
-impl<D: Draft> Draft for Recording<D> {
-    type Error = D::Error;
-
-    fn vocab_size(&self) -> Option<usize> {
-        self.inner.vocab_size()
-    }
-
+impl<D: Draft> Hooks<D> for Recording {
     fn propose(
         &mut self,
+        inner: &mut D,
         batch: &[specdec_core::DraftRequest<'_>],
         out: &mut [specdec_core::Proposal],
-    ) -> Result<(), Self::Error> {
+    ) -> Result<(), D::Error> {
         self.calls
             .push(batch.iter().map(|r| (r.seq.0, r.model_len())).collect());
         for r in batch {
@@ -381,31 +369,13 @@ impl<D: Draft> Draft for Recording<D> {
                 (first..first + r.model_len()).map(|pos| (pos, r.rng.uniform(pos, Stream::Draft))),
             );
         }
-        self.inner.propose(batch, out)
+        inner.propose(batch, out)
     }
+}
 
-    fn commit(&mut self, seq: SeqId, committed: &[TokenId]) -> Result<(), Self::Error> {
-        self.inner.commit(seq, committed)
-    }
-
-    fn prefill(&mut self, seq: SeqId, context: &[TokenId]) -> Result<(), Self::Error> {
-        self.inner.prefill(seq, context)
-    }
-
-    fn prefill_priced(
-        &mut self,
-        req: &specdec_core::PrefillRequest<'_>,
-    ) -> Result<(), Self::Error> {
-        self.inner.prefill_priced(req)
-    }
-
-    fn model_drafts(&self, seq: SeqId) -> bool {
-        self.inner.model_drafts(seq)
-    }
-
-    fn release(&mut self, seq: SeqId) {
-        self.inner.release(seq);
-    }
+/// [`Recording`]'s hooks on `inner`.
+fn recording<D: Draft>(inner: D) -> Watched<D, Recording> {
+    Watched::new(inner, Recording::default())
 }
 
 /// A position drafted again after a rejection is drawn with a new number: each drafting round has
@@ -413,7 +383,7 @@ impl<D: Draft> Draft for Recording<D> {
 /// from it) cannot steer the draw that proposes it again.
 #[test]
 fn each_drafting_round_draws_new_numbers() {
-    let mut batch = Batch::new(target(), Recording::new(draft_model()));
+    let mut batch = Batch::new(target(), recording(draft_model()));
     let config = GenerateConfig {
         max_new_tokens: 40,
         sampling: SamplingParams {
@@ -431,7 +401,7 @@ fn each_drafting_round_draws_new_numbers() {
         }
     }
     let mut by_position: HashMap<usize, Vec<f64>> = HashMap::new();
-    for &(pos, u) in &batch.drafter().numbers {
+    for &(pos, u) in &batch.drafter().hooks.numbers {
         by_position.entry(pos).or_default().push(u);
     }
     let again: Vec<&Vec<f64>> = by_position.values().filter(|u| u.len() > 1).collect();
@@ -484,9 +454,9 @@ fn cost_model(r: Vec<f64>, draft_read: Option<f64>) -> DraftLenPolicy {
 /// returns the model draft lengths of every draft call, by sequence.
 fn decode_recorded(
     reqs: &[(Vec<TokenId>, GenerateConfig)],
-    mut each_step: impl FnMut(&Recording<ModelDrafter<MockModel>>),
+    mut each_step: impl FnMut(&Watched<ModelDrafter<MockModel>, Recording>),
 ) -> Vec<Vec<(u64, usize)>> {
-    let mut batch = Batch::new(target(), Recording::new(draft_model()));
+    let mut batch = Batch::new(target(), recording(draft_model()));
     for (i, (p, c)) in reqs.iter().cloned().enumerate() {
         batch.add(SeqId(i as u64), p, c, None).unwrap();
     }
@@ -506,7 +476,7 @@ fn decode_recorded(
         .unwrap();
         assert_eq!(outs[&SeqId(i as u64)].tokens, alone.tokens, "sequence {i}");
     }
-    batch.drafter().calls.clone()
+    batch.drafter().hooks.calls.clone()
 }
 
 /// Two greedy sequences decoded together under cost models given `r`: the model draft lengths of
@@ -964,4 +934,70 @@ fn a_draft_ends_at_a_token_whose_confidence_the_target_has_kept_rejecting() {
         wasted * 2 <= rejected * 3,
         "{wasted} wasted for {rejected} rejected"
     );
+}
+
+/// A generation under a cost model reports the draft cost it measured in its own drafting rounds
+/// ([`specdec_core::Metrics::draft_cost`], what a later generation of the process may start from):
+/// a line of seconds behind no more rounds than drafted with the model; under a fixed draft
+/// length, none.
+#[test]
+fn a_cost_model_generation_reports_the_draft_cost_it_measured() {
+    let prompt: Vec<TokenId> = vec![3, 1, 4, 1, 5];
+    let config = |draft_len| GenerateConfig {
+        max_new_tokens: 60,
+        sampling: SamplingParams::greedy(),
+        draft_len,
+        ..GenerateConfig::default()
+    };
+    let auto = config(DraftLenPolicy::CostModel {
+        max: 4,
+        cost: None,
+        probe_every: 5,
+        prior: Some(specdec_core::FixedCost {
+            c: 0.1,
+            draft_fixed: 0.0,
+            r: vec![1.0, 1.05, 1.1],
+            context: None,
+            step_secs: None,
+            acceptance: Vec::new(),
+            draft_read: None,
+            draft_step_secs: None,
+        }),
+    });
+    let out = generate(
+        &mut target(),
+        &mut draft_model(),
+        &prompt,
+        &auto,
+        &mut |_| ControlFlow::Continue(()),
+    )
+    .unwrap();
+    let m = &out.metrics;
+    let model_rounds: u64 = m.rounds_by_draft_len.iter().skip(1).sum();
+    let d = m.draft_cost.expect("the cost model timed drafting rounds");
+    assert!(
+        d.rounds >= 1 && d.rounds < model_rounds,
+        "{d:?}, {model_rounds} model rounds"
+    );
+    assert!(
+        d.per_token_secs.is_finite() && d.per_token_secs >= 0.0,
+        "{d:?}"
+    );
+    assert!(d.fixed_secs.is_finite() && d.fixed_secs >= 0.0, "{d:?}");
+    assert!(d.fixed_secs + d.per_token_secs > 0.0, "{d:?}");
+    // Seconds: a round's cost is within the generation's drafting time.
+    assert!(
+        d.fixed_secs + d.per_token_secs <= m.draft_secs,
+        "{d:?}, {m:?}"
+    );
+    let fixed = config(DraftLenPolicy::Fixed { draft_len: 3 });
+    let out = generate(
+        &mut target(),
+        &mut draft_model(),
+        &prompt,
+        &fixed,
+        &mut |_| ControlFlow::Continue(()),
+    )
+    .unwrap();
+    assert!(out.metrics.draft_cost.is_none());
 }

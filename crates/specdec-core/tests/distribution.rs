@@ -12,7 +12,7 @@ mod common;
 
 use std::ops::ControlFlow;
 
-use common::{chi_square, target_probs};
+use common::{chi_square, target_probs, Hooks, Watched};
 use specdec_core::mock::{MockLogits, MockModel};
 use specdec_core::verify::{verify_onehot, verify_rejection, Verdict};
 use specdec_core::{
@@ -286,7 +286,10 @@ fn rejection_mode_is_exact_for_every_drafter_option() {
                 // draws, each stop decided from the tokens before it.
                 let (counts, drafted, rounds) = sample_joint_counted(
                     &target_logits(),
-                    &mut StopsDraftingAfter2(ModelDrafter::new(MockModel::new(draft_logits()))),
+                    &mut Watched::new(
+                        ModelDrafter::new(MockModel::new(draft_logits())),
+                        StopsDraftingAfter2,
+                    ),
                     &config(0.0),
                     n,
                 );
@@ -300,21 +303,21 @@ fn rejection_mode_is_exact_for_every_drafter_option() {
                 // The cost model's length, each draft ending early where the draft's confidence
                 // no longer pays for another token (`RoundCosts::drafts_on`), a stop decided from
                 // the q of the tokens drafted before.
-                let mut drafter = CountsCutDrafts {
-                    inner: ModelDrafter::new(MockModel::new(draft_logits())),
-                    cut: 0,
-                };
+                let mut drafter = Watched::new(
+                    ModelDrafter::new(MockModel::new(draft_logits())),
+                    CountsCutDrafts::default(),
+                );
                 let (counts, drafted, rounds) =
                     sample_joint_counted(&target_logits(), &mut drafter, &priced(0.0), n);
                 eprintln!(
                     "model, cost model, {name}: {drafted} drafted in {rounds} rounds, {} cut by \
                      confidence",
-                    drafter.cut
+                    drafter.hooks.cut
                 );
                 assert!(
-                    drafter.cut > rounds / 10 && drafted > rounds / 10,
+                    drafter.hooks.cut > rounds / 10 && drafted > rounds / 10,
                     "{name}: {} of {rounds} rounds cut, {drafted} drafted",
-                    drafter.cut
+                    drafter.hooks.cut
                 );
                 counts
             }),
@@ -359,7 +362,7 @@ fn rejection_mode_is_exact_for_every_drafter_option() {
                 "lookup stopping after token 2, cost model",
                 sample_joint_counted(
                     &target_logits(),
-                    &mut StopsDraftingAfter2(LookupDrafter::default()),
+                    &mut Watched::new(LookupDrafter::default(), StopsDraftingAfter2),
                     &priced(0.0),
                     n,
                 )
@@ -370,10 +373,13 @@ fn rejection_mode_is_exact_for_every_drafter_option() {
                 "hybrid stopping after token 2, cost model",
                 sample_joint_counted(
                     &target_logits(),
-                    &mut StopsDraftingAfter2(HybridDrafter::new(
-                        LookupDrafter::default(),
-                        ModelDrafter::new(MockModel::new(draft_logits())),
-                    )),
+                    &mut Watched::new(
+                        HybridDrafter::new(
+                            LookupDrafter::default(),
+                            ModelDrafter::new(MockModel::new(draft_logits())),
+                        ),
+                        StopsDraftingAfter2,
+                    ),
                     &priced(0.0),
                     n,
                 )
@@ -411,23 +417,23 @@ fn rejection_mode_is_exact_for_every_drafter_option() {
                 // by the cost model (the same path a long prompt with a short answer takes).
                 "hybrid, prompt left unread, cost model",
                 {
-                    let mut hybrid = CountsReads {
-                        inner: HybridDrafter::new(
+                    let mut hybrid = Watched::new(
+                        HybridDrafter::new(
                             LookupDrafter::default(),
                             ModelDrafter::new(MockModel::new(draft_logits())),
                         ),
-                        read: 0,
-                    };
+                        CountsReads::default(),
+                    );
                     let (counts, drafted, rounds) =
                         sample_joint_counted(&target_logits(), &mut hybrid, &unread_priced(), n);
                     eprintln!(
                         "unread hybrid, {name}: {drafted} drafted in {rounds} rounds, {} of {n} \
                          prompts read that the model did not hold",
-                        hybrid.read
+                        hybrid.hooks.read
                     );
                     // Only the probes that measure again, one prompt in five (since stop 69).
                     assert_eq!(
-                        hybrid.read,
+                        hybrid.hooks.read,
                         n / (READ_PROBE_AFTER as u64 + 1),
                         "{name}: the model read prompts it could not repay"
                     );
@@ -667,23 +673,29 @@ fn early_stop_on_low_confidence_keeps_the_target_distribution() {
     }
 }
 
-/// A drafter whose requests name token 2 as a token that ends generation
+/// Hooks whose drafter's requests name token 2 as a token that ends generation
 /// ([`specdec_core::DraftRequest::stop_tokens`]), while the generation itself goes on past it.
+/// The drafter reads every prompt, whatever the cost model's price, so that a model's drafts and
+/// the lookup's continuations of them are among those that end (the case of a prompt left unread
+/// is `CountsReads`').
 #[derive(Debug)]
-struct StopsDraftingAfter2<D>(D);
+struct StopsDraftingAfter2;
 
-impl<D: Draft> Draft for StopsDraftingAfter2<D> {
-    type Error = D::Error;
-
-    fn vocab_size(&self) -> Option<usize> {
-        self.0.vocab_size()
+impl<D: Draft> Hooks<D> for StopsDraftingAfter2 {
+    fn prefill_priced(
+        &mut self,
+        inner: &mut D,
+        req: &specdec_core::PrefillRequest<'_>,
+    ) -> Result<(), D::Error> {
+        inner.prefill(req.seq, req.prompt)
     }
 
     fn propose(
         &mut self,
+        inner: &mut D,
         batch: &[specdec_core::DraftRequest<'_>],
         out: &mut [specdec_core::Proposal],
-    ) -> Result<(), Self::Error> {
+    ) -> Result<(), D::Error> {
         let batch: Vec<_> = batch
             .iter()
             .map(|req| specdec_core::DraftRequest {
@@ -691,56 +703,26 @@ impl<D: Draft> Draft for StopsDraftingAfter2<D> {
                 ..*req
             })
             .collect();
-        self.0.propose(&batch, out)
-    }
-
-    fn commit(
-        &mut self,
-        seq: specdec_core::SeqId,
-        committed: &[TokenId],
-    ) -> Result<(), Self::Error> {
-        self.0.commit(seq, committed)
-    }
-
-    fn prefill(
-        &mut self,
-        seq: specdec_core::SeqId,
-        context: &[TokenId],
-    ) -> Result<(), Self::Error> {
-        self.0.prefill(seq, context)
-    }
-
-    fn model_drafts(&self, seq: specdec_core::SeqId) -> bool {
-        self.0.model_drafts(seq)
-    }
-
-    fn release(&mut self, seq: specdec_core::SeqId) {
-        self.0.release(seq);
+        inner.propose(&batch, out)
     }
 }
 
-/// A drafter that counts its drafts that ended before the cost model's length
+/// Hooks that count the drafts that ended before the cost model's length
 /// ([`specdec_core::DraftRequest::model_len`]) without a stop token: with no `min_confidence`,
 /// the model drafter's confidence ended them.
-#[derive(Debug)]
-struct CountsCutDrafts<D> {
-    inner: D,
+#[derive(Debug, Default)]
+struct CountsCutDrafts {
     cut: u64,
 }
 
-impl<D: Draft> Draft for CountsCutDrafts<D> {
-    type Error = D::Error;
-
-    fn vocab_size(&self) -> Option<usize> {
-        self.inner.vocab_size()
-    }
-
+impl<D: Draft> Hooks<D> for CountsCutDrafts {
     fn propose(
         &mut self,
+        inner: &mut D,
         batch: &[specdec_core::DraftRequest<'_>],
         out: &mut [specdec_core::Proposal],
-    ) -> Result<(), Self::Error> {
-        self.inner.propose(batch, out)?;
+    ) -> Result<(), D::Error> {
+        inner.propose(batch, out)?;
         for (req, p) in batch.iter().zip(out.iter()) {
             let len = p.tokens.len();
             if len > 0 && len < req.model_len() && !p.ends_at(req.stop_tokens) {
@@ -749,103 +731,33 @@ impl<D: Draft> Draft for CountsCutDrafts<D> {
         }
         Ok(())
     }
-
-    fn commit(
-        &mut self,
-        seq: specdec_core::SeqId,
-        committed: &[TokenId],
-    ) -> Result<(), Self::Error> {
-        self.inner.commit(seq, committed)
-    }
-
-    fn prefill(
-        &mut self,
-        seq: specdec_core::SeqId,
-        context: &[TokenId],
-    ) -> Result<(), Self::Error> {
-        self.inner.prefill(seq, context)
-    }
-
-    fn model_drafts(&self, seq: specdec_core::SeqId) -> bool {
-        self.inner.model_drafts(seq)
-    }
-
-    fn release(&mut self, seq: specdec_core::SeqId) {
-        self.inner.release(seq);
-    }
 }
 
-/// A hybrid drafter that counts the prompts its model read at prefill without holding them, each
-/// sample's sequence released before its prompt is given.
-#[derive(Debug)]
+/// Hooks that count the prompts a hybrid's model read at prefill without holding them, each
+/// sample's sequence released before its prompt is given (a decode loop gives a prompt through
+/// [`specdec_core::Draft::prefill_priced`]).
+#[derive(Debug, Default)]
 struct CountsReads {
-    inner: HybridDrafter<ModelDrafter<MockModel>>,
     read: u64,
 }
 
-impl Draft for CountsReads {
-    type Error = <HybridDrafter<ModelDrafter<MockModel>> as Draft>::Error;
+type MockHybrid = HybridDrafter<ModelDrafter<MockModel>>;
 
-    fn vocab_size(&self) -> Option<usize> {
-        self.inner.vocab_size()
-    }
-
-    fn propose(
-        &mut self,
-        batch: &[specdec_core::DraftRequest<'_>],
-        out: &mut [specdec_core::Proposal],
-    ) -> Result<(), Self::Error> {
-        self.inner.propose(batch, out)
-    }
-
-    fn commit(
-        &mut self,
-        seq: specdec_core::SeqId,
-        committed: &[TokenId],
-    ) -> Result<(), Self::Error> {
-        self.inner.commit(seq, committed)
-    }
-
-    fn prefill(
-        &mut self,
-        seq: specdec_core::SeqId,
-        context: &[TokenId],
-    ) -> Result<(), Self::Error> {
-        if self.inner.cached(seq, context) < context.len() {
-            self.read += 1;
-        }
-        self.inner.prefill(seq, context)
-    }
-
+impl Hooks<MockHybrid> for CountsReads {
     fn prefill_priced(
         &mut self,
+        inner: &mut MockHybrid,
         req: &specdec_core::PrefillRequest<'_>,
-    ) -> Result<(), Self::Error> {
+    ) -> Result<(), <MockHybrid as Draft>::Error> {
         // Each sample a new request, as a server's: its prompt not held from the one before,
         // which the probe read would otherwise leave for every later one to read for nothing.
-        self.inner.release(req.seq);
-        let held = self.inner.cached(req.seq, req.prompt) >= req.prompt.len();
-        self.inner.prefill_priced(req)?;
-        if !held && !self.inner.left_unread(req.seq) {
+        inner.release(req.seq);
+        let held = inner.cached(req.seq, req.prompt) >= req.prompt.len();
+        inner.prefill_priced(req)?;
+        if !held && !inner.left_unread(req.seq) {
             self.read += 1;
         }
         Ok(())
-    }
-
-    fn truncated(&mut self, seq: specdec_core::SeqId, len: usize) {
-        self.inner.truncated(seq, len);
-    }
-
-    fn cached(&self, seq: specdec_core::SeqId, context: &[TokenId]) -> usize {
-        self.inner.cached(seq, context)
-    }
-
-    fn model_drafts(&self, seq: specdec_core::SeqId) -> bool {
-        self.inner.model_drafts(seq)
-    }
-
-    fn release(&mut self, seq: specdec_core::SeqId) {
-        self.inner.release(seq);
     }
 }
 

@@ -593,7 +593,7 @@ pub struct Loaded<M: Target, T: Target> {
 /// A cost model that learns across requests: the engine hands it every finished request's
 /// metrics, and lets it set the prior of every new request's cost model
 /// ([`DraftLenPolicy::CostModel`]), so that a request starts from what the requests before it
-/// saw (the `specdec` binary's: the step's time and the draft model's acceptance) instead of only
+/// saw (the `specdec` binary's: the step's time, the draft model's cost and its acceptance) instead of only
 /// the calibration the server started with.
 pub trait Learner: Send {
     /// A request drafted by `drafter` ended after `metrics`. `alone`: no other sequence shared any

@@ -701,6 +701,7 @@ mod tests {
             weights: Vec::new(),
             learned_blocks: 0,
             recent_step: None,
+            recent_draft_cost: None,
             recent_positions: Vec::new(),
         }
     }

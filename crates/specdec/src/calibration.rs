@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
-use specdec_core::{isotonic_curve, ContextCost, DraftLenPolicy, FixedCost, Metrics};
+use specdec_core::{isotonic_curve, ContextCost, DraftCost, DraftLenPolicy, FixedCost, Metrics};
 use specdec_runtime::fetch::home;
 use specdec_runtime::Session;
 
@@ -59,7 +59,25 @@ pub struct Calibration {
     /// [`Calibration::recent_acceptance`] reads. Never saved, like `recent_step`.
     #[serde(skip)]
     pub recent_positions: Vec<(f64, f64)>,
+    /// The draft model's cost as the last generation that timed at least [`MIN_DRAFT_ROUNDS`]
+    /// drafting rounds measured it ([`Metrics::draft_cost`]), and when it was learned: while it
+    /// is at most [`RECENT_STEP_MAX_AGE`] old, the next generation of the process prices the
+    /// draft by it ([`FixedCost::draft_step_secs`], [`FixedCost::draft_fixed`]) instead of by the
+    /// calibration's isolated steps, which one slow stretch of the machine can put far off (stop
+    /// 70: a calibration's draft step of 9.1 ms where the others of the session read 5.5 and 6.3
+    /// priced every prompt reading of a benchmark 45–65% too high). Never saved, like
+    /// `recent_step`.
+    #[serde(skip)]
+    pub recent_draft_cost: Option<(DraftCost, Instant)>,
 }
+
+/// Drafting rounds a generation must have timed for its draft cost to price the next one's
+/// ([`Calibration::recent_draft_cost`]).
+pub const MIN_DRAFT_ROUNDS: u64 = 4;
+
+/// The range, as multiples of the calibrated draft step, of a run's cost per drafted token that
+/// [`Calibration::learn_draft`] takes for a measure (stop 70's runs: 0.9–1.5 times the step).
+pub const DRAFT_COST_BAND: (f64, f64) = (0.5, 2.0);
 
 /// The weight of a run's model-draft counts in [`Calibration::recent_positions`] against the next
 /// run's: the acceptance seen lately follows the last two or three runs (in a benchmark, a mode's
@@ -96,11 +114,35 @@ impl Calibration {
     ///
     /// What the run saw is also kept for the next run of the process, never saved: its mean single
     /// step, moved to the calibration's context, as [`Calibration::recent_step`] (where it timed
-    /// [`MIN_SINGLE_STEPS`]), and its model drafts' acceptance by position, timed or not, in
-    /// [`Calibration::recent_positions`].
+    /// [`MIN_SINGLE_STEPS`]), its model drafts' acceptance by position, timed or not, in
+    /// [`Calibration::recent_positions`], and the draft cost its cost model measured, as
+    /// [`Calibration::recent_draft_cost`] (where it timed [`MIN_DRAFT_ROUNDS`]).
     pub fn learn(&mut self, m: &Metrics) -> bool {
         self.learn_positions(m);
         self.learn_costs(m)
+    }
+
+    /// The run's draft cost into [`Calibration::recent_draft_cost`], where it timed at least
+    /// [`MIN_DRAFT_ROUNDS`] drafting rounds and the line is a cost (finite, not negative) whose
+    /// cost per token lies within [`DRAFT_COST_BAND`] of the calibrated step, where there is one
+    /// (a line through a few rounds of two close lengths is a difference of medians: a slope far
+    /// from any step is noise, not the machine).
+    pub(crate) fn learn_draft(&mut self, m: &Metrics) {
+        let Some(d) = m.draft_cost else {
+            return;
+        };
+        let (low, high) = DRAFT_COST_BAND;
+        let valid = d.rounds >= MIN_DRAFT_ROUNDS
+            && d.fixed_secs.is_finite()
+            && d.fixed_secs >= 0.0
+            && d.per_token_secs.is_finite()
+            && d.per_token_secs > 0.0
+            && self
+                .draft_step_s
+                .is_none_or(|s| (low * s..=high * s).contains(&d.per_token_secs));
+        if valid {
+            self.recent_draft_cost = Some((d, Instant::now()));
+        }
     }
 
     /// The model-draft counts of `m` into [`Calibration::recent_positions`].
@@ -132,8 +174,9 @@ impl Calibration {
         Some((t1, single.calls, n))
     }
 
-    /// The curve's part of [`Calibration::learn`], and the recent step.
+    /// The curve's part of [`Calibration::learn`], the recent step and the recent draft cost.
     pub(crate) fn learn_costs(&mut self, m: &Metrics) -> bool {
+        self.learn_draft(m);
         let Some((t1, singles, n)) = self.learn_step(m) else {
             return false;
         };
@@ -368,6 +411,7 @@ pub fn measure(loaded: &Loaded, context: &[u32]) -> Result<Calibration> {
         weights: Vec::new(),
         learned_blocks: 0,
         recent_step: None,
+        recent_draft_cost: None,
         recent_positions: Vec::new(),
     })
 }
@@ -469,9 +513,10 @@ pub fn load(path: &Path) -> Option<Calibration> {
 }
 
 /// A calibration that learns across a server's requests ([`specdec_server::Learner`]): each
-/// finished request's model-draft acceptance, and its single step where it decoded alone, become
-/// what the next request's cost model starts from ([`Calibration::recent_acceptance`],
-/// [`Calibration::recent_step`]), the acceptance per drafter kind ([`PositionsByKind`]). Not the
+/// finished request's model-draft acceptance, and its single step and draft cost where it decoded
+/// alone, become what the next request's cost model starts from
+/// ([`Calibration::recent_acceptance`], [`Calibration::recent_step`],
+/// [`Calibration::recent_draft_cost`]), the acceptance per drafter kind ([`PositionsByKind`]). Not the
 /// curve: stop 49 measured a server that also folded the requests' blocks into `r` 1.5% slower
 /// end to end. In memory only: the saved file is `generate`'s and `bench`'s to update.
 #[derive(Debug)]
@@ -497,6 +542,7 @@ impl specdec_server::Learner for Learning {
         self.positions.learn(drafter, metrics);
         if alone {
             self.calibration.learn_step(metrics);
+            self.calibration.learn_draft(metrics);
         }
     }
 
@@ -518,6 +564,7 @@ pub fn learn_saved(
     let mut cal = read(&saved_path(loaded))?;
     if let Some(r) = recent {
         cal.recent_step = r.recent_step;
+        cal.recent_draft_cost = r.recent_draft_cost;
         cal.recent_positions.clone_from(&r.recent_positions);
     }
     if cal.learn(m) {
@@ -537,23 +584,41 @@ fn read(path: &Path) -> Option<Calibration> {
 
 /// A calibration as a cost-model prior; `None` if it is not a valid one.
 pub fn as_prior(cal: &Calibration) -> Option<FixedCost> {
+    let step_secs = cal
+        .recent_step
+        .filter(|(_, at)| at.elapsed() <= RECENT_STEP_MAX_AGE)
+        .map(|(secs, _)| secs);
+    // The draft as a generation of this process measured it lately, where one did: its cost per
+    // token in place of the calibration's step, its fixed cost per round in target steps. The
+    // prompt reading keeps its calibrated proportion to a step (`draft_read`, in draft steps), so
+    // its price follows the draft's cost now too.
+    let recent_draft_cost = cal
+        .recent_draft_cost
+        .filter(|(_, at)| at.elapsed() <= RECENT_STEP_MAX_AGE)
+        .map(|(d, _)| d);
+    let unit = step_secs.unwrap_or(cal.target_step_s);
+    let (c, draft_fixed, draft_step_secs) = match recent_draft_cost {
+        Some(d) if unit > 0.0 => (
+            d.per_token_secs / unit,
+            d.fixed_secs / unit,
+            Some(d.per_token_secs),
+        ),
+        _ => (cal.c.unwrap_or(0.0), 0.0, cal.draft_step_s),
+    };
     // The file keeps the medians as measured; the cost model reads them as a non-decreasing curve.
     let cost = FixedCost {
-        c: cal.c.unwrap_or(0.0),
-        draft_fixed: 0.0,
+        c,
+        draft_fixed,
         r: isotonic_curve(&cal.r, &[]),
         context: cal.context,
-        step_secs: cal
-            .recent_step
-            .filter(|(_, at)| at.elapsed() <= RECENT_STEP_MAX_AGE)
-            .map(|(secs, _)| secs),
+        step_secs,
         acceptance: cal.recent_acceptance(),
         draft_read: cal
             .draft_read_s
             .zip(cal.draft_step_s)
             .filter(|&(_, step)| step > 0.0)
             .map(|(read, step)| read / step),
-        draft_step_secs: cal.draft_step_s,
+        draft_step_secs,
     };
     let policy = DraftLenPolicy::auto(Some(cost.clone()));
     policy.validate().ok()?;
@@ -643,6 +708,7 @@ mod tests {
             weights: Vec::new(),
             learned_blocks: 0,
             recent_step: None,
+            recent_draft_cost: None,
             recent_positions: Vec::new(),
         }
     }
@@ -765,6 +831,82 @@ mod tests {
         assert!(!text.contains("recent"));
     }
 
+    /// A run that timed enough drafting rounds leaves its draft cost for the next run's cost model,
+    /// in place of the calibration's step (which priced the prompt reading too); too few rounds,
+    /// a line that is no cost, or one older than [`RECENT_STEP_MAX_AGE`] leave the calibration's.
+    /// It is never saved.
+    #[test]
+    fn a_runs_draft_cost_prices_the_next_runs_draft() {
+        let mut cal = calibration(None);
+        let mut policy = DraftLenPolicy::auto(None);
+        cal.set_prior(&mut policy);
+        let calibrated = policy.calibration().cloned().expect("a prior");
+        assert_eq!(calibrated.draft_step_secs, Some(0.01));
+        assert_eq!(calibrated.draft_fixed, 0.0);
+        let drafted = |fixed_secs: f64, per_token_secs: f64, rounds: u64| Metrics {
+            draft_cost: Some(DraftCost {
+                fixed_secs,
+                per_token_secs,
+                rounds,
+            }),
+            ..Metrics::default()
+        };
+        // A run without single steps still teaches the draft's cost (it teaches no curve).
+        assert!(!cal.learn(&drafted(0.002, 0.006, MIN_DRAFT_ROUNDS)));
+        cal.set_prior(&mut policy);
+        let prior = policy.calibration().cloned().expect("a prior");
+        assert_eq!(prior.draft_step_secs, Some(0.006));
+        // In target steps of the calibration's 0.04 s.
+        assert!(
+            (prior.draft_fixed - 0.05).abs() < 1e-12,
+            "{}",
+            prior.draft_fixed
+        );
+        assert!((prior.c - 0.15).abs() < 1e-12, "{}", prior.c);
+        assert!((prior.c_at(Some(0.03)) - 0.2).abs() < 1e-12);
+        // Against a step of 0.03 s, as a run that timed one prices it: 0.002 / 0.03.
+        let fixed = prior.draft_fixed_at(Some(0.03));
+        assert!((fixed - 0.002 / 0.03).abs() < 1e-12, "{fixed}");
+        // The prompt reading keeps its calibrated 0.2 draft steps a token, now of the cheaper step.
+        assert_eq!(prior.draft_read, calibrated.draft_read);
+        // Too few rounds, a line that is no cost, or a cost per token outside DRAFT_COST_BAND of
+        // the calibrated 0.01 s step, teach nothing.
+        for bad in [
+            drafted(0.002, 0.02, MIN_DRAFT_ROUNDS - 1),
+            drafted(0.002, 0.0049, MIN_DRAFT_ROUNDS),
+            drafted(0.002, 0.0201, MIN_DRAFT_ROUNDS),
+            drafted(0.002, 0.0, MIN_DRAFT_ROUNDS),
+            drafted(-0.001, 0.02, MIN_DRAFT_ROUNDS),
+            drafted(0.002, f64::NAN, MIN_DRAFT_ROUNDS),
+            Metrics::default(),
+        ] {
+            cal.learn(&bad);
+            assert_eq!(
+                cal.recent_draft_cost.map(|(d, _)| d.per_token_secs),
+                Some(0.006)
+            );
+        }
+        // A recent step is the unit of the fixed cost.
+        cal.recent_step = Some((0.05, Instant::now()));
+        cal.set_prior(&mut policy);
+        let prior = policy.calibration().expect("a prior");
+        assert!(
+            (prior.draft_fixed - 0.04).abs() < 1e-12,
+            "{}",
+            prior.draft_fixed
+        );
+        // Older than RECENT_STEP_MAX_AGE, the calibration prices the draft again.
+        let then = Instant::now().checked_sub(RECENT_STEP_MAX_AGE + Duration::from_secs(1));
+        if let Some(then) = then {
+            cal.recent_draft_cost = cal.recent_draft_cost.map(|(d, _)| (d, then));
+            cal.recent_step = None;
+            cal.set_prior(&mut policy);
+            assert_eq!(policy.calibration(), Some(&calibrated));
+        }
+        let text = serde_json::to_string(&cal).unwrap();
+        assert!(!text.contains("recent"));
+    }
+
     /// The model's acceptance by position in the runs learned lately, the latest weighing most;
     /// a run without model drafts leaves it.
     #[test]
@@ -811,6 +953,11 @@ mod tests {
             reached: 10,
             accepted: 2,
         }];
+        shared.draft_cost = Some(DraftCost {
+            fixed_secs: 0.001,
+            per_token_secs: 0.012,
+            rounds: 10,
+        });
         let mut l = Learning::new(calibration(None));
         l.learn(DrafterKind::Model, &shared, false);
         assert_eq!(
@@ -819,6 +966,10 @@ mod tests {
             "a shared step's time is no sequence's cost"
         );
         assert!(l.calibration.recent_step.is_none());
+        assert!(
+            l.calibration.recent_draft_cost.is_none(),
+            "a shared draft pass is no sequence's cost"
+        );
         assert_eq!(l.calibration.learned_blocks, 0);
         let low = (2.0 + PRIOR_ACCEPTANCE) / 11.0;
         let primed = || {
@@ -838,6 +989,12 @@ mod tests {
             .recent_step
             .expect("the step of a request that decoded alone");
         assert!((step - 0.05).abs() < 1e-12, "{step}");
+        assert_eq!(
+            l.calibration
+                .recent_draft_cost
+                .map(|(d, _)| d.per_token_secs),
+            Some(0.012)
+        );
         let mut policy = DraftLenPolicy::auto(None);
         l.prime(DrafterKind::Model, &mut policy);
         let prior = policy.calibration().expect("a prior");

@@ -221,3 +221,109 @@ impl<D: specdec_core::Draft> specdec_core::Draft for ExtendingHybrid<D> {
         self.model.release(seq);
     }
 }
+
+/// What a test does around a wrapped drafter's calls ([`Watched`]); each default forwards the
+/// call unchanged, so a test overrides only the calls it watches or changes.
+pub trait Hooks<D: specdec_core::Draft> {
+    /// Around [`specdec_core::Draft::propose`].
+    fn propose(
+        &mut self,
+        inner: &mut D,
+        batch: &[specdec_core::DraftRequest<'_>],
+        out: &mut [specdec_core::Proposal],
+    ) -> Result<(), D::Error> {
+        inner.propose(batch, out)
+    }
+
+    /// Around [`specdec_core::Draft::prefill`].
+    fn prefill(
+        &mut self,
+        inner: &mut D,
+        seq: specdec_core::SeqId,
+        context: &[TokenId],
+    ) -> Result<(), D::Error> {
+        inner.prefill(seq, context)
+    }
+
+    /// Around [`specdec_core::Draft::prefill_priced`].
+    fn prefill_priced(
+        &mut self,
+        inner: &mut D,
+        req: &specdec_core::PrefillRequest<'_>,
+    ) -> Result<(), D::Error> {
+        inner.prefill_priced(req)
+    }
+}
+
+/// A drafter that forwards every call of [`specdec_core::Draft`] to `inner`, through `hooks`
+/// where they watch or change it: wrapping a drafter keeps all of its behaviour (its pricing of
+/// prompt reads, what it holds, its truncations) but what the test changes.
+#[derive(Debug)]
+pub struct Watched<D, H> {
+    /// The drafter.
+    pub inner: D,
+    /// What the test does around its calls.
+    pub hooks: H,
+}
+
+impl<D, H> Watched<D, H> {
+    /// `inner` watched by `hooks`.
+    pub fn new(inner: D, hooks: H) -> Self {
+        Self { inner, hooks }
+    }
+}
+
+impl<D: specdec_core::Draft, H: Hooks<D>> specdec_core::Draft for Watched<D, H> {
+    type Error = D::Error;
+
+    fn vocab_size(&self) -> Option<usize> {
+        self.inner.vocab_size()
+    }
+
+    fn propose(
+        &mut self,
+        batch: &[specdec_core::DraftRequest<'_>],
+        out: &mut [specdec_core::Proposal],
+    ) -> Result<(), Self::Error> {
+        self.hooks.propose(&mut self.inner, batch, out)
+    }
+
+    fn commit(
+        &mut self,
+        seq: specdec_core::SeqId,
+        committed: &[TokenId],
+    ) -> Result<(), Self::Error> {
+        self.inner.commit(seq, committed)
+    }
+
+    fn truncated(&mut self, seq: specdec_core::SeqId, len: usize) {
+        self.inner.truncated(seq, len);
+    }
+
+    fn prefill(
+        &mut self,
+        seq: specdec_core::SeqId,
+        context: &[TokenId],
+    ) -> Result<(), Self::Error> {
+        self.hooks.prefill(&mut self.inner, seq, context)
+    }
+
+    fn prefill_priced(
+        &mut self,
+        req: &specdec_core::PrefillRequest<'_>,
+    ) -> Result<(), Self::Error> {
+        self.hooks.prefill_priced(&mut self.inner, req)
+    }
+
+    fn cached(&self, seq: specdec_core::SeqId, context: &[TokenId]) -> usize {
+        self.inner.cached(seq, context)
+    }
+
+    fn model_drafts(&self, seq: specdec_core::SeqId) -> bool {
+        self.inner.model_drafts(seq)
+    }
+
+    fn release(&mut self, seq: specdec_core::SeqId) {
+        self.inner.release(seq);
+    }
+}

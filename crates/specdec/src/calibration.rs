@@ -65,7 +65,7 @@ pub struct Calibration {
     /// draft by it ([`FixedCost::draft_step_secs`], [`FixedCost::draft_fixed`]) instead of by the
     /// calibration's isolated steps, which one slow stretch of the machine can put far off (stop
     /// 70: a calibration's draft step of 9.1 ms where the others of the session read 5.5 and 6.3
-    /// priced every prompt reading of a benchmark 45–65% too high). Never saved, like
+    /// priced every prompt reading of a benchmark 44–65% too high). Never saved, like
     /// `recent_step`.
     #[serde(skip)]
     pub recent_draft_cost: Option<(DraftCost, Instant)>,

@@ -264,6 +264,13 @@ impl LookupDrafter {
         &self.answers
     }
 
+    /// The answer a running sequence has emitted so far: its tokens, and how many of them a draft
+    /// of this drafter had right (what [`LookupDrafter::recent_answers`] records when it is
+    /// over). `None` for a sequence not running.
+    pub fn answer(&self, seq: SeqId) -> Option<(usize, usize)> {
+        self.seqs.get(&seq).map(|s| (s.output.len(), s.covered))
+    }
+
     /// The settings.
     pub fn config(&self) -> &LookupConfig {
         &self.config

@@ -2,7 +2,9 @@
 //! lookup ([`LookupDrafter`]) and a model drafter.
 
 use crate::lookup::LookupDrafter;
-use crate::model::{Draft, DraftRequest, PrefillRequest, Proposal, ReadSavings, SeqId};
+use crate::model::{
+    Draft, DraftRequest, PrefillRequest, Proposal, ReadSavings, RecentAnswers, SeqId,
+};
 use crate::policy::{RoundCosts, PAY_MARGIN};
 use crate::rng::CounterRng;
 use crate::sampling::{Probs, SamplingParams};
@@ -106,6 +108,9 @@ pub struct HybridDrafter<D> {
     savings: LookupSavings,
     /// Prompts left unread at prefill in a row since the last one read there.
     unread_in_a_row: usize,
+    /// The next prompt is read whatever its price: an answer left unread called for it
+    /// ([`LookupSavings::finish`]).
+    remeasure: bool,
 }
 
 /// What a hybrid's model rounds saved, in target steps, in the sequences whose prompt the model
@@ -117,6 +122,8 @@ pub struct LookupSavings {
     savings: ReadSavings,
     /// Per sequence, its model round awaiting the target's verdict.
     replays: HashMap<SeqId, Replay>,
+    /// The answers the measure was taken on, with the tokens the lookup had right in each.
+    measured: RecentAnswers,
 }
 
 impl LookupSavings {
@@ -202,12 +209,39 @@ impl LookupSavings {
         self.savings.truncated(seq, len, cheaper);
     }
 
-    /// The sequence is over, or its id starts a new prompt ([`ReadSavings::finish`]).
-    pub fn finish(&mut self, seq: SeqId) {
+    /// The sequence is over, or its id starts a new prompt ([`ReadSavings::finish`]), with
+    /// `answer` its tokens and those the lookup had right ([`LookupDrafter::answer`]) and `forwent`
+    /// whether, its prompt left unread, its rounds forwent the price of reading it
+    /// ([`DeferredReads::forwent_its_price`]). Returns whether the next prompt is to be read
+    /// whatever its price, to measure again: where an answer left unread, whose rounds forwent
+    /// that price, was covered by the lookup less than [`REMEASURE_COVERAGE`] times as much as
+    /// the answers the measure was taken on, the measure is of another kind of answer.
+    pub fn finish(&mut self, seq: SeqId, answer: Option<(usize, usize)>, forwent: bool) -> bool {
         self.replays.remove(&seq);
+        let read = self.savings.is_open(seq);
         self.savings.finish(seq);
+        let Some((emitted, covered)) = answer.filter(|a| a.0 > 0) else {
+            return false;
+        };
+        if read {
+            self.measured.record(emitted, covered);
+            return false;
+        }
+        forwent
+            && !self.measured.is_empty()
+            && (covered as f64) < REMEASURE_COVERAGE * self.measured.coverage() * emitted as f64
     }
 }
+
+/// How much less of an answer left unread than of the answers a hybrid's read measure was taken
+/// on the lookup must have had right, as a share of theirs, for the answer to call for the next
+/// prompt's reading whatever its price ([`LookupSavings::finish`]). The measure of what the model's
+/// rounds save is taken only on answers whose prompt the model read, and it differs most between
+/// kinds of answer by how much of them the lookup copies: in stop 70's runs at temperature 0.7,
+/// after questions and summaries (the lookup's drafts had right 38–77% of their tokens at greedy
+/// decoding) had measured 0.005 steps saved a token, four of five translations (3–37%) were left
+/// unread and decoded at 1.04–1.10 times plain decoding; read, they ran at 1.20–1.52 times.
+pub const REMEASURE_COVERAGE: f64 = 0.5;
 
 /// A model round of a sequence whose prompt the model read, to be replayed by the lookup alone
 /// once the target has committed what it emitted ([`lookup_replay_steps`]): the request's parts
@@ -286,6 +320,7 @@ impl<D> HybridDrafter<D> {
             reads: DeferredReads::default(),
             savings: LookupSavings::default(),
             unread_in_a_row: 0,
+            remeasure: false,
         }
     }
 
@@ -299,6 +334,15 @@ impl<D> HybridDrafter<D> {
     /// the lookup alone drafts for it.
     pub fn left_unread(&self, seq: SeqId) -> bool {
         self.reads.is_unread(seq)
+    }
+
+    /// The sequence's answer is over (it is released, or its id starts a new prompt): its account
+    /// is closed, and the next prompt is to be read whatever its price where the answer calls for
+    /// it ([`LookupSavings::finish`]). Called before the lookup records the answer.
+    fn answer_over(&mut self, seq: SeqId) {
+        let answer = self.lookup.answer(seq);
+        let forwent = self.reads.forwent_its_price(seq);
+        self.remeasure |= self.savings.finish(seq, answer, forwent);
     }
 }
 
@@ -374,8 +418,18 @@ impl DeferredReads {
                 saved: 0.0,
                 remaining: req.remaining,
                 start: None,
+                first_price: f64::NAN,
             },
         );
+    }
+
+    /// Whether the sequence's prompt is unread, and its rounds forwent the price that reading
+    /// what the model did not hold had at the first of them: the reading would have paid, as the
+    /// cost model priced the rounds, had it been made at the start ([`LookupSavings::finish`]).
+    pub fn forwent_its_price(&self, seq: SeqId) -> bool {
+        self.unread
+            .get(&seq)
+            .is_some_and(|u| u.saved >= u.first_price)
     }
 
     /// Whether the sequence's prompt is unread and not yet due.
@@ -414,6 +468,9 @@ impl DeferredReads {
             u.start.get_or_insert(len);
             let unread = len.saturating_sub(cached());
             let price = c.prompt_read * unread as f64;
+            if u.first_price.is_nan() {
+                u.first_price = price;
+            }
             // A price that is not a number is never reached.
             let due = u.saved >= price && u.repays(len, price);
             if !due {
@@ -452,6 +509,9 @@ struct Unread {
     /// Its context length at its first round: that plus `remaining` is the context length by
     /// which it ends at the latest.
     start: Option<usize>,
+    /// The price of reading what the model did not hold at its first round (not a number
+    /// before it): [`DeferredReads::forwent_its_price`].
+    first_price: f64,
 }
 
 impl Unread {
@@ -813,9 +873,9 @@ impl<D: Draft> Draft for HybridDrafter<D> {
     /// costs, as the cost model prices them, leave out catching up on a whole prompt. (The server's
     /// drafter reads it lazily instead, where a sequence that never drafts with the model is common.)
     fn prefill(&mut self, seq: SeqId, context: &[TokenId]) -> Result<(), Self::Error> {
+        self.answer_over(seq);
         let Ok(()) = self.lookup.prefill(seq, context);
         self.reads.release(seq);
-        self.savings.finish(seq);
         self.savings.read(seq, context.len());
         self.lag.prefill(seq, context.len());
         self.model.prefill(seq, context)
@@ -831,10 +891,11 @@ impl<D: Draft> Draft for HybridDrafter<D> {
     /// 15 QA, summary and translation prompts unread, the translations decoding at 1.00×; with
     /// the probe it read one of each kind, the fifth, and the translations decoded at 1.14×.)
     fn prefill_priced(&mut self, req: &PrefillRequest<'_>) -> Result<(), Self::Error> {
-        // The lookup first, which records the answer the sequence held before (a reused id).
+        // The answer the sequence held before (a reused id) is over, then the lookup records it.
+        self.answer_over(req.seq);
         let Ok(()) = self.lookup.prefill(req.seq, req.prompt);
-        self.savings.finish(req.seq);
-        let probe = self.unread_in_a_row >= crate::READ_PROBE_AFTER;
+        let probe =
+            std::mem::take(&mut self.remeasure) || self.unread_in_a_row >= crate::READ_PROBE_AFTER;
         if probe
             || req.read_pays(
                 self.model.cached(req.seq, req.prompt),
@@ -863,10 +924,10 @@ impl<D: Draft> Draft for HybridDrafter<D> {
     }
 
     fn release(&mut self, seq: SeqId) {
+        self.answer_over(seq);
         self.lookup.release(seq);
         self.lag.release(seq);
         self.reads.release(seq);
-        self.savings.finish(seq);
         self.model.release(seq);
     }
 }
@@ -1516,7 +1577,7 @@ mod tests {
                 seq,
                 &[&prompt[..], &answer[..emitted]].concat(),
             );
-            s.finish(seq);
+            assert!(!s.finish(seq, lookup.answer(seq), false));
             saved.push(s.savings().saved_per_token().unwrap_or(f64::NAN) * emitted as f64);
         }
         // New tokens, which the lookup alone decodes plainly: 11 steps for the whole round, 5 for
@@ -1577,6 +1638,123 @@ mod tests {
         hybrid.release(SeqId(seq + 1));
         let Ok(()) = hybrid.prefill_priced(&read(SeqId(seq + 2)));
         assert!(hybrid.left_unread(SeqId(seq + 2)));
+    }
+
+    #[test]
+    fn an_unread_answer_covered_far_less_than_the_measured_ones_calls_for_measuring_again() {
+        let mut s = LookupSavings::default();
+        // No measure yet: nothing to doubt.
+        assert!(!s.finish(SeqId(1), Some((100, 0)), true));
+        // An answer read: its coverage, 60%, goes with the measure.
+        s.read(SeqId(2), 10);
+        assert!(!s.finish(SeqId(2), Some((100, 60)), false));
+        // Unread, its rounds forwent the price, the lookup had right 20% (< 0.5 × 60%).
+        assert!(s.finish(SeqId(3), Some((100, 20)), true));
+        // Not when it had right 40%, when the rounds did not forgo the price, or when it emitted
+        // nothing.
+        assert!(!s.finish(SeqId(4), Some((100, 40)), true));
+        assert!(!s.finish(SeqId(5), Some((100, 0)), false));
+        assert!(!s.finish(SeqId(6), Some((0, 0)), true));
+        assert!(!s.finish(SeqId(7), None, true));
+    }
+
+    #[test]
+    fn an_unread_prompts_rounds_forgo_the_price_it_had_at_the_first_of_them() {
+        let sampling = SamplingParams::greedy();
+        let costs = reading_costs();
+        let plain = Proposal::default();
+        let prompt: Vec<TokenId> = (100..140).collect();
+        // 40 tokens unread at the first round: 2 steps, forgone by six plain rounds at a third of
+        // a step each, though the context has grown to 45 tokens (2.25 steps) by then. A
+        // sequence that may emit only 10 is not read (the horizon), and is never due.
+        let mut reads = DeferredReads::default();
+        reads.leave_unread(&PrefillRequest {
+            seq: SeqId(1),
+            prompt: &prompt,
+            remaining: 10,
+            costs: None,
+        });
+        assert!(!reads.forwent_its_price(SeqId(1)));
+        let mut context = prompt.clone();
+        for round in 1..=10 {
+            let req = crate::mock::draft_request(SeqId(1), &context, &sampling, Some(&costs));
+            let plan = reads.plan(&req, &plain, f64::NAN, || 0, || HybridPlan::Lookup);
+            assert_eq!(plan, HybridPlan::Lookup);
+            assert_eq!(
+                reads.forwent_its_price(SeqId(1)),
+                round >= 6,
+                "round {round}"
+            );
+            context.push(1_000 + round as TokenId);
+        }
+        // Nothing for a sequence not unread.
+        reads.release(SeqId(1));
+        assert!(!reads.forwent_its_price(SeqId(1)));
+    }
+
+    #[test]
+    fn a_prompt_follows_an_unread_answer_that_calls_for_measuring_again_and_is_read() {
+        let sampling = SamplingParams::greedy();
+        let costs = reading_costs();
+        let prompt: Vec<TokenId> = (100..1_100).collect();
+        // 400 of the prompt's tokens unread: 20 steps.
+        let held = 600;
+        let read = |seq| PrefillRequest {
+            seq,
+            prompt: &prompt,
+            remaining: 100,
+            costs: Some(&costs),
+        };
+        // Each case: a first answer read, that copies the prompt (the lookup drafts nearly all of
+        // it, and the model saves nothing: the measure is 0), then a second left unread, of
+        // `new` tokens the lookup never saw; is the third prompt read?
+        let third_read = |new: u32| {
+            let mut hybrid = HybridDrafter::new(LookupDrafter::default(), Counting::default());
+            hybrid.model.held = held;
+            let Ok(()) = hybrid.prefill_priced(&read(SeqId(1)));
+            assert!(!hybrid.left_unread(SeqId(1)));
+            let mut context = prompt.clone();
+            context.push(500);
+            let Ok(()) = hybrid.commit(SeqId(1), &context);
+            while context.len() < prompt.len() + 100 {
+                let mut out = [Proposal::default()];
+                let req = crate::mock::draft_request(SeqId(1), &context, &sampling, None);
+                let Ok(()) = hybrid.propose(&[req], &mut out);
+                let next = context[context.len() - 1] + 1;
+                let right = out[0]
+                    .tokens
+                    .iter()
+                    .zip(next..)
+                    .take_while(|(&t, n)| t == *n)
+                    .count();
+                context.extend((0..=right as u32).map(|i| next + i));
+                let Ok(()) = hybrid.commit(SeqId(1), &context);
+            }
+            hybrid.release(SeqId(1));
+            assert_eq!(hybrid.read_savings().saved_per_token(), Some(0.0));
+            let Ok(()) = hybrid.prefill_priced(&read(SeqId(2)));
+            assert!(hybrid.left_unread(SeqId(2)));
+            // Plain rounds, each forgoing a third of a step; the tokens left never repay the
+            // growing price in time (the horizon), so the prompt stays unread.
+            let mut context = prompt.clone();
+            for t in 0..new {
+                let mut out = [Proposal::default()];
+                let req = crate::mock::draft_request(SeqId(2), &context, &sampling, Some(&costs));
+                let Ok(()) = hybrid.propose(&[req], &mut out);
+                assert!(out[0].tokens.is_empty());
+                context.push(7_000 + t);
+                let Ok(()) = hybrid.commit(SeqId(2), &context);
+            }
+            assert!(hybrid.left_unread(SeqId(2)));
+            hybrid.release(SeqId(2));
+            let Ok(()) = hybrid.prefill_priced(&read(SeqId(3)));
+            !hybrid.left_unread(SeqId(3))
+        };
+        // 100 rounds forwent 33 steps, more than the 20 the prompt cost at the first: the measure,
+        // taken on an answer the lookup drafted, is doubted, and the next prompt read.
+        assert!(third_read(100));
+        // 40 rounds forwent 13: the measure stands.
+        assert!(!third_read(40));
     }
 
     #[test]

@@ -144,6 +144,9 @@ pub struct MultiDrafter<M: Target> {
     /// The same count for hybrid-kind prompts, as a [`specdec_core::HybridDrafter`] keeps it
     /// (since stop 69): `hybrid_savings` too is measured only on prompts read.
     hybrid_unread_in_a_row: usize,
+    /// The next hybrid-kind prompt is read whatever its price: an answer left unread called for
+    /// it ([`LookupSavings::finish`]), as in a [`specdec_core::HybridDrafter`].
+    hybrid_remeasure: bool,
 }
 
 impl<M: Target> MultiDrafter<M> {
@@ -160,7 +163,18 @@ impl<M: Target> MultiDrafter<M> {
             model_answers: AnswerLengths::default(),
             model_unread_in_a_row: 0,
             hybrid_unread_in_a_row: 0,
+            hybrid_remeasure: false,
         }
+    }
+
+    /// The sequence's answer is over (it is released, or its id starts a new prompt): its hybrid
+    /// account is closed, and the next hybrid-kind prompt is to be read whatever its price where
+    /// the answer calls for it ([`LookupSavings::finish`]; only a hybrid request's prompt is left
+    /// unread with a lookup answer). Called before the lookup records the answer.
+    fn answer_over(&mut self, seq: SeqId) {
+        let answer = self.lookup.answer(seq);
+        let forwent = self.reads.forwent_its_price(seq);
+        self.hybrid_remeasure |= self.hybrid_savings.finish(seq, answer, forwent);
     }
 
     /// The kinds offered.
@@ -285,11 +299,11 @@ impl<M: Target> Draft for MultiDrafter<M> {
     /// The prompt is not counted as the model's lag either: that first round does the work a
     /// prefill would have.
     fn prefill(&mut self, seq: SeqId, context: &[TokenId]) -> Result<(), Self::Error> {
+        self.answer_over(seq);
         if self.kind(seq).uses_lookup() {
             let Ok(()) = self.lookup.prefill(seq, context);
         }
         self.reads.release(seq);
-        self.hybrid_savings.finish(seq);
         self.model_savings.finish(seq);
         if self.kind(seq) == DrafterKind::Model {
             self.model_answers.start(seq, context.len());
@@ -330,7 +344,8 @@ impl<M: Target> Draft for MultiDrafter<M> {
             DrafterKind::Hybrid => Some(&mut self.hybrid_unread_in_a_row),
             DrafterKind::Ngram | DrafterKind::None => None,
         };
-        let probe = in_a_row.as_ref().is_some_and(|n| **n >= READ_PROBE_AFTER);
+        let remeasure = kind == DrafterKind::Hybrid && std::mem::take(&mut self.hybrid_remeasure);
+        let probe = remeasure || in_a_row.as_ref().is_some_and(|n| **n >= READ_PROBE_AFTER);
         let cached = self
             .model
             .as_ref()
@@ -355,8 +370,8 @@ impl<M: Target> Draft for MultiDrafter<M> {
     }
 
     fn release(&mut self, seq: SeqId) {
+        self.answer_over(seq);
         self.reads.release(seq);
-        self.hybrid_savings.finish(seq);
         self.model_savings.finish(seq);
         self.model_answers.finish(seq);
         if self.kind(seq).uses_lookup() {
@@ -1180,6 +1195,48 @@ mod tests {
         assert!(read(&mut d, DrafterKind::Hybrid));
         assert!(!read(&mut d, DrafterKind::Hybrid));
         assert!(!read(&mut d, DrafterKind::Model));
+    }
+
+    /// A hybrid answer left unread whose rounds forwent the price its reading had, and which the
+    /// lookup covered far less than the answers the measure was taken on, has the next
+    /// hybrid-kind prompt read whatever its price (as a `HybridDrafter`).
+    #[test]
+    fn an_unread_hybrid_answer_unlike_the_measured_ones_has_the_next_prompt_read() {
+        let costs = reading_costs();
+        let prompt: Vec<TokenId> = (0..40).collect();
+        let mut d = hashed_drafter();
+        // The measure was taken on an answer the lookup had 80% right.
+        d.hybrid_savings.read(SeqId(100), prompt.len());
+        assert!(!d.hybrid_savings.finish(SeqId(100), Some((100, 80)), false));
+        let sampling = SamplingParams::greedy();
+        // 40 tokens at 0.05 are 2 steps, more than 4 tokens repay: left unread. `rounds` plain
+        // rounds of new tokens follow (a third of a step forgone each; the horizon of 4 tokens
+        // keeps the prompt unread).
+        let unread_answer = |d: &mut MultiDrafter<MockModel>, seq, rounds| {
+            select_and_read(d, seq, DrafterKind::Hybrid, &prompt, 4, &costs);
+            assert!(!d.model_drafts(seq));
+            let mut context = prompt.clone();
+            d.commit(seq, &context).unwrap();
+            for t in 0..rounds {
+                let mut out = vec![Proposal::default()];
+                let req = specdec_core::mock::draft_request(seq, &context, &sampling, Some(&costs));
+                d.propose(&[req], &mut out).unwrap();
+                assert!(out[0].tokens.is_empty());
+                context.push(500 + t);
+                d.commit(seq, &context).unwrap();
+            }
+            assert!(!d.model_drafts(seq));
+            d.release(seq);
+        };
+        // Three rounds forgo 1 step: the next prompt is priced as before, and left unread.
+        unread_answer(&mut d, SeqId(1), 3);
+        // Ten forgo 3.3, more than 2: the next is read.
+        unread_answer(&mut d, SeqId(2), 10);
+        select_and_read(&mut d, SeqId(3), DrafterKind::Hybrid, &prompt, 4, &costs);
+        assert!(d.model_drafts(SeqId(3)));
+        d.release(SeqId(3));
+        select_and_read(&mut d, SeqId(4), DrafterKind::Hybrid, &prompt, 4, &costs);
+        assert!(!d.model_drafts(SeqId(4)));
     }
 
     /// A prompt left unread is read after all, by a model draft, once the plain rounds since

@@ -51,7 +51,9 @@ pub struct ModelDrafter<M> {
 /// decoded qa at 1.08× and edits at 1.56×; that run in turn left three summaries unread, two of
 /// which the other had read (0.66× and 1.87×). At most one reading in five prompts is the price
 /// of measuring again. A [`crate::HybridDrafter`] keeps the same count (since stop 69), and the
-/// server's drafter one for its model-kind requests and one for its hybrid-kind ones.
+/// server's drafter one for its model-kind requests and one for its hybrid-kind ones; the hybrid
+/// kinds also read the next prompt after an answer that calls for measuring again
+/// ([`crate::LookupSavings::finish`], since stop 71), which this bound does not cover.
 pub const READ_PROBE_AFTER: usize = 4;
 
 impl<M: Target> ModelDrafter<M> {

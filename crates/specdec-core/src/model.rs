@@ -497,18 +497,19 @@ impl ReadSavings {
     }
 
     /// The sequence is over (released, or its id given a new prompt): its answer is recorded if
-    /// it emitted anything since the read.
-    pub fn finish(&mut self, seq: SeqId) {
+    /// it emitted anything since the read. Returns whether it was.
+    pub fn finish(&mut self, seq: SeqId) -> bool {
         let Some(l) = self.open.remove(&seq) else {
-            return;
+            return false;
         };
         if l.tokens == 0 {
-            return;
+            return false;
         }
         if self.answers.len() == RECENT_ANSWERS {
             self.answers.pop_front();
         }
         self.answers.push_back((l.saved, l.tokens));
+        true
     }
 
     /// Answers recorded (at most [`RECENT_ANSWERS`]).

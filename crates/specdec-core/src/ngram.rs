@@ -86,7 +86,8 @@ impl Draft for NGramDrafter {
 /// The model reads the prompt at prefill, unless the cost model says that reading it cannot pay
 /// for itself within the tokens the sequence is expected to emit that the lookup is not expected
 /// to draft ([`RoundCosts::prompt_read_pays`], [`LookupDrafter::recent_answers`], through
-/// [`Draft::prefill_priced`]; after [`crate::READ_PROBE_AFTER`] prompts left unread in a row it
+/// [`Draft::prefill_priced`]; after [`crate::READ_PROBE_AFTER`] prompts left unread in a row, or
+/// after an answer left unread that calls for measuring again ([`LookupSavings::finish`]), it
 /// reads the next whatever its price): the sequence is then drafted by the lookup alone until the savings
 /// the model's drafts were expected to bring in its rounds since reach the price of reading what
 /// it has not read ([`forgone`]), if the tokens left can still repay it ([`DeferredReads`]), and
@@ -115,14 +116,17 @@ pub struct HybridDrafter<D> {
 
 /// What a hybrid's model rounds saved, in target steps, in the sequences whose prompt the model
 /// read, against the lookup alone: a [`ReadSavings`] whose rounds are each settled by replaying the
-/// lookup over the tokens the round emitted (`lookup_replay_steps`). Kept by [`HybridDrafter`]
-/// and by a server's drafter for its hybrid requests.
+/// lookup over the tokens the round emitted (`lookup_replay_steps`), with the lookup's coverage of
+/// the answers the measure was taken on, which says when an answer left unread is of another kind
+/// ([`LookupSavings::finish`]). Kept by [`HybridDrafter`] and by a server's drafter for its hybrid
+/// requests.
 #[derive(Debug, Default)]
 pub struct LookupSavings {
     savings: ReadSavings,
     /// Per sequence, its model round awaiting the target's verdict.
     replays: HashMap<SeqId, Replay>,
-    /// The answers the measure was taken on, with the tokens the lookup had right in each.
+    /// The answers the measure was taken on, with the tokens the lookup had right in each (over
+    /// the whole answer; a reading deferred into it measures only the tokens after it).
     measured: RecentAnswers,
 }
 
@@ -215,32 +219,39 @@ impl LookupSavings {
     /// ([`DeferredReads::forwent_its_price`]). Returns whether the next prompt is to be read
     /// whatever its price, to measure again: where an answer left unread, whose rounds forwent
     /// that price, was covered by the lookup less than [`REMEASURE_COVERAGE`] times as much as
-    /// the answers the measure was taken on, the measure is of another kind of answer.
+    /// the answers the measure was taken on, the measure is of another kind of answer. Without a
+    /// measure there is nothing to doubt: the prediction that prices a reading then already
+    /// follows the coverage of every recent answer, read or not.
+    #[must_use]
     pub fn finish(&mut self, seq: SeqId, answer: Option<(usize, usize)>, forwent: bool) -> bool {
         self.replays.remove(&seq);
-        let read = self.savings.is_open(seq);
-        self.savings.finish(seq);
+        let recorded = self.savings.finish(seq);
         let Some((emitted, covered)) = answer.filter(|a| a.0 > 0) else {
             return false;
         };
-        if read {
+        if recorded {
             self.measured.record(emitted, covered);
             return false;
         }
         forwent
+            && self.savings.saved_per_token().is_some()
             && !self.measured.is_empty()
             && (covered as f64) < REMEASURE_COVERAGE * self.measured.coverage() * emitted as f64
     }
 }
 
-/// How much less of an answer left unread than of the answers a hybrid's read measure was taken
-/// on the lookup must have had right, as a share of theirs, for the answer to call for the next
-/// prompt's reading whatever its price ([`LookupSavings::finish`]). The measure of what the model's
-/// rounds save is taken only on answers whose prompt the model read, and it differs most between
-/// kinds of answer by how much of them the lookup copies: in stop 70's runs at temperature 0.7,
-/// after questions and summaries (the lookup's drafts had right 38–77% of their tokens at greedy
-/// decoding) had measured 0.005 steps saved a token, four of five translations (3–37%) were left
-/// unread and decoded at 1.04–1.10 times plain decoding; read, they ran at 1.20–1.52 times.
+/// An answer left unread calls for the next prompt's reading whatever its price
+/// ([`LookupSavings::finish`]) where the share of it that the lookup had right is below this
+/// times the share in the answers the hybrid's measure was taken on. That measure, of what the
+/// model's rounds save, is taken only on answers whose prompt the model read, and it differs
+/// between kinds of answer, most with how much of them the lookup copies. In stop 70's runs at
+/// temperature 0.7, after questions and summaries had measured 0.005 steps saved a token, four of
+/// five translations were left unread and decoded at 1.04–1.10 times plain decoding (read, they
+/// ran at 1.20–1.52 times); in its greedy runs the lookup alone had right 38–77% of a summary's
+/// tokens and 3–37% (median 10%) of a translation's. Replayed over stop 70's greedy run
+/// (`decode_replay`, whose decisions vary with the lookup's timing), stop 70's code decoded the
+/// translations at 1.05–1.15× in 3 of 10 replays, leaving them unread, and at 1.31–1.39× in the
+/// others; with this rule, at 1.31–1.39× in all 20.
 pub const REMEASURE_COVERAGE: f64 = 0.5;
 
 /// A model round of a sequence whose prompt the model read, to be replayed by the lookup alone
@@ -418,7 +429,7 @@ impl DeferredReads {
                 saved: 0.0,
                 remaining: req.remaining,
                 start: None,
-                first_price: f64::NAN,
+                first_price: None,
             },
         );
     }
@@ -429,7 +440,7 @@ impl DeferredReads {
     pub fn forwent_its_price(&self, seq: SeqId) -> bool {
         self.unread
             .get(&seq)
-            .is_some_and(|u| u.saved >= u.first_price)
+            .is_some_and(|u| u.first_price.is_some_and(|p| u.saved >= p))
     }
 
     /// Whether the sequence's prompt is unread and not yet due.
@@ -468,9 +479,7 @@ impl DeferredReads {
             u.start.get_or_insert(len);
             let unread = len.saturating_sub(cached());
             let price = c.prompt_read * unread as f64;
-            if u.first_price.is_nan() {
-                u.first_price = price;
-            }
+            u.first_price.get_or_insert(price);
             // A price that is not a number is never reached.
             let due = u.saved >= price && u.repays(len, price);
             if !due {
@@ -509,9 +518,9 @@ struct Unread {
     /// Its context length at its first round: that plus `remaining` is the context length by
     /// which it ends at the latest.
     start: Option<usize>,
-    /// The price of reading what the model did not hold at its first round (not a number
-    /// before it): [`DeferredReads::forwent_its_price`].
-    first_price: f64,
+    /// The price of reading what the model did not hold at its first round:
+    /// [`DeferredReads::forwent_its_price`].
+    first_price: Option<f64>,
 }
 
 impl Unread {
@@ -874,6 +883,8 @@ impl<D: Draft> Draft for HybridDrafter<D> {
     /// drafter reads it lazily instead, where a sequence that never drafts with the model is common.)
     fn prefill(&mut self, seq: SeqId, context: &[TokenId]) -> Result<(), Self::Error> {
         self.answer_over(seq);
+        // This prompt is read, and measured: what an answer before called for is done.
+        self.remeasure = false;
         let Ok(()) = self.lookup.prefill(seq, context);
         self.reads.release(seq);
         self.savings.read(seq, context.len());
@@ -887,7 +898,8 @@ impl<D: Draft> Draft for HybridDrafter<D> {
     /// [`LookupDrafter::recent_answers`]): the lookup then drafts the sequence alone. After
     /// [`crate::READ_PROBE_AFTER`] prompts left unread in a row it reads the next whatever its
     /// price, as a [`crate::ModelDrafter`] does (since stop 69): what its model rounds save is
-    /// measured only on prompts read. (Replayed on stop 68's benchmark, the hybrid had left all
+    /// measured only on prompts read. It reads the next whatever its price too after an answer
+    /// left unread that calls for measuring again ([`LookupSavings::finish`], since stop 71). (Replayed on stop 68's benchmark, the hybrid had left all
     /// 15 QA, summary and translation prompts unread, the translations decoding at 1.00×; with
     /// the probe it read one of each kind, the fifth, and the translations decoded at 1.14×.)
     fn prefill_priced(&mut self, req: &PrefillRequest<'_>) -> Result<(), Self::Error> {
@@ -1643,11 +1655,19 @@ mod tests {
     #[test]
     fn an_unread_answer_covered_far_less_than_the_measured_ones_calls_for_measuring_again() {
         let mut s = LookupSavings::default();
+        let mut lookup = LookupDrafter::default();
         // No measure yet: nothing to doubt.
         assert!(!s.finish(SeqId(1), Some((100, 0)), true));
-        // An answer read: its coverage, 60%, goes with the measure.
+        // An answer read that emitted nothing since is not measured.
         s.read(SeqId(2), 10);
         assert!(!s.finish(SeqId(2), Some((100, 60)), false));
+        assert!(!s.finish(SeqId(3), Some((100, 20)), true));
+        // One that emitted 100 tokens is, and its coverage, 60%, goes with the measure.
+        s.read(SeqId(2), 10);
+        let answer: Vec<TokenId> = (0..110).collect();
+        s.committed(&mut lookup, SeqId(2), &answer);
+        assert!(!s.finish(SeqId(2), Some((100, 60)), false));
+        assert_eq!(s.savings().saved_per_token(), Some(0.0));
         // Unread, its rounds forwent the price, the lookup had right 20% (< 0.5 × 60%).
         assert!(s.finish(SeqId(3), Some((100, 20)), true));
         // Not when it had right 40%, when the rounds did not forgo the price, or when it emitted
@@ -1663,9 +1683,9 @@ mod tests {
         let sampling = SamplingParams::greedy();
         let costs = reading_costs();
         let plain = Proposal::default();
-        let prompt: Vec<TokenId> = (100..140).collect();
-        // 40 tokens unread at the first round: 2 steps, forgone by six plain rounds at a third of
-        // a step each, though the context has grown to 45 tokens (2.25 steps) by then. A
+        let prompt: Vec<TokenId> = (100..141).collect();
+        // 41 tokens unread at the first round: 2.05 steps, forgone by seven plain rounds at a
+        // third of a step each, though the context has grown to 47 tokens (2.35 steps) by then. A
         // sequence that may emit only 10 is not read (the horizon), and is never due.
         let mut reads = DeferredReads::default();
         reads.leave_unread(&PrefillRequest {
@@ -1682,7 +1702,7 @@ mod tests {
             assert_eq!(plan, HybridPlan::Lookup);
             assert_eq!(
                 reads.forwent_its_price(SeqId(1)),
-                round >= 6,
+                round >= 7,
                 "round {round}"
             );
             context.push(1_000 + round as TokenId);

@@ -318,8 +318,10 @@ impl<M: Target> Draft for MultiDrafter<M> {
     /// (what it does not hold already, a released sequence's cache or a copy of a running one's
     /// included) cannot pay for itself within the tokens the request is expected to emit
     /// ([`specdec_core::RoundCosts::prompt_read_pays`], [`RecentAnswers::model_tokens`]), the
-    /// model never reads it: the hybrid
-    /// drafts from the lookup alone, the model kind decodes plainly.
+    /// model leaves it unread: the hybrid drafts from the lookup alone, the model kind decodes
+    /// plainly, until [`DeferredReads`] finds it due. Each kind reads the next prompt whatever
+    /// its price after [`READ_PROBE_AFTER`] of its own left unread in a row, the hybrid kind also
+    /// after an answer left unread that calls for measuring again ([`LookupSavings::finish`]).
     fn prefill_priced(&mut self, req: &PrefillRequest<'_>) -> Result<(), Self::Error> {
         self.prefill(req.seq, req.prompt)?;
         // The lookup's recent answers say how much of an answer it drafts, for the kinds that
@@ -1205,9 +1207,14 @@ mod tests {
         let costs = reading_costs();
         let prompt: Vec<TokenId> = (0..40).collect();
         let mut d = hashed_drafter();
-        // The measure was taken on an answer the lookup had 80% right.
+        // A measure taken on an answer of 100 tokens that the lookup had 80% right, and where the
+        // model saved nothing: every prompt after is left unread by its price.
         d.hybrid_savings.read(SeqId(100), prompt.len());
+        let measured: Vec<TokenId> = (0..140).collect();
+        d.hybrid_savings
+            .committed(&mut d.lookup, SeqId(100), &measured);
         assert!(!d.hybrid_savings.finish(SeqId(100), Some((100, 80)), false));
+        assert_eq!(d.hybrid_savings.savings().saved_per_token(), Some(0.0));
         let sampling = SamplingParams::greedy();
         // 40 tokens at 0.05 are 2 steps, more than 4 tokens repay: left unread. `rounds` plain
         // rounds of new tokens follow (a third of a step forgone each; the horizon of 4 tokens

@@ -247,11 +247,11 @@ impl LookupSavings {
 /// between kinds of answer, most with how much of them the lookup copies. In stop 70's runs at
 /// temperature 0.7, after questions and summaries had measured 0.005 steps saved a token, four of
 /// five translations were left unread and decoded at 1.04–1.10 times plain decoding (read, they
-/// ran at 1.20–1.52 times); in its greedy runs the lookup alone had right 38–77% of a summary's
+/// ran at 1.20–1.52 times); in its greedy runs the lookup alone had right 38–78% of a summary's
 /// tokens and 3–37% (median 10%) of a translation's. Replayed over stop 70's greedy run
 /// (`decode_replay`, whose decisions vary with the lookup's timing), stop 70's code decoded the
-/// translations at 1.05–1.15× in 3 of 10 replays, leaving most of them unread, and at
-/// 1.31–1.39× in the others; with this rule, at 1.31–1.39× in all 20.
+/// translations at 1.01–1.15× in 5 of 20 replays, leaving most of them unread, at 1.23–1.28× in
+/// 2 and at 1.31–1.39× in 13; with this rule, at 1.31–1.39× in all 20.
 pub const REMEASURE_COVERAGE: f64 = 0.5;
 
 /// A model round of a sequence whose prompt the model read, to be replayed by the lookup alone

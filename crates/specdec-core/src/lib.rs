@@ -84,7 +84,7 @@ pub use model::{
 };
 pub use ngram::{
     continue_by_lookup, draft_planned, forgone, plan_hybrid, DeferredReads, HybridDrafter,
-    HybridPlan, LookupSavings, ModelLag, NGramDrafter, REMEASURE_COVERAGE,
+    HybridPlan, LookupSavings, ModelLag, NGramDrafter, EARLY_LOOK_TOKENS, REMEASURE_COVERAGE,
 };
 pub use policy::{
     acceptance_by_position, best_batch_draft_cap, best_batch_trim, best_draft_len,

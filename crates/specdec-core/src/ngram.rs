@@ -215,8 +215,8 @@ impl LookupSavings {
 
     /// The sequence is over, or its id starts a new prompt ([`ReadSavings::finish`]), with
     /// `answer` its tokens and those the lookup had right ([`LookupDrafter::answer`]) and `forwent`
-    /// whether, its prompt left unread, its rounds forwent the price of reading it
-    /// ([`DeferredReads::forwent_its_price`]). Returns whether the next prompt is to be read
+    /// whether, its prompt left unread, its rounds forwent the price of reading it, or it was due
+    /// and never read ([`DeferredReads::forwent_its_price`]). Returns whether the next prompt is to be read
     /// whatever its price, to measure again: where an answer left unread, whose rounds forwent
     /// that price, was covered by the lookup less than [`REMEASURE_COVERAGE`] times as much as
     /// the answers the measure was taken on, the measure is of another kind of answer. Without a
@@ -233,7 +233,15 @@ impl LookupSavings {
             self.measured.record(emitted, covered);
             return false;
         }
-        forwent
+        forwent && self.unlike_measured((emitted, covered))
+    }
+
+    /// Whether an answer (its tokens, and those the lookup had right: [`LookupDrafter::answer`])
+    /// was covered by the lookup less than [`REMEASURE_COVERAGE`] times as much as the answers
+    /// the measure was taken on: the measure then is of another kind of answer. False without a
+    /// measure, or for an empty answer.
+    pub fn unlike_measured(&self, (emitted, covered): (usize, usize)) -> bool {
+        emitted > 0
             && self.savings.saved_per_token().is_some()
             && !self.measured.is_empty()
             && (covered as f64) < REMEASURE_COVERAGE * self.measured.coverage() * emitted as f64
@@ -253,6 +261,17 @@ impl LookupSavings {
 /// translations at 1.01–1.15× in 5 of 20 replays, leaving most of them unread, at 1.23–1.28× in
 /// 2 and at 1.31–1.39× in 13; with this rule, at 1.31–1.39× in all 20.
 pub const REMEASURE_COVERAGE: f64 = 0.5;
+
+/// The tokens an answer left unread has emitted when [`DeferredReads::look_early`] looks at how
+/// much of it the lookup covered: early, so that a reading then can still be repaid, and late
+/// enough that its coverage says something (its first token is never covered, so an answer's
+/// first tokens read as less covered than the whole answers they are weighed against). Replayed over stop 70's greedy run (`decode_replay`,
+/// hybrid; each figure the median over five prompts, its range over the replays), stop 71's code
+/// decoded the summaries at 1.72–1.79× and the translations at 1.32–1.39× (six replays); looking
+/// at 16 tokens, 2.00–2.01× and 1.32–1.41× (six; the unread `summarize/threads` and
+/// `translate/kv-cache` read at their look, 1.79 → 2.00× and 1.21 → 1.36×); at 8, 1.72–1.75×
+/// and 1.38–1.43×, code edits 0.05 slower (three); at 32, 1.79× and 1.32× (three).
+pub const EARLY_LOOK_TOKENS: usize = 16;
 
 /// A model round of a sequence whose prompt the model read, to be replayed by the lookup alone
 /// once the target has committed what it emitted ([`lookup_replay_steps`]): the request's parts
@@ -407,7 +426,8 @@ impl ModelLag {
 /// the sum reaches the price of reading what the model does not hold, the prompt is due, read by
 /// the model as the catch-up of its next draft (forced at the next round without a lookup draft),
 /// if the tokens the sequence may still emit can repay that price at the rate its rounds forwent
-/// savings so far (the rule's horizon, since stop 65; else it stays unread).
+/// savings so far (the rule's horizon, since stop 65; else it stays unread). Since stop 72 an
+/// early look at the answer can make it due sooner ([`DeferredReads::look_early`]).
 /// Both [`HybridDrafter`] and the server's drafter plan their rounds through it.
 #[derive(Debug, Default)]
 pub struct DeferredReads {
@@ -430,17 +450,53 @@ impl DeferredReads {
                 remaining: req.remaining,
                 start: None,
                 first_price: None,
+                looked: false,
             },
         );
+    }
+
+    /// Looks once at the answer so far of a sequence whose prompt is unread, at its first round
+    /// after at least [`EARLY_LOOK_TOKENS`] tokens of it (`answer`: [`LookupDrafter::answer`]):
+    /// where the lookup covered it far less than the answers that `savings` was measured on
+    /// ([`LookupSavings::unlike_measured`]), the measure that left the prompt unread is of another
+    /// kind of answer, and the prompt is due now, if the sequence may still emit at least as many
+    /// tokens as it has (most of the answer is then still to come; else it stays unread, as the
+    /// ski-rental rule's horizon would keep it). The look is spent whatever it finds, also where
+    /// there is no measure yet to doubt. Returns whether the prompt became due.
+    pub fn look_early(
+        &mut self,
+        seq: SeqId,
+        answer: Option<(usize, usize)>,
+        savings: &LookupSavings,
+    ) -> bool {
+        let (Some(u), Some(answer)) = (self.unread.get_mut(&seq), answer) else {
+            return false;
+        };
+        if u.looked || answer.0 < EARLY_LOOK_TOKENS {
+            return false;
+        }
+        u.looked = true;
+        let left = u.remaining.saturating_sub(answer.0);
+        if left < answer.0 || !savings.unlike_measured(answer) {
+            return false;
+        }
+        self.unread.remove(&seq);
+        self.due.insert(seq);
+        true
     }
 
     /// Whether the sequence's prompt is unread, and its rounds forwent the price that reading
     /// what the model did not hold had at the first of them: the reading would have paid, as the
     /// cost model priced the rounds, had it been made at the start ([`LookupSavings::finish`]).
+    /// A prompt due and not read yet counts too (since stop 72): it became due for the same
+    /// reason, or because its answer was unlike the measured ones
+    /// ([`DeferredReads::look_early`]).
     pub fn forwent_its_price(&self, seq: SeqId) -> bool {
-        self.unread
-            .get(&seq)
-            .is_some_and(|u| u.first_price.is_some_and(|p| u.saved >= p))
+        self.due.contains(&seq)
+            || self
+                .unread
+                .get(&seq)
+                .is_some_and(|u| u.first_price.is_some_and(|p| u.saved >= p))
     }
 
     /// Whether the sequence's prompt is unread and not yet due.
@@ -521,6 +577,8 @@ struct Unread {
     /// The price of reading what the model did not hold at its first round:
     /// [`DeferredReads::forwent_its_price`].
     first_price: Option<f64>,
+    /// Whether [`DeferredReads::look_early`] looked at its answer.
+    looked: bool,
 }
 
 impl Unread {
@@ -844,6 +902,8 @@ impl<D: Draft> Draft for HybridDrafter<D> {
     ) -> Result<(), Self::Error> {
         let mut plans = Vec::with_capacity(batch.len());
         for (req, out) in batch.iter().zip(out.iter_mut()) {
+            let answer = self.lookup.answer(req.seq);
+            self.reads.look_early(req.seq, answer, &self.savings);
             let rate = self.lookup.propose_one(req, out);
             let (model, lag) = (&self.model, &self.lag);
             plans.push(self.reads.plan(
@@ -899,7 +959,10 @@ impl<D: Draft> Draft for HybridDrafter<D> {
     /// [`crate::READ_PROBE_AFTER`] prompts left unread in a row it reads the next whatever its
     /// price, as a [`crate::ModelDrafter`] does (since stop 69): what its model rounds save is
     /// measured only on prompts read. It reads the next whatever its price too after an answer
-    /// left unread that calls for measuring again ([`LookupSavings::finish`], since stop 71). (Replayed on stop 68's benchmark, the hybrid had left all
+    /// left unread that calls for measuring again ([`LookupSavings::finish`], since stop 71). From
+    /// stop 72 a prompt left unread becomes due where the early look at its answer, after 16
+    /// tokens, finds it unlike the measured ones ([`DeferredReads::look_early`]). (Replayed on
+    /// stop 68's benchmark, the hybrid had left all
     /// 15 QA, summary and translation prompts unread, the translations decoding at 1.00×; with
     /// the probe it read one of each kind, the fifth, and the translations decoded at 1.14×.)
     fn prefill_priced(&mut self, req: &PrefillRequest<'_>) -> Result<(), Self::Error> {
@@ -1473,16 +1536,23 @@ mod tests {
         assert!(hybrid.model_drafts(SeqId(1)));
     }
 
-    /// Commits to `seq` an answer of 100 tokens that copies `prompt` from its token 500 on: after
-    /// its first token the lookup drafts every one (unpriced rounds draft the lookup's whole walk).
-    fn answer_by_copying(hybrid: &mut HybridDrafter<Counting>, seq: SeqId, prompt: &[TokenId]) {
+    /// Commits to `seq` an answer of at least `len` tokens that copies `prompt` from its token 500
+    /// on: after its first token the lookup drafts every one (unpriced rounds draft the lookup's
+    /// whole walk, rounds priced by `costs` up to 8 tokens). Returns the context committed.
+    fn answer_by_copying(
+        hybrid: &mut HybridDrafter<Counting>,
+        seq: SeqId,
+        prompt: &[TokenId],
+        len: usize,
+        costs: Option<&RoundCosts>,
+    ) -> Vec<TokenId> {
         let sampling = SamplingParams::greedy();
         let mut context = prompt.to_vec();
         context.push(500);
         let Ok(()) = hybrid.commit(seq, &context);
-        while context.len() < prompt.len() + 100 {
+        while context.len() < prompt.len() + len {
             let mut out = [Proposal::default()];
-            let req = crate::mock::draft_request(seq, &context, &sampling, None);
+            let req = crate::mock::draft_request(seq, &context, &sampling, costs);
             let Ok(()) = hybrid.propose(&[req], &mut out);
             // The target copies on: what was drafted right, then the next token.
             let next = context[context.len() - 1] + 1;
@@ -1495,6 +1565,7 @@ mod tests {
             context.extend((0..=right as u32).map(|i| next + i));
             let Ok(()) = hybrid.commit(seq, &context);
         }
+        context
     }
 
     #[test]
@@ -1513,7 +1584,7 @@ mod tests {
         };
         let Ok(()) = hybrid.prefill_priced(&read(SeqId(1)));
         assert!(!hybrid.left_unread(SeqId(1)));
-        answer_by_copying(&mut hybrid, SeqId(1), &prompt);
+        answer_by_copying(&mut hybrid, SeqId(1), &prompt, 100, None);
         hybrid.release(SeqId(1));
         let recent = hybrid.lookup.recent_answers().clone();
         assert_eq!(recent.len(), 1);
@@ -1730,30 +1801,35 @@ mod tests {
             costs: Some(&costs),
         };
         // Each case: a first answer read, that copies the prompt (the lookup drafts nearly all of
-        // it, and the model saves nothing: the measure is 0), then a second left unread, of
-        // `new` tokens the lookup never saw; is the third prompt read?
+        // it, and the model saves nothing: the measure is 0), then a second left unread, that
+        // copies the prompt for its first 30 tokens (so that its early look finds it like the
+        // measured one, [`DeferredReads::look_early`]) and then has `new` tokens the lookup
+        // never saw; is the third prompt read?
         let third_read = |new: u32| {
             let mut hybrid = HybridDrafter::new(LookupDrafter::default(), Counting::default());
             hybrid.model.held = held;
             let Ok(()) = hybrid.prefill_priced(&read(SeqId(1)));
             assert!(!hybrid.left_unread(SeqId(1)));
-            answer_by_copying(&mut hybrid, SeqId(1), &prompt);
+            answer_by_copying(&mut hybrid, SeqId(1), &prompt, 100, None);
             hybrid.release(SeqId(1));
             assert_eq!(hybrid.read_savings().saved_per_token(), Some(0.0));
             let Ok(()) = hybrid.prefill_priced(&read(SeqId(2)));
             assert!(hybrid.left_unread(SeqId(2)));
-            // Plain rounds, each forgoing a third of a step; the tokens left never repay the
-            // growing price in time (the horizon), so the prompt stays unread.
-            let mut context = prompt.clone();
+            // Plain rounds after the copy (but the first, which drafts the copy's continuation),
+            // each forgoing a third of a step; the tokens left never repay the growing price in
+            // time (the horizon), so the prompt stays unread.
+            let mut context = answer_by_copying(&mut hybrid, SeqId(2), &prompt, 30, Some(&costs));
+            let proposals = hybrid.model.proposals;
             for t in 0..new {
                 let mut out = [Proposal::default()];
                 let req = crate::mock::draft_request(SeqId(2), &context, &sampling, Some(&costs));
                 let Ok(()) = hybrid.propose(&[req], &mut out);
-                assert!(out[0].tokens.is_empty());
+                assert!(t == 0 || out[0].tokens.is_empty(), "{t}: {:?}", out[0]);
+                assert!(hybrid.left_unread(SeqId(2)));
                 context.push(7_000 + t);
                 let Ok(()) = hybrid.commit(SeqId(2), &context);
             }
-            assert!(hybrid.left_unread(SeqId(2)));
+            assert_eq!(hybrid.model.proposals, proposals);
             hybrid.release(SeqId(2));
             let Ok(()) = hybrid.prefill_priced(&read(SeqId(3)));
             !hybrid.left_unread(SeqId(3))
@@ -1763,6 +1839,102 @@ mod tests {
         assert!(third_read(100));
         // 40 rounds forwent 13: the measure stands.
         assert!(!third_read(40));
+    }
+
+    #[test]
+    fn an_early_look_makes_due_an_unread_prompt_whose_answer_is_unlike_the_measured_ones() {
+        let prompt: Vec<TokenId> = (100..141).collect();
+        // A measure, taken on an answer the lookup had right at 60%.
+        let mut savings = LookupSavings::default();
+        savings.read(SeqId(9), 10);
+        let answer: Vec<TokenId> = (0..110).collect();
+        savings.committed(&mut LookupDrafter::default(), SeqId(9), &answer);
+        assert!(!savings.finish(SeqId(9), Some((100, 60)), false));
+        let unread = |seq| {
+            let mut reads = DeferredReads::default();
+            reads.leave_unread(&PrefillRequest {
+                seq,
+                prompt: &prompt,
+                remaining: 100,
+                costs: None,
+            });
+            reads
+        };
+        // Not before 16 tokens; at 16, covered 4 (25% < 0.5 × 60%): due, which counts as having
+        // forgone its price.
+        let mut reads = unread(SeqId(1));
+        assert!(!reads.look_early(SeqId(1), Some((15, 0)), &savings));
+        assert!(reads.is_unread(SeqId(1)));
+        assert!(!reads.forwent_its_price(SeqId(1)));
+        assert!(reads.look_early(SeqId(1), Some((16, 4)), &savings));
+        assert!(!reads.is_unread(SeqId(1)));
+        assert!(reads.is_due(SeqId(1)));
+        assert!(reads.forwent_its_price(SeqId(1)));
+        // The same answer where the sequence may emit 30 tokens in all: 14 left, fewer than the
+        // 16 out, so it stays unread.
+        let mut reads = DeferredReads::default();
+        reads.leave_unread(&PrefillRequest {
+            seq: SeqId(1),
+            prompt: &prompt,
+            remaining: 30,
+            costs: None,
+        });
+        assert!(!reads.look_early(SeqId(1), Some((16, 4)), &savings));
+        assert!(reads.is_unread(SeqId(1)));
+        // Covered 5 of 16 (31%): it looks like the measured ones, and is not looked at again.
+        let mut reads = unread(SeqId(1));
+        assert!(!reads.look_early(SeqId(1), Some((16, 5)), &savings));
+        assert!(!reads.look_early(SeqId(1), Some((40, 0)), &savings));
+        assert!(reads.is_unread(SeqId(1)));
+        // Nothing without a measure, for a sequence not unread, or without an answer.
+        let mut reads = unread(SeqId(1));
+        assert!(!reads.look_early(SeqId(2), Some((16, 0)), &savings));
+        assert!(!reads.look_early(SeqId(1), None, &savings));
+        assert!(!reads.look_early(SeqId(1), Some((16, 0)), &LookupSavings::default()));
+        assert!(reads.is_unread(SeqId(1)));
+    }
+
+    #[test]
+    fn an_unread_answer_unlike_the_measured_ones_is_read_at_its_early_look() {
+        let sampling = SamplingParams::greedy();
+        let costs = reading_costs();
+        let prompt: Vec<TokenId> = (100..1_100).collect();
+        let read = |seq| PrefillRequest {
+            seq,
+            prompt: &prompt,
+            remaining: 100,
+            costs: Some(&costs),
+        };
+        let mut hybrid = HybridDrafter::new(LookupDrafter::default(), Counting::default());
+        hybrid.model.held = 600;
+        // The measure, 0 steps saved a token, on an answer that copies the prompt.
+        let Ok(()) = hybrid.prefill_priced(&read(SeqId(1)));
+        answer_by_copying(&mut hybrid, SeqId(1), &prompt, 100, None);
+        hybrid.release(SeqId(1));
+        let Ok(()) = hybrid.prefill_priced(&read(SeqId(2)));
+        assert!(hybrid.left_unread(SeqId(2)));
+        // Tokens the lookup never saw: plain rounds, until the round after the 16th token,
+        // which looks at the answer, finds the prompt due and drafts with the model, which reads
+        // the whole context as its catch-up. (The rounds alone would not have made it due: they
+        // forgo a third of a step each against a price of 20 steps.)
+        let mut context = prompt.clone();
+        for t in 0..16 {
+            let mut out = [Proposal::default()];
+            let req = crate::mock::draft_request(SeqId(2), &context, &sampling, Some(&costs));
+            let Ok(()) = hybrid.propose(&[req], &mut out);
+            assert!(out[0].tokens.is_empty(), "token {t}: {:?}", out[0]);
+            assert!(hybrid.left_unread(SeqId(2)));
+            context.push(7_000 + t);
+            let Ok(()) = hybrid.commit(SeqId(2), &context);
+        }
+        assert_eq!(hybrid.model.proposals, 0);
+        let mut out = [Proposal::default()];
+        let req = crate::mock::draft_request(SeqId(2), &context, &sampling, Some(&costs));
+        let Ok(()) = hybrid.propose(&[req], &mut out);
+        assert!(!hybrid.left_unread(SeqId(2)));
+        assert_eq!(hybrid.model.proposals, 1);
+        assert_eq!(out[0].tokens, [7]);
+        assert_eq!(out[0].lag, context.len());
     }
 
     #[test]

@@ -222,9 +222,13 @@ impl<M: Target> Draft for MultiDrafter<M> {
                 f64::NAN
             };
             // A prompt left unread is read after all once the model's drafts would have saved
-            // its price in the rounds since and the tokens left can repay it (as `HybridDrafter`
-            // does); the model then reads the whole context as its catch-up (counted as its lag).
+            // its price in the rounds since and the tokens left can repay it, or where the early
+            // look at a hybrid request's answer finds it unlike the measured ones (as
+            // `HybridDrafter` does; only a hybrid request's prompt is left unread with a lookup
+            // answer); the model then reads the whole context as its catch-up (counted as its lag).
             let was_unread = self.reads.is_unread(req.seq);
+            let answer = self.lookup.answer(req.seq);
+            self.reads.look_early(req.seq, answer, &self.hybrid_savings);
             let (model, lag) = (self.model.as_ref(), &self.lag);
             let plan = self.reads.plan(
                 req,
@@ -321,7 +325,9 @@ impl<M: Target> Draft for MultiDrafter<M> {
     /// model leaves it unread: the hybrid drafts from the lookup alone, the model kind decodes
     /// plainly, until [`DeferredReads`] finds it due. Each kind reads the next prompt whatever
     /// its price after [`READ_PROBE_AFTER`] of its own left unread in a row, the hybrid kind also
-    /// after an answer left unread that calls for measuring again ([`LookupSavings::finish`]).
+    /// after an answer left unread that calls for measuring again ([`LookupSavings::finish`]);
+    /// a hybrid request's prompt left unread is due at once where the early look at its answer
+    /// finds it unlike the measured ones ([`DeferredReads::look_early`]).
     fn prefill_priced(&mut self, req: &PrefillRequest<'_>) -> Result<(), Self::Error> {
         self.prefill(req.seq, req.prompt)?;
         // The lookup's recent answers say how much of an answer it drafts, for the kinds that
@@ -1244,6 +1250,40 @@ mod tests {
         d.release(SeqId(3));
         select_and_read(&mut d, SeqId(4), DrafterKind::Hybrid, &prompt, 4, &costs);
         assert!(!d.model_drafts(SeqId(4)));
+    }
+
+    #[test]
+    fn an_unread_hybrid_answer_unlike_the_measured_ones_is_read_at_its_early_look() {
+        let costs = reading_costs();
+        let prompt: Vec<TokenId> = (0..400).collect();
+        let mut d = hashed_drafter();
+        // The measure of the test above: 0 steps saved, on an answer the lookup had 80% right.
+        d.hybrid_savings.read(SeqId(100), prompt.len());
+        let measured: Vec<TokenId> = (0..500).collect();
+        d.hybrid_savings
+            .committed(&mut d.lookup, SeqId(100), &measured);
+        assert!(!d.hybrid_savings.finish(SeqId(100), Some((100, 80)), false));
+        let sampling = SamplingParams::greedy();
+        // 400 tokens at 0.05 are 20 steps: left unread. 16 plain rounds of new tokens forgo 5.3
+        // steps, short of that price; the round after them looks at the answer so far (none of
+        // it covered, 84 of 100 tokens left) and drafts with the model, which reads the whole
+        // context.
+        let seq = SeqId(1);
+        select_and_read(&mut d, seq, DrafterKind::Hybrid, &prompt, 100, &costs);
+        let mut context = prompt.clone();
+        d.commit(seq, &context).unwrap();
+        for t in 0..=16 {
+            let mut out = vec![Proposal::default()];
+            let req = specdec_core::mock::draft_request(seq, &context, &sampling, Some(&costs));
+            d.propose(&[req], &mut out).unwrap();
+            assert_eq!(out[0].tokens.is_empty(), t < 16, "round {t}: {:?}", out[0]);
+            assert_eq!(d.model_drafts(seq), t == 16, "round {t}");
+            if t == 16 {
+                assert_eq!(out[0].lag, context.len());
+            }
+            context.push(500 + t);
+            d.commit(seq, &context).unwrap();
+        }
     }
 
     /// A prompt left unread is read after all, by a model draft, once the plain rounds since

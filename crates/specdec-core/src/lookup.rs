@@ -207,6 +207,9 @@ struct SeqState {
     /// the target emitted after them), whether or not the round used it; of a draft a batch
     /// trimmed ([`Draft::truncated`]), only the kept tokens.
     covered: usize,
+    /// The output's length and `covered` at the commit that first brought it to
+    /// [`crate::EARLY_LOOK_TOKENS`] tokens or more.
+    early: Option<(usize, usize)>,
 }
 
 /// The lookup drafter; see the module documentation.
@@ -269,6 +272,13 @@ impl LookupDrafter {
     /// over). `None` for a sequence not running.
     pub fn answer(&self, seq: SeqId) -> Option<(usize, usize)> {
         self.seqs.get(&seq).map(|s| (s.output.len(), s.covered))
+    }
+
+    /// [`LookupDrafter::answer`] as it was at the commit that first brought a running sequence's
+    /// answer to [`crate::EARLY_LOOK_TOKENS`] tokens or more: what an early look at it sees
+    /// ([`crate::DeferredReads::look_early`]). `None` before then, or for a sequence not running.
+    pub fn early_answer(&self, seq: SeqId) -> Option<(usize, usize)> {
+        self.seqs.get(&seq).and_then(|s| s.early)
     }
 
     /// The settings.
@@ -561,6 +571,9 @@ impl Draft for LookupDrafter {
                 state.covered += right + usize::from(committed.len() > p.at + right);
             }
         }
+        if state.early.is_none() && state.output.len() >= crate::EARLY_LOOK_TOKENS {
+            state.early = Some((state.output.len(), state.covered));
+        }
         Ok(())
     }
 
@@ -646,6 +659,8 @@ mod tests {
         assert!(out.tokens.is_empty());
         ctx.push(11);
         let Ok(()) = d.commit(SeqId(0), &ctx);
+        // 10 tokens: not yet the answer of an early look.
+        assert_eq!(d.early_answer(SeqId(0)), None);
         // A walk its costs cut to nothing covers nothing, even where it would have been right.
         let dear = RoundCosts {
             r: vec![1.0, 100.0, 100.0, 100.0, 100.0],
@@ -653,11 +668,16 @@ mod tests {
         };
         ctx.extend(1..=6);
         let Ok(()) = d.commit(SeqId(0), &ctx);
+        // 16 tokens, 3 covered: what an early look sees, kept as the answer goes on.
+        assert_eq!(d.early_answer(SeqId(0)), Some((16, 3)));
         d.propose_one(&request(&ctx, 4, &sampling, Some(&dear)), &mut out);
         assert!(out.tokens.is_empty());
         ctx.extend([7, 8]);
         let Ok(()) = d.commit(SeqId(0), &ctx);
+        assert_eq!(d.answer(SeqId(0)), Some((18, 3)));
+        assert_eq!(d.early_answer(SeqId(0)), Some((16, 3)));
         d.release(SeqId(0));
+        assert_eq!(d.early_answer(SeqId(0)), None);
         // The answer: 1 ..= 8, 77, 11, 1 ..= 8: 18 tokens, of which 7, 8 and 77 were covered.
         let recent = d.recent_answers();
         assert_eq!(recent.len(), 1);

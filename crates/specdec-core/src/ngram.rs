@@ -128,6 +128,9 @@ pub struct LookupSavings {
     /// The answers the measure was taken on, with the tokens the lookup had right in each (over
     /// the whole answer; a reading deferred into it measures only the tokens after it).
     measured: RecentAnswers,
+    /// The same answers as they were at an early look ([`LookupDrafter::early_answer`]): an
+    /// answer's first tokens are covered less than the whole (its first is never covered).
+    measured_early: RecentAnswers,
 }
 
 impl LookupSavings {
@@ -214,7 +217,9 @@ impl LookupSavings {
     }
 
     /// The sequence is over, or its id starts a new prompt ([`ReadSavings::finish`]), with
-    /// `answer` its tokens and those the lookup had right ([`LookupDrafter::answer`]) and `forwent`
+    /// `answer` its tokens and those the lookup had right ([`LookupDrafter::answer`]), `early` the
+    /// same at its early look ([`LookupDrafter::early_answer`], recorded with a measured answer
+    /// for [`LookupSavings::unlike_measured_early`]), and `forwent`
     /// whether, its prompt left unread, its rounds forwent the price of reading it, or it was due
     /// and never read ([`DeferredReads::forwent_its_price`]). Returns whether the next prompt is to be read
     /// whatever its price, to measure again: where an answer left unread, whose rounds forwent
@@ -223,7 +228,13 @@ impl LookupSavings {
     /// measure there is nothing to doubt: the prediction that prices a reading then already
     /// follows the coverage of every recent answer, read or not.
     #[must_use]
-    pub fn finish(&mut self, seq: SeqId, answer: Option<(usize, usize)>, forwent: bool) -> bool {
+    pub fn finish(
+        &mut self,
+        seq: SeqId,
+        answer: Option<(usize, usize)>,
+        early: Option<(usize, usize)>,
+        forwent: bool,
+    ) -> bool {
         self.replays.remove(&seq);
         let recorded = self.savings.finish(seq);
         let Some((emitted, covered)) = answer.filter(|a| a.0 > 0) else {
@@ -231,20 +242,31 @@ impl LookupSavings {
         };
         if recorded {
             self.measured.record(emitted, covered);
+            if let Some((emitted, covered)) = early {
+                self.measured_early.record(emitted, covered);
+            }
             return false;
         }
-        forwent && self.unlike_measured((emitted, covered))
+        forwent && self.unlike(&self.measured, (emitted, covered))
     }
 
-    /// Whether an answer (its tokens, and those the lookup had right: [`LookupDrafter::answer`])
-    /// was covered by the lookup less than [`REMEASURE_COVERAGE`] times as much as the answers
-    /// the measure was taken on: the measure then is of another kind of answer. False without a
-    /// measure, or for an empty answer.
-    pub fn unlike_measured(&self, (emitted, covered): (usize, usize)) -> bool {
+    /// Whether an answer so far, at its early look (its tokens, and those the lookup had right:
+    /// [`LookupDrafter::early_answer`]), was covered by the lookup less than
+    /// [`REMEASURE_COVERAGE`] times as much as the answers the measure was taken on were at
+    /// theirs: the measure then is of another kind of answer ([`DeferredReads::look_early`]).
+    /// Weighed against the measured answers' whole coverage instead, every answer's first tokens
+    /// read as less covered than they are. False without a measure, or for an empty answer.
+    pub fn unlike_measured_early(&self, answer: (usize, usize)) -> bool {
+        self.unlike(&self.measured_early, answer)
+    }
+
+    /// Whether `(emitted, covered)` was covered less than [`REMEASURE_COVERAGE`] times as much
+    /// as `measured`, with a measure taken.
+    fn unlike(&self, measured: &RecentAnswers, (emitted, covered): (usize, usize)) -> bool {
         emitted > 0
             && self.savings.saved_per_token().is_some()
-            && !self.measured.is_empty()
-            && (covered as f64) < REMEASURE_COVERAGE * self.measured.coverage() * emitted as f64
+            && !measured.is_empty()
+            && (covered as f64) < REMEASURE_COVERAGE * measured.coverage() * emitted as f64
     }
 }
 
@@ -264,13 +286,19 @@ pub const REMEASURE_COVERAGE: f64 = 0.5;
 
 /// The tokens an answer left unread has emitted when [`DeferredReads::look_early`] looks at how
 /// much of it the lookup covered: early, so that a reading then can still be repaid, and late
-/// enough that its coverage says something (its first token is never covered, so an answer's
-/// first tokens read as less covered than the whole answers they are weighed against). Replayed over stop 70's greedy run (`decode_replay`,
+/// enough that its coverage says something. Replayed over stop 70's greedy run (`decode_replay`,
 /// hybrid; each figure the median over five prompts, its range over the replays), stop 71's code
 /// decoded the summaries at 1.72–1.79× and the translations at 1.32–1.39× (six replays); looking
 /// at 16 tokens, 2.00–2.01× and 1.32–1.41× (six; the unread `summarize/threads` and
 /// `translate/kv-cache` read at their look, 1.79 → 2.00× and 1.21 → 1.36×); at 8, 1.72–1.75×
-/// and 1.38–1.43×, code edits 0.05 slower (three); at 32, 1.79× and 1.32× (three).
+/// and 1.38–1.43×, code edits 0.05 slower (three); at 32, 1.79× and 1.32× (three). Those weighed
+/// the answer so far against the measured answers' whole coverage, which an answer's first
+/// tokens fall short of (its first is never covered: at 16 tokens the replay's unread summaries
+/// were covered 12–60%, against 37–59% for the whole measured answers), and of the four summaries
+/// read after their prefill in the measured runs (at the look or by the rounds' forgone price,
+/// one greedy and three at temperature 0.7), three decoded slower than the same prompt in stop
+/// 71's paired run; weighed against the measured answers' own early looks
+/// ([`LookupSavings::unlike_measured_early`], the final rule), 1.93–2.01× and 1.32–1.41× (six).
 pub const EARLY_LOOK_TOKENS: usize = 16;
 
 /// A model round of a sequence whose prompt the model read, to be replayed by the lookup alone
@@ -370,9 +398,9 @@ impl<D> HybridDrafter<D> {
     /// is closed, and the next prompt is to be read whatever its price where the answer calls for
     /// it ([`LookupSavings::finish`]). Called before the lookup records the answer.
     fn answer_over(&mut self, seq: SeqId) {
-        let answer = self.lookup.answer(seq);
+        let (answer, early) = (self.lookup.answer(seq), self.lookup.early_answer(seq));
         let forwent = self.reads.forwent_its_price(seq);
-        self.remeasure |= self.savings.finish(seq, answer, forwent);
+        self.remeasure |= self.savings.finish(seq, answer, early, forwent);
     }
 }
 
@@ -457,8 +485,8 @@ impl DeferredReads {
 
     /// Looks once at the answer so far of a sequence whose prompt is unread, at its first round
     /// after at least [`EARLY_LOOK_TOKENS`] tokens of it (`answer`: [`LookupDrafter::answer`]):
-    /// where the lookup covered it far less than the answers that `savings` was measured on
-    /// ([`LookupSavings::unlike_measured`]), the measure that left the prompt unread is of another
+    /// where the lookup covered it far less than the answers that `savings` was measured on at
+    /// theirs ([`LookupSavings::unlike_measured_early`]), the measure that left the prompt unread is of another
     /// kind of answer, and the prompt is due now, if the sequence may still emit at least as many
     /// tokens as it has (most of the answer is then still to come; else it stays unread, as the
     /// ski-rental rule's horizon would keep it). The look is spent whatever it finds, also where
@@ -477,7 +505,7 @@ impl DeferredReads {
         }
         u.looked = true;
         let left = u.remaining.saturating_sub(answer.0);
-        if left < answer.0 || !savings.unlike_measured(answer) {
+        if left < answer.0 || !savings.unlike_measured_early(answer) {
             return false;
         }
         self.unread.remove(&seq);
@@ -1664,7 +1692,7 @@ mod tests {
                 seq,
                 &[&prompt[..], &answer[..emitted]].concat(),
             );
-            assert!(!s.finish(seq, lookup.answer(seq), false));
+            assert!(!s.finish(seq, lookup.answer(seq), lookup.early_answer(seq), false));
             saved.push(s.savings().saved_per_token().unwrap_or(f64::NAN) * emitted as f64);
         }
         // New tokens, which the lookup alone decodes plainly: 11 steps for the whole round, 5 for
@@ -1732,25 +1760,25 @@ mod tests {
         let mut s = LookupSavings::default();
         let mut lookup = LookupDrafter::default();
         // No measure yet: nothing to doubt.
-        assert!(!s.finish(SeqId(1), Some((100, 0)), true));
+        assert!(!s.finish(SeqId(1), Some((100, 0)), None, true));
         // An answer read that emitted nothing since is not measured.
         s.read(SeqId(2), 10);
-        assert!(!s.finish(SeqId(2), Some((100, 60)), false));
-        assert!(!s.finish(SeqId(3), Some((100, 20)), true));
+        assert!(!s.finish(SeqId(2), Some((100, 60)), None, false));
+        assert!(!s.finish(SeqId(3), Some((100, 20)), None, true));
         // One that emitted 100 tokens is, and its coverage, 60%, goes with the measure.
         s.read(SeqId(2), 10);
         let answer: Vec<TokenId> = (0..110).collect();
         s.committed(&mut lookup, SeqId(2), &answer);
-        assert!(!s.finish(SeqId(2), Some((100, 60)), false));
+        assert!(!s.finish(SeqId(2), Some((100, 60)), None, false));
         assert_eq!(s.savings().saved_per_token(), Some(0.0));
         // Unread, its rounds forwent the price, the lookup had right 20% (< 0.5 × 60%).
-        assert!(s.finish(SeqId(3), Some((100, 20)), true));
+        assert!(s.finish(SeqId(3), Some((100, 20)), None, true));
         // Not when it had right 40%, when the rounds did not forgo the price, or when it emitted
         // nothing.
-        assert!(!s.finish(SeqId(4), Some((100, 40)), true));
-        assert!(!s.finish(SeqId(5), Some((100, 0)), false));
-        assert!(!s.finish(SeqId(6), Some((0, 0)), true));
-        assert!(!s.finish(SeqId(7), None, true));
+        assert!(!s.finish(SeqId(4), Some((100, 40)), None, true));
+        assert!(!s.finish(SeqId(5), Some((100, 0)), None, false));
+        assert!(!s.finish(SeqId(6), Some((0, 0)), None, true));
+        assert!(!s.finish(SeqId(7), None, None, true));
     }
 
     #[test]
@@ -1844,12 +1872,17 @@ mod tests {
     #[test]
     fn an_early_look_makes_due_an_unread_prompt_whose_answer_is_unlike_the_measured_ones() {
         let prompt: Vec<TokenId> = (100..141).collect();
-        // A measure, taken on an answer the lookup had right at 60%.
-        let mut savings = LookupSavings::default();
-        savings.read(SeqId(9), 10);
+        // A measure, taken on an answer the lookup had right at 60%, at its early look (12 of 20)
+        // as over the whole; and one whose answer it had right at 60% but 4 of 16 at its look.
         let answer: Vec<TokenId> = (0..110).collect();
-        savings.committed(&mut LookupDrafter::default(), SeqId(9), &answer);
-        assert!(!savings.finish(SeqId(9), Some((100, 60)), false));
+        let measure = |early| {
+            let mut savings = LookupSavings::default();
+            savings.read(SeqId(9), 10);
+            savings.committed(&mut LookupDrafter::default(), SeqId(9), &answer);
+            assert!(!savings.finish(SeqId(9), Some((100, 60)), Some(early), false));
+            savings
+        };
+        let (savings, slow_start) = (measure((20, 12)), measure((16, 4)));
         let unread = |seq| {
             let mut reads = DeferredReads::default();
             reads.leave_unread(&PrefillRequest {
@@ -1880,6 +1913,11 @@ mod tests {
             costs: None,
         });
         assert!(!reads.look_early(SeqId(1), Some((16, 4)), &savings));
+        assert!(reads.is_unread(SeqId(1)));
+        // Against answers that started as slowly, 4 of 16 is alike: the whole answers' 60% is not
+        // what an early look is weighed against.
+        let mut reads = unread(SeqId(1));
+        assert!(!reads.look_early(SeqId(1), Some((16, 4)), &slow_start));
         assert!(reads.is_unread(SeqId(1)));
         // Covered 5 of 16 (31%): it looks like the measured ones, and is not looked at again.
         let mut reads = unread(SeqId(1));

@@ -172,9 +172,9 @@ impl<M: Target> MultiDrafter<M> {
     /// the answer calls for it ([`LookupSavings::finish`]; only a hybrid request's prompt is left
     /// unread with a lookup answer). Called before the lookup records the answer.
     fn answer_over(&mut self, seq: SeqId) {
-        let answer = self.lookup.answer(seq);
+        let (answer, early) = (self.lookup.answer(seq), self.lookup.early_answer(seq));
         let forwent = self.reads.forwent_its_price(seq);
-        self.hybrid_remeasure |= self.hybrid_savings.finish(seq, answer, forwent);
+        self.hybrid_remeasure |= self.hybrid_savings.finish(seq, answer, early, forwent);
     }
 
     /// The kinds offered.
@@ -1205,6 +1205,19 @@ mod tests {
         assert!(!read(&mut d, DrafterKind::Model));
     }
 
+    /// Gives `d`'s hybrid requests a measure taken on an answer of 100 tokens, after a prompt of
+    /// `prompt_len`, that the lookup had 80% right and where the model saved nothing.
+    fn measure_nothing_saved(d: &mut MultiDrafter<MockModel>, prompt_len: usize) {
+        d.hybrid_savings.read(SeqId(100), prompt_len);
+        let measured: Vec<TokenId> = (0..prompt_len as TokenId + 100).collect();
+        d.hybrid_savings
+            .committed(&mut d.lookup, SeqId(100), &measured);
+        assert!(!d
+            .hybrid_savings
+            .finish(SeqId(100), Some((100, 80)), Some((20, 16)), false));
+        assert_eq!(d.hybrid_savings.savings().saved_per_token(), Some(0.0));
+    }
+
     /// A hybrid answer left unread whose rounds forwent the price its reading had, and which the
     /// lookup covered far less than the answers the measure was taken on, has the next
     /// hybrid-kind prompt read whatever its price (as a `HybridDrafter`).
@@ -1213,14 +1226,8 @@ mod tests {
         let costs = reading_costs();
         let prompt: Vec<TokenId> = (0..40).collect();
         let mut d = hashed_drafter();
-        // A measure taken on an answer of 100 tokens that the lookup had 80% right, and where the
-        // model saved nothing: every prompt after is left unread by its price.
-        d.hybrid_savings.read(SeqId(100), prompt.len());
-        let measured: Vec<TokenId> = (0..140).collect();
-        d.hybrid_savings
-            .committed(&mut d.lookup, SeqId(100), &measured);
-        assert!(!d.hybrid_savings.finish(SeqId(100), Some((100, 80)), false));
-        assert_eq!(d.hybrid_savings.savings().saved_per_token(), Some(0.0));
+        // Every prompt after the measure is left unread by its price.
+        measure_nothing_saved(&mut d, prompt.len());
         let sampling = SamplingParams::greedy();
         // 40 tokens at 0.05 are 2 steps, more than 4 tokens repay: left unread. `rounds` plain
         // rounds of new tokens follow (a third of a step forgone each; the horizon of 4 tokens
@@ -1257,12 +1264,7 @@ mod tests {
         let costs = reading_costs();
         let prompt: Vec<TokenId> = (0..400).collect();
         let mut d = hashed_drafter();
-        // The measure of the test above: 0 steps saved, on an answer the lookup had 80% right.
-        d.hybrid_savings.read(SeqId(100), prompt.len());
-        let measured: Vec<TokenId> = (0..500).collect();
-        d.hybrid_savings
-            .committed(&mut d.lookup, SeqId(100), &measured);
-        assert!(!d.hybrid_savings.finish(SeqId(100), Some((100, 80)), false));
+        measure_nothing_saved(&mut d, prompt.len());
         let sampling = SamplingParams::greedy();
         // 400 tokens at 0.05 are 20 steps: left unread. 16 plain rounds of new tokens forgo 5.3
         // steps, short of that price; the round after them looks at the answer so far (none of

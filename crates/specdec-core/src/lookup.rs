@@ -208,7 +208,7 @@ struct SeqState {
     /// trimmed ([`Draft::truncated`]), only the kept tokens.
     covered: usize,
     /// The output's length and `covered` at the commit that first brought it to
-    /// [`crate::EARLY_LOOK_TOKENS`] tokens or more.
+    /// [`crate::EARLY_LOOK_TOKENS`] tokens or more (forgotten if a rollback cuts it below).
     early: Option<(usize, usize)>,
 }
 
@@ -548,6 +548,9 @@ impl Draft for LookupDrafter {
             state
                 .output
                 .truncate(committed.len().saturating_sub(prompt_len));
+            if state.output.len() < crate::EARLY_LOOK_TOKENS {
+                state.early = None;
+            }
         } else if let Some(new) = committed.get(have..) {
             state.output.extend_from_slice(new);
         }
@@ -661,14 +664,15 @@ mod tests {
         let Ok(()) = d.commit(SeqId(0), &ctx);
         // 10 tokens: not yet the answer of an early look.
         assert_eq!(d.early_answer(SeqId(0)), None);
-        // A walk its costs cut to nothing covers nothing, even where it would have been right.
+        // Next, a walk its costs cut to nothing covers nothing, even where it would have been
+        // right.
         let dear = RoundCosts {
             r: vec![1.0, 100.0, 100.0, 100.0, 100.0],
             ..RoundCosts::default()
         };
         ctx.extend(1..=6);
         let Ok(()) = d.commit(SeqId(0), &ctx);
-        // 16 tokens, 3 covered: what an early look sees, kept as the answer goes on.
+        // (16 tokens, 3 covered: what an early look sees, kept as the answer goes on.)
         assert_eq!(d.early_answer(SeqId(0)), Some((16, 3)));
         d.propose_one(&request(&ctx, 4, &sampling, Some(&dear)), &mut out);
         assert!(out.tokens.is_empty());
@@ -676,8 +680,12 @@ mod tests {
         let Ok(()) = d.commit(SeqId(0), &ctx);
         assert_eq!(d.answer(SeqId(0)), Some((18, 3)));
         assert_eq!(d.early_answer(SeqId(0)), Some((16, 3)));
-        d.release(SeqId(0));
+        // A rollback below 16 tokens forgets it; it is taken again when the answer is back.
+        let Ok(()) = d.commit(SeqId(0), &ctx[..ctx.len() - 4]);
         assert_eq!(d.early_answer(SeqId(0)), None);
+        let Ok(()) = d.commit(SeqId(0), &ctx);
+        assert_eq!(d.early_answer(SeqId(0)), Some((18, 3)));
+        d.release(SeqId(0));
         // The answer: 1 ..= 8, 77, 11, 1 ..= 8: 18 tokens, of which 7, 8 and 77 were covered.
         let recent = d.recent_answers();
         assert_eq!(recent.len(), 1);

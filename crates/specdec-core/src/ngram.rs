@@ -128,8 +128,9 @@ pub struct LookupSavings {
     /// The answers the measure was taken on, with the tokens the lookup had right in each (over
     /// the whole answer; a reading deferred into it measures only the tokens after it).
     measured: RecentAnswers,
-    /// The same answers as they were at an early look ([`LookupDrafter::early_answer`]): an
-    /// answer's first tokens are covered less than the whole (its first is never covered).
+    /// The same answers, those of [`EARLY_LOOK_TOKENS`] or more, as they were at an early look
+    /// ([`LookupDrafter::early_answer`]): an answer's first tokens are covered less than the
+    /// whole (its first is never covered).
     measured_early: RecentAnswers,
 }
 
@@ -219,9 +220,9 @@ impl LookupSavings {
     /// The sequence is over, or its id starts a new prompt ([`ReadSavings::finish`]), with
     /// `answer` its tokens and those the lookup had right ([`LookupDrafter::answer`]), `early` the
     /// same at its early look ([`LookupDrafter::early_answer`], recorded with a measured answer
-    /// for [`LookupSavings::unlike_measured_early`]), and `forwent`
-    /// whether, its prompt left unread, its rounds forwent the price of reading it, or it was due
-    /// and never read ([`DeferredReads::forwent_its_price`]). Returns whether the next prompt is to be read
+    /// for [`LookupSavings::unlike_measured_early`]), and `forwent` whether, its prompt left
+    /// unread, its rounds forwent the price of reading it, or it was due and never read
+    /// ([`DeferredReads::forwent_its_price`]). Returns whether the next prompt is to be read
     /// whatever its price, to measure again: where an answer left unread, whose rounds forwent
     /// that price, was covered by the lookup less than [`REMEASURE_COVERAGE`] times as much as
     /// the answers the measure was taken on, the measure is of another kind of answer. Without a
@@ -483,29 +484,31 @@ impl DeferredReads {
         );
     }
 
-    /// Looks once at the answer so far of a sequence whose prompt is unread, at its first round
-    /// after at least [`EARLY_LOOK_TOKENS`] tokens of it (`answer`: [`LookupDrafter::answer`]):
-    /// where the lookup covered it far less than the answers that `savings` was measured on at
-    /// theirs ([`LookupSavings::unlike_measured_early`]), the measure that left the prompt unread is of another
-    /// kind of answer, and the prompt is due now, if the sequence may still emit at least as many
-    /// tokens as it has (most of the answer is then still to come; else it stays unread, as the
-    /// ski-rental rule's horizon would keep it). The look is spent whatever it finds, also where
-    /// there is no measure yet to doubt. Returns whether the prompt became due.
+    /// Looks once at the answer of a sequence whose prompt is unread, at its first round after
+    /// the answer reached [`EARLY_LOOK_TOKENS`] tokens (`early`: the answer as it was then,
+    /// [`LookupDrafter::early_answer`]; `emitted`: its tokens now): where the lookup covered it
+    /// far less than the answers that `savings` was measured on at the same point
+    /// ([`LookupSavings::unlike_measured_early`]), the measure that left the prompt unread is of
+    /// another kind of answer, and the prompt is due now, if the sequence may still emit at least
+    /// as many tokens as it has (most of the answer is then still to come; else it stays unread,
+    /// as the ski-rental rule's horizon would keep it). The look is spent whatever it finds, also
+    /// where there is no measure yet to doubt. Returns whether the prompt became due.
     pub fn look_early(
         &mut self,
         seq: SeqId,
-        answer: Option<(usize, usize)>,
+        early: Option<(usize, usize)>,
+        emitted: usize,
         savings: &LookupSavings,
     ) -> bool {
-        let (Some(u), Some(answer)) = (self.unread.get_mut(&seq), answer) else {
+        let (Some(u), Some(early)) = (self.unread.get_mut(&seq), early) else {
             return false;
         };
-        if u.looked || answer.0 < EARLY_LOOK_TOKENS {
+        if u.looked {
             return false;
         }
         u.looked = true;
-        let left = u.remaining.saturating_sub(answer.0);
-        if left < answer.0 || !savings.unlike_measured_early(answer) {
+        let left = u.remaining.saturating_sub(emitted);
+        if left < emitted || !savings.unlike_measured_early(early) {
             return false;
         }
         self.unread.remove(&seq);
@@ -930,8 +933,10 @@ impl<D: Draft> Draft for HybridDrafter<D> {
     ) -> Result<(), Self::Error> {
         let mut plans = Vec::with_capacity(batch.len());
         for (req, out) in batch.iter().zip(out.iter_mut()) {
-            let answer = self.lookup.answer(req.seq);
-            self.reads.look_early(req.seq, answer, &self.savings);
+            let early = self.lookup.early_answer(req.seq);
+            let emitted = self.lookup.answer(req.seq).map_or(0, |a| a.0);
+            self.reads
+                .look_early(req.seq, early, emitted, &self.savings);
             let rate = self.lookup.propose_one(req, out);
             let (model, lag) = (&self.model, &self.lag);
             plans.push(self.reads.plan(
@@ -990,8 +995,7 @@ impl<D: Draft> Draft for HybridDrafter<D> {
     /// left unread that calls for measuring again ([`LookupSavings::finish`], since stop 71). From
     /// stop 72 a prompt left unread becomes due where the early look at its answer, after 16
     /// tokens, finds it unlike the measured ones ([`DeferredReads::look_early`]). (Replayed on
-    /// stop 68's benchmark, the hybrid had left all
-    /// 15 QA, summary and translation prompts unread, the translations decoding at 1.00×; with
+    /// stop 68's benchmark, the hybrid had left all 15 QA, summary and translation prompts unread, the translations decoding at 1.00×; with
     /// the probe it read one of each kind, the fifth, and the translations decoded at 1.14×.)
     fn prefill_priced(&mut self, req: &PrefillRequest<'_>) -> Result<(), Self::Error> {
         // The answer the sequence held before (a reused id) is over, then the lookup records it.
@@ -1896,10 +1900,10 @@ mod tests {
         // Not before 16 tokens; at 16, covered 4 (25% < 0.5 × 60%): due, which counts as having
         // forgone its price.
         let mut reads = unread(SeqId(1));
-        assert!(!reads.look_early(SeqId(1), Some((15, 0)), &savings));
+        assert!(!reads.look_early(SeqId(1), None, 15, &savings));
         assert!(reads.is_unread(SeqId(1)));
         assert!(!reads.forwent_its_price(SeqId(1)));
-        assert!(reads.look_early(SeqId(1), Some((16, 4)), &savings));
+        assert!(reads.look_early(SeqId(1), Some((16, 4)), 16, &savings));
         assert!(!reads.is_unread(SeqId(1)));
         assert!(reads.is_due(SeqId(1)));
         assert!(reads.forwent_its_price(SeqId(1)));
@@ -1912,23 +1916,23 @@ mod tests {
             remaining: 30,
             costs: None,
         });
-        assert!(!reads.look_early(SeqId(1), Some((16, 4)), &savings));
+        assert!(!reads.look_early(SeqId(1), Some((16, 4)), 16, &savings));
         assert!(reads.is_unread(SeqId(1)));
         // Against answers that started as slowly, 4 of 16 is alike: the whole answers' 60% is not
         // what an early look is weighed against.
         let mut reads = unread(SeqId(1));
-        assert!(!reads.look_early(SeqId(1), Some((16, 4)), &slow_start));
+        assert!(!reads.look_early(SeqId(1), Some((16, 4)), 16, &slow_start));
         assert!(reads.is_unread(SeqId(1)));
         // Covered 5 of 16 (31%): it looks like the measured ones, and is not looked at again.
         let mut reads = unread(SeqId(1));
-        assert!(!reads.look_early(SeqId(1), Some((16, 5)), &savings));
-        assert!(!reads.look_early(SeqId(1), Some((40, 0)), &savings));
+        assert!(!reads.look_early(SeqId(1), Some((16, 5)), 16, &savings));
+        assert!(!reads.look_early(SeqId(1), Some((16, 0)), 40, &savings));
         assert!(reads.is_unread(SeqId(1)));
         // Nothing without a measure, for a sequence not unread, or without an answer.
         let mut reads = unread(SeqId(1));
-        assert!(!reads.look_early(SeqId(2), Some((16, 0)), &savings));
-        assert!(!reads.look_early(SeqId(1), None, &savings));
-        assert!(!reads.look_early(SeqId(1), Some((16, 0)), &LookupSavings::default()));
+        assert!(!reads.look_early(SeqId(2), Some((16, 0)), 16, &savings));
+        assert!(!reads.look_early(SeqId(1), None, 16, &savings));
+        assert!(!reads.look_early(SeqId(1), Some((16, 0)), 16, &LookupSavings::default()));
         assert!(reads.is_unread(SeqId(1)));
     }
 

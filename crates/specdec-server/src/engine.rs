@@ -227,8 +227,10 @@ impl<M: Target> Draft for MultiDrafter<M> {
             // `HybridDrafter` does; only a hybrid request's prompt is left unread with a lookup
             // answer); the model then reads the whole context as its catch-up (counted as its lag).
             let was_unread = self.reads.is_unread(req.seq);
-            let answer = self.lookup.answer(req.seq);
-            self.reads.look_early(req.seq, answer, &self.hybrid_savings);
+            let early = self.lookup.early_answer(req.seq);
+            let emitted = self.lookup.answer(req.seq).map_or(0, |a| a.0);
+            self.reads
+                .look_early(req.seq, early, emitted, &self.hybrid_savings);
             let (model, lag) = (self.model.as_ref(), &self.lag);
             let plan = self.reads.plan(
                 req,
@@ -1206,7 +1208,8 @@ mod tests {
     }
 
     /// Gives `d`'s hybrid requests a measure taken on an answer of 100 tokens, after a prompt of
-    /// `prompt_len`, that the lookup had 80% right and where the model saved nothing.
+    /// `prompt_len`, that the lookup had 80% right (16 of its first 20 too) and where the model
+    /// saved nothing.
     fn measure_nothing_saved(d: &mut MultiDrafter<MockModel>, prompt_len: usize) {
         d.hybrid_savings.read(SeqId(100), prompt_len);
         let measured: Vec<TokenId> = (0..prompt_len as TokenId + 100).collect();

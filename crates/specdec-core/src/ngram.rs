@@ -110,7 +110,8 @@ pub struct HybridDrafter<D> {
     /// Prompts left unread at prefill in a row since the last one read there.
     unread_in_a_row: usize,
     /// The next prompt is read whatever its price: an answer left unread called for it
-    /// ([`LookupSavings::finish`]).
+    /// ([`LookupSavings::finish`]), or the early look at an answer found it unlike the measured
+    /// ones ([`DeferredReads::look_early_at`]; since stop 73).
     remeasure: bool,
 }
 
@@ -514,6 +515,22 @@ impl DeferredReads {
         self.unread.remove(&seq);
         self.due.insert(seq);
         true
+    }
+
+    /// [`DeferredReads::look_early`] with the answer as `lookup` holds it
+    /// ([`LookupDrafter::early_answer`], [`LookupDrafter::answer`]), read only for a sequence
+    /// whose prompt is unread and not yet looked at: the one call a drafter makes each round.
+    pub fn look_early_at(
+        &mut self,
+        seq: SeqId,
+        lookup: &LookupDrafter,
+        savings: &LookupSavings,
+    ) -> bool {
+        if self.unread.get(&seq).is_none_or(|u| u.looked) {
+            return false;
+        }
+        let emitted = lookup.answer(seq).map_or(0, |a| a.0);
+        self.look_early(seq, lookup.early_answer(seq), emitted, savings)
     }
 
     /// Whether the sequence's prompt is unread, and its rounds forwent the price that reading
@@ -933,10 +950,15 @@ impl<D: Draft> Draft for HybridDrafter<D> {
     ) -> Result<(), Self::Error> {
         let mut plans = Vec::with_capacity(batch.len());
         for (req, out) in batch.iter().zip(out.iter_mut()) {
-            let early = self.lookup.early_answer(req.seq);
-            let emitted = self.lookup.answer(req.seq).map_or(0, |a| a.0);
-            self.reads
-                .look_early(req.seq, early, emitted, &self.savings);
+            // An answer unlike the measured ones has its own prompt read now, and the next
+            // prompt read whatever its price: it is likely of the same kind, and the measure
+            // that prices its reading holds one answer of that kind at most, measured late.
+            if self
+                .reads
+                .look_early_at(req.seq, &self.lookup, &self.savings)
+            {
+                self.remeasure = true;
+            }
             let rate = self.lookup.propose_one(req, out);
             let (model, lag) = (&self.model, &self.lag);
             plans.push(self.reads.plan(
@@ -994,7 +1016,12 @@ impl<D: Draft> Draft for HybridDrafter<D> {
     /// measured only on prompts read. It reads the next whatever its price too after an answer
     /// left unread that calls for measuring again ([`LookupSavings::finish`], since stop 71). From
     /// stop 72 a prompt left unread becomes due where the early look at its answer, after 16
-    /// tokens, finds it unlike the measured ones ([`DeferredReads::look_early`]). (Replayed on
+    /// tokens, finds it unlike the measured ones ([`DeferredReads::look_early`]); since stop 73
+    /// such an answer has the next prompt read whatever its price too: it is likely of the same
+    /// kind, and the measure that would price its reading holds at most one answer of that kind,
+    /// measured from its look on (replayed over stop 70's greedy run, the first translation,
+    /// after a summary read at its look, was read at prefill and decoded at 1.51–1.57× instead
+    /// of 1.32–1.34×). (Replayed on
     /// stop 68's benchmark, the hybrid had left all 15 QA, summary and translation prompts unread, the translations decoding at 1.00×; with
     /// the probe it read one of each kind, the fifth, and the translations decoded at 1.14×.)
     fn prefill_priced(&mut self, req: &PrefillRequest<'_>) -> Result<(), Self::Error> {
@@ -1977,6 +2004,15 @@ mod tests {
         assert_eq!(hybrid.model.proposals, 1);
         assert_eq!(out[0].tokens, [7]);
         assert_eq!(out[0].lag, context.len());
+        // The next prompt is likely of the same kind: it is read whatever its price, though the
+        // measure (nothing saved a token) would leave it unread; the one after it is priced again.
+        hybrid.release(SeqId(2));
+        assert_eq!(hybrid.read_savings().saved_per_token(), Some(0.0));
+        let Ok(()) = hybrid.prefill_priced(&read(SeqId(3)));
+        assert!(!hybrid.left_unread(SeqId(3)));
+        hybrid.release(SeqId(3));
+        let Ok(()) = hybrid.prefill_priced(&read(SeqId(4)));
+        assert!(hybrid.left_unread(SeqId(4)));
     }
 
     #[test]

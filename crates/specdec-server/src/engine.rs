@@ -145,7 +145,8 @@ pub struct MultiDrafter<M: Target> {
     /// (since stop 69): `hybrid_savings` too is measured only on prompts read.
     hybrid_unread_in_a_row: usize,
     /// The next hybrid-kind prompt is read whatever its price: an answer left unread called for
-    /// it ([`LookupSavings::finish`]), as in a [`specdec_core::HybridDrafter`].
+    /// it ([`LookupSavings::finish`]), or the early look at an answer found it unlike the
+    /// measured ones ([`DeferredReads::look_early_at`]), as in a [`specdec_core::HybridDrafter`].
     hybrid_remeasure: bool,
 }
 
@@ -225,12 +226,15 @@ impl<M: Target> Draft for MultiDrafter<M> {
             // its price in the rounds since and the tokens left can repay it, or where the early
             // look at a hybrid request's answer finds it unlike the measured ones (as
             // `HybridDrafter` does; only a hybrid request's prompt is left unread with a lookup
-            // answer); the model then reads the whole context as its catch-up (counted as its lag).
+            // answer); the model then reads the whole context as its catch-up (counted as its lag),
+            // and such an answer has the next hybrid prompt read whatever its price.
             let was_unread = self.reads.is_unread(req.seq);
-            let early = self.lookup.early_answer(req.seq);
-            let emitted = self.lookup.answer(req.seq).map_or(0, |a| a.0);
-            self.reads
-                .look_early(req.seq, early, emitted, &self.hybrid_savings);
+            if self
+                .reads
+                .look_early_at(req.seq, &self.lookup, &self.hybrid_savings)
+            {
+                self.hybrid_remeasure = true;
+            }
             let (model, lag) = (self.model.as_ref(), &self.lag);
             let plan = self.reads.plan(
                 req,
@@ -1289,6 +1293,14 @@ mod tests {
             context.push(500 + t);
             d.commit(seq, &context).unwrap();
         }
+        // The next hybrid prompt is likely of the same kind: read whatever its price, though the
+        // measure (nothing saved a token) would leave it unread; the one after it is priced again.
+        d.release(seq);
+        select_and_read(&mut d, SeqId(2), DrafterKind::Hybrid, &prompt, 100, &costs);
+        assert!(d.model_drafts(SeqId(2)));
+        d.release(SeqId(2));
+        select_and_read(&mut d, SeqId(3), DrafterKind::Hybrid, &prompt, 100, &costs);
+        assert!(!d.model_drafts(SeqId(3)));
     }
 
     /// A prompt left unread is read after all, by a model draft, once the plain rounds since

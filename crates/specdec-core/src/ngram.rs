@@ -109,10 +109,6 @@ pub struct HybridDrafter<D> {
     savings: LookupSavings,
     /// Prompts left unread at prefill in a row since the last one read there.
     unread_in_a_row: usize,
-    /// The next prompt is read whatever its price: an answer left unread called for it
-    /// ([`LookupSavings::finish`]), or the early look at an answer found it unlike the measured
-    /// ones ([`DeferredReads::look_early_at`]; since stop 73).
-    remeasure: bool,
 }
 
 /// What a hybrid's model rounds saved, in target steps, in the sequences whose prompt the model
@@ -133,6 +129,11 @@ pub struct LookupSavings {
     /// ([`LookupDrafter::early_answer`]): an answer's first tokens are covered less than the
     /// whole (its first is never covered).
     measured_early: RecentAnswers,
+    /// The next prompt is to be read whatever its price, to measure again: an answer left unread
+    /// called for it ([`LookupSavings::answer_over`]), or the early look at one found it unlike
+    /// the measured ones ([`DeferredReads::look_early_at`]; since stop 73). One flag for
+    /// [`HybridDrafter`] and the server's drafter alike (since stop 74; each kept its own).
+    remeasure: bool,
 }
 
 impl LookupSavings {
@@ -216,6 +217,24 @@ impl LookupSavings {
         let cheaper = r.costs.r(r.most) - r.costs.r(len + 1);
         r.most = len + 1;
         self.savings.truncated(seq, len, cheaper);
+    }
+
+    /// The sequence's answer is over (it is released, or its id starts a new prompt): its account
+    /// is closed ([`LookupSavings::finish`], with the answer as `lookup` holds it and whether
+    /// `reads` says its rounds forwent the price of reading its prompt), and the next prompt is to
+    /// be read whatever its price where the answer calls for it
+    /// ([`LookupSavings::take_remeasure`]). Called before the lookup records the answer.
+    pub fn answer_over(&mut self, seq: SeqId, lookup: &LookupDrafter, reads: &DeferredReads) {
+        let (answer, early) = (lookup.answer(seq), lookup.early_answer(seq));
+        let forwent = reads.forwent_its_price(seq);
+        self.remeasure |= self.finish(seq, answer, early, forwent);
+    }
+
+    /// Whether the next prompt is to be read whatever its price, to measure again (an answer
+    /// over, [`LookupSavings::answer_over`], or an early look, [`DeferredReads::look_early_at`],
+    /// called for it); asking clears it, as a prompt's prefill does, read or not.
+    pub fn take_remeasure(&mut self) -> bool {
+        std::mem::take(&mut self.remeasure)
     }
 
     /// The sequence is over, or its id starts a new prompt ([`ReadSavings::finish`]), with
@@ -380,7 +399,6 @@ impl<D> HybridDrafter<D> {
             reads: DeferredReads::default(),
             savings: LookupSavings::default(),
             unread_in_a_row: 0,
-            remeasure: false,
         }
     }
 
@@ -396,13 +414,9 @@ impl<D> HybridDrafter<D> {
         self.reads.is_unread(seq)
     }
 
-    /// The sequence's answer is over (it is released, or its id starts a new prompt): its account
-    /// is closed, and the next prompt is to be read whatever its price where the answer calls for
-    /// it ([`LookupSavings::finish`]). Called before the lookup records the answer.
+    /// The sequence's answer is over ([`LookupSavings::answer_over`]).
     fn answer_over(&mut self, seq: SeqId) {
-        let (answer, early) = (self.lookup.answer(seq), self.lookup.early_answer(seq));
-        let forwent = self.reads.forwent_its_price(seq);
-        self.remeasure |= self.savings.finish(seq, answer, early, forwent);
+        self.savings.answer_over(seq, &self.lookup, &self.reads);
     }
 }
 
@@ -520,17 +534,23 @@ impl DeferredReads {
     /// [`DeferredReads::look_early`] with the answer as `lookup` holds it
     /// ([`LookupDrafter::early_answer`], [`LookupDrafter::answer`]), read only for a sequence
     /// whose prompt is unread and not yet looked at: the one call a drafter makes each round.
+    /// A look that makes the prompt due also has the next prompt read whatever its price
+    /// ([`LookupSavings::take_remeasure`], since stop 73): it is likely of the same kind, and the
+    /// measure that would price its reading holds at most one answer of that kind, measured from
+    /// its look on.
     pub fn look_early_at(
         &mut self,
         seq: SeqId,
         lookup: &LookupDrafter,
-        savings: &LookupSavings,
-    ) -> bool {
+        savings: &mut LookupSavings,
+    ) {
         if self.unread.get(&seq).is_none_or(|u| u.looked) {
-            return false;
+            return;
         }
         let emitted = lookup.answer(seq).map_or(0, |a| a.0);
-        self.look_early(seq, lookup.early_answer(seq), emitted, savings)
+        if self.look_early(seq, lookup.early_answer(seq), emitted, savings) {
+            savings.remeasure = true;
+        }
     }
 
     /// Whether the sequence's prompt is unread, and its rounds forwent the price that reading
@@ -951,14 +971,9 @@ impl<D: Draft> Draft for HybridDrafter<D> {
         let mut plans = Vec::with_capacity(batch.len());
         for (req, out) in batch.iter().zip(out.iter_mut()) {
             // An answer unlike the measured ones has its own prompt read now, and the next
-            // prompt read whatever its price: it is likely of the same kind, and the measure
-            // that prices its reading holds one answer of that kind at most, measured late.
-            if self
-                .reads
-                .look_early_at(req.seq, &self.lookup, &self.savings)
-            {
-                self.remeasure = true;
-            }
+            // prompt read whatever its price.
+            self.reads
+                .look_early_at(req.seq, &self.lookup, &mut self.savings);
             let rate = self.lookup.propose_one(req, out);
             let (model, lag) = (&self.model, &self.lag);
             plans.push(self.reads.plan(
@@ -999,7 +1014,7 @@ impl<D: Draft> Draft for HybridDrafter<D> {
     fn prefill(&mut self, seq: SeqId, context: &[TokenId]) -> Result<(), Self::Error> {
         self.answer_over(seq);
         // This prompt is read, and measured: what an answer before called for is done.
-        self.remeasure = false;
+        self.savings.take_remeasure();
         let Ok(()) = self.lookup.prefill(seq, context);
         self.reads.release(seq);
         self.savings.read(seq, context.len());
@@ -1029,7 +1044,7 @@ impl<D: Draft> Draft for HybridDrafter<D> {
         self.answer_over(req.seq);
         let Ok(()) = self.lookup.prefill(req.seq, req.prompt);
         let probe =
-            std::mem::take(&mut self.remeasure) || self.unread_in_a_row >= crate::READ_PROBE_AFTER;
+            self.savings.take_remeasure() || self.unread_in_a_row >= crate::READ_PROBE_AFTER;
         if probe
             || req.read_pays(
                 self.model.cached(req.seq, req.prompt),

@@ -144,10 +144,6 @@ pub struct MultiDrafter<M: Target> {
     /// The same count for hybrid-kind prompts, as a [`specdec_core::HybridDrafter`] keeps it
     /// (since stop 69): `hybrid_savings` too is measured only on prompts read.
     hybrid_unread_in_a_row: usize,
-    /// The next hybrid-kind prompt is read whatever its price: an answer left unread called for
-    /// it ([`LookupSavings::finish`]), or the early look at an answer found it unlike the
-    /// measured ones ([`DeferredReads::look_early_at`]), as in a [`specdec_core::HybridDrafter`].
-    hybrid_remeasure: bool,
 }
 
 impl<M: Target> MultiDrafter<M> {
@@ -164,18 +160,16 @@ impl<M: Target> MultiDrafter<M> {
             model_answers: AnswerLengths::default(),
             model_unread_in_a_row: 0,
             hybrid_unread_in_a_row: 0,
-            hybrid_remeasure: false,
         }
     }
 
-    /// The sequence's answer is over (it is released, or its id starts a new prompt): its hybrid
-    /// account is closed, and the next hybrid-kind prompt is to be read whatever its price where
-    /// the answer calls for it ([`LookupSavings::finish`]; only a hybrid request's prompt is left
-    /// unread with a lookup answer). Called before the lookup records the answer.
+    /// The sequence's answer is over: its hybrid account is closed, and the next hybrid-kind
+    /// prompt is to be read whatever its price where the answer calls for it
+    /// ([`LookupSavings::answer_over`]; only a hybrid request's prompt is left unread with a
+    /// lookup answer). Called before the lookup records the answer.
     fn answer_over(&mut self, seq: SeqId) {
-        let (answer, early) = (self.lookup.answer(seq), self.lookup.early_answer(seq));
-        let forwent = self.reads.forwent_its_price(seq);
-        self.hybrid_remeasure |= self.hybrid_savings.finish(seq, answer, early, forwent);
+        self.hybrid_savings
+            .answer_over(seq, &self.lookup, &self.reads);
     }
 
     /// The kinds offered.
@@ -229,12 +223,8 @@ impl<M: Target> Draft for MultiDrafter<M> {
             // answer); the model then reads the whole context as its catch-up (counted as its lag),
             // and such an answer has the next hybrid prompt read whatever its price.
             let was_unread = self.reads.is_unread(req.seq);
-            if self
-                .reads
-                .look_early_at(req.seq, &self.lookup, &self.hybrid_savings)
-            {
-                self.hybrid_remeasure = true;
-            }
+            self.reads
+                .look_early_at(req.seq, &self.lookup, &mut self.hybrid_savings);
             let (model, lag) = (self.model.as_ref(), &self.lag);
             let plan = self.reads.plan(
                 req,
@@ -345,20 +335,20 @@ impl<M: Target> Draft for MultiDrafter<M> {
         // there are any; the model kind's by what its drafts saved against plain decoding in the
         // model-kind requests whose prompt it read (the draft model's own account mixes both
         // kinds' rounds).
+        let kind = self.kind(req.seq);
+        let remeasure = kind == DrafterKind::Hybrid && self.hybrid_savings.take_remeasure();
         let none = (RecentAnswers::default(), ReadSavings::default());
-        let (recent, saved) = match self.kind(req.seq) {
+        let (recent, saved) = match kind {
             DrafterKind::Hybrid => (self.lookup.recent_answers(), self.hybrid_savings.savings()),
             DrafterKind::Model => (self.model_answers.answers(), &self.model_savings),
             DrafterKind::Ngram => (self.lookup.recent_answers(), &none.1),
             DrafterKind::None => (&none.0, &none.1),
         };
-        let kind = self.kind(req.seq);
         let in_a_row = match kind {
             DrafterKind::Model => Some(&mut self.model_unread_in_a_row),
             DrafterKind::Hybrid => Some(&mut self.hybrid_unread_in_a_row),
             DrafterKind::Ngram | DrafterKind::None => None,
         };
-        let remeasure = kind == DrafterKind::Hybrid && std::mem::take(&mut self.hybrid_remeasure);
         let probe = remeasure || in_a_row.as_ref().is_some_and(|n| **n >= READ_PROBE_AFTER);
         let cached = self
             .model

@@ -1285,7 +1285,10 @@ mod tests {
         }
         // The next hybrid prompt is likely of the same kind: read whatever its price, though the
         // measure (nothing saved a token) would leave it unread; the one after it is priced again.
+        // A model-kind prompt in between leaves that to the hybrid prompt.
         d.release(seq);
+        select_and_read(&mut d, SeqId(5), DrafterKind::Model, &prompt, 100, &costs);
+        d.release(SeqId(5));
         select_and_read(&mut d, SeqId(2), DrafterKind::Hybrid, &prompt, 100, &costs);
         assert!(d.model_drafts(SeqId(2)));
         d.release(SeqId(2));

@@ -182,6 +182,13 @@ struct Record {
     first_token_s: f64,
     /// The cost model's prediction from this run's own acceptance and timings.
     predicted_speedup: Option<f64>,
+    /// `speedup_vs_ar` with the plain run's single-token step replaced by this run's own: scaled
+    /// by the mean time of this run's single-token target steps (plain rounds and probes) over
+    /// the plain run's, where it timed [`OWN_STEPS_MIN`] or more. Both runs' steps do the same
+    /// work, so what differs between them is the machine's speed drifting between the runs, which
+    /// this cancels, and which the cost model's prediction, from this run's timings alone, cannot
+    /// know (since stop 74; stop 73 found that drift behind most per-prompt misses).
+    own_step_speedup: Option<f64>,
     /// The run's counters and timings, for offline analysis of the cost model.
     metrics: specdec_core::Metrics,
     /// The prompt's token ids (`ar` records only, for replaying drafters offline).
@@ -395,6 +402,8 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
                             .as_ref()
                             .map(|p| p.r.as_slice()),
                     ),
+                    // Set below, with the speedups.
+                    own_step_speedup: None,
                     metrics: m.clone(),
                     prompt_tokens: (*kind == DrafterKind::None).then(|| ids.clone()),
                     output_tokens: (*kind == DrafterKind::None).then(|| g.output.tokens.clone()),
@@ -499,6 +508,16 @@ pub struct Row {
     /// model is off on one run, which the two medians above, taken over prompts in different
     /// orders, do not show.
     pub median_prediction_ratio: Option<f64>,
+    /// Prompts whose predicted speedup is within 10% of the measured one.
+    pub predicted_within_10: usize,
+    /// Median over the prompts with a [`Record::own_step_speedup`] of the predicted speedup over
+    /// it: the cost model's error with the machine's drift between the plain run and this one
+    /// taken out (since stop 74).
+    pub median_own_step_ratio: Option<f64>,
+    /// Prompts with a [`Record::own_step_speedup`].
+    pub own_step_prompts: usize,
+    /// Of those, the prompts whose predicted speedup is within 10% of it.
+    pub own_step_within_10: usize,
     /// Median seconds per prompt, prefill included.
     pub median_end_to_end_s: f64,
     /// Median over prompts of the per-prompt end-to-end speedup vs ar (prefill, the draft
@@ -518,18 +537,40 @@ fn end_to_end_rate(r: &Record) -> f64 {
     r.generated_tokens as f64 / r.end_to_end_s
 }
 
+/// Single-token target steps a speculative run must have timed for its
+/// [`Record::own_step_speedup`]: a few, so that one step the machine slowed does not decide it.
+const OWN_STEPS_MIN: u64 = 3;
+
+/// The mean seconds of a run's single-token target steps, where it timed at least `min`.
+fn single_step_secs(m: &specdec_core::Metrics, min: u64) -> Option<f64> {
+    m.verify_by_len
+        .first()
+        .filter(|t| t.m == 1 && t.calls >= min.max(1))
+        .map(|t| t.secs / t.calls as f64)
+}
+
 /// Sets each run's speedups against the plain run among `runs` (one prompt's repetition): decoding
-/// tokens/s and [`end_to_end_rate`], both ratios of rates.
+/// tokens/s and [`end_to_end_rate`], both ratios of rates, and [`Record::own_step_speedup`].
 fn pair_with_plain(runs: &mut [Record]) {
-    let (ar_tps, ar_e2e) = runs
-        .iter()
-        .find(|r| r.mode == "ar")
-        .map_or((f64::NAN, f64::NAN), |r| {
-            (r.decode_tokens_per_s, end_to_end_rate(r))
-        });
+    let (ar_tps, ar_e2e, ar_step) =
+        runs.iter()
+            .find(|r| r.mode == "ar")
+            .map_or((f64::NAN, f64::NAN, None), |r| {
+                (
+                    r.decode_tokens_per_s,
+                    end_to_end_rate(r),
+                    single_step_secs(&r.metrics, 1),
+                )
+            });
     for r in runs.iter_mut() {
         r.speedup_vs_ar = r.decode_tokens_per_s / ar_tps;
         r.e2e_speedup_vs_ar = end_to_end_rate(r) / ar_e2e;
+        r.own_step_speedup = match (r.mode.as_str(), ar_step) {
+            ("ar", _) | (_, None) => None,
+            (_, Some(ar)) => single_step_secs(&r.metrics, OWN_STEPS_MIN)
+                .map(|own| r.speedup_vs_ar * own / ar)
+                .filter(|s| s.is_finite() && *s > 0.0),
+        };
     }
 }
 
@@ -564,6 +605,8 @@ fn per_prompt(records: &[Record]) -> Vec<Record> {
             merged.first_token_s = med(&|r| r.first_token_s);
             let mut predicted: Vec<f64> = g.iter().filter_map(|r| r.predicted_speedup).collect();
             merged.predicted_speedup = (!predicted.is_empty()).then(|| median(&mut predicted));
+            let mut own: Vec<f64> = g.iter().filter_map(|r| r.own_step_speedup).collect();
+            merged.own_step_speedup = (!own.is_empty()).then(|| median(&mut own));
             merged.drafted = g.iter().map(|r| r.drafted).sum();
             merged.accepted = g.iter().map(|r| r.accepted).sum();
             merged.rounds = g.iter().map(|r| r.rounds).sum();
@@ -581,7 +624,7 @@ fn summarize(records: &[Record], modes: &[&str], cal: &Calibration) -> Summary {
     let mut rows = Vec::new();
     let mut table = String::new();
     table.push_str(&format!(
-        "{:<10} {:<7} {:>7} {:>8} {:>8} {:>8} {:>9} {:>10} {:>10} {:>7} {:>7} {:>7}\n",
+        "{:<10} {:<7} {:>7} {:>8} {:>8} {:>8} {:>9} {:>10} {:>10} {:>9} {:>7} {:>7} {:>7}\n",
         "category",
         "mode",
         "prompts",
@@ -591,6 +634,7 @@ fn summarize(records: &[Record], modes: &[&str], cal: &Calibration) -> Summary {
         "mean len",
         "predicted",
         "pred/meas",
+        "pred/own",
         "e2e s",
         "e2e x",
         "ttft s"
@@ -615,7 +659,16 @@ fn summarize(records: &[Record], modes: &[&str], cal: &Calibration) -> Summary {
                 .filter(|r| r.speedup_vs_ar > 0.0)
                 .filter_map(|r| r.predicted_speedup.map(|p| p / r.speedup_vs_ar))
                 .collect();
+            let within = ratios.iter().filter(|r| (*r - 1.0).abs() <= 0.1).count();
             let ratio = (!ratios.is_empty()).then(|| median(&mut ratios));
+            let mut own: Vec<f64> = mine
+                .iter()
+                .filter_map(|r| r.predicted_speedup.zip(r.own_step_speedup))
+                .map(|(p, s)| p / s)
+                .collect();
+            let own_within = own.iter().filter(|r| (*r - 1.0).abs() <= 0.1).count();
+            let own_prompts = own.len();
+            let own_ratio = (!own.is_empty()).then(|| median(&mut own));
             let mut e2e: Vec<f64> = mine.iter().map(|r| r.end_to_end_s).collect();
             let mut e2e_sp: Vec<f64> = mine.iter().map(|r| r.e2e_speedup_vs_ar).collect();
             let mut ttft: Vec<f64> = mine.iter().map(|r| r.first_token_s).collect();
@@ -637,12 +690,16 @@ fn summarize(records: &[Record], modes: &[&str], cal: &Calibration) -> Summary {
                 },
                 predicted_speedup: predicted,
                 median_prediction_ratio: ratio,
+                predicted_within_10: within,
+                median_own_step_ratio: own_ratio,
+                own_step_prompts: own_prompts,
+                own_step_within_10: own_within,
                 median_end_to_end_s: median(&mut e2e),
                 median_e2e_speedup: median(&mut e2e_sp),
                 median_first_token_s: median(&mut ttft),
             };
             table.push_str(&format!(
-                "{:<10} {:<7} {:>7} {:>8.2} {:>7.2}x {:>7.1}% {:>9.2} {:>10} {:>10} {:>7.2} {:>6.2}x {:>7.2}\n",
+                "{:<10} {:<7} {:>7} {:>8.2} {:>7.2}x {:>7.1}% {:>9.2} {:>10} {:>10} {:>9} {:>7.2} {:>6.2}x {:>7.2}\n",
                 row.category,
                 row.mode,
                 row.prompts,
@@ -654,6 +711,8 @@ fn summarize(records: &[Record], modes: &[&str], cal: &Calibration) -> Summary {
                     .map_or("-".into(), |p| format!("{p:.2}x")),
                 row.median_prediction_ratio
                     .map_or("-".into(), |p| format!("{p:.2}")),
+                row.median_own_step_ratio
+                    .map_or("-".into(), |p| format!("{p:.2}")),
                 row.median_end_to_end_s,
                 row.median_e2e_speedup,
                 row.median_first_token_s,
@@ -661,8 +720,23 @@ fn summarize(records: &[Record], modes: &[&str], cal: &Calibration) -> Summary {
             rows.push(row);
         }
     }
+    table.push('\n');
+    for row in rows
+        .iter()
+        .filter(|r| r.category == "all" && r.predicted_speedup.is_some())
+    {
+        table.push_str(&format!(
+            "{}: predicted within 10% of the measured speedup on {} of {} prompts; of the {} with {} or more single-token steps of their own, within 10% of the speedup against those (pred/own) on {}\n",
+            row.mode,
+            row.predicted_within_10,
+            row.prompts,
+            row.own_step_prompts,
+            OWN_STEPS_MIN,
+            row.own_step_within_10,
+        ));
+    }
     table.push_str(&format!(
-        "\ncalibration: target step {:.1} ms, draft step {}, c = {}, r(m) for m = 1..16: {}\n",
+        "calibration: target step {:.1} ms, draft step {}, c = {}, r(m) for m = 1..16: {}\n",
         cal.target_step_s * 1e3,
         cal.draft_step_s
             .map_or("-".into(), |d| format!("{:.1} ms", d * 1e3)),
@@ -795,6 +869,7 @@ mod tests {
             end_to_end_s: tps / 10.0,
             first_token_s: tps / 100.0,
             predicted_speedup: (mode != "ar").then_some(speedup * 0.9),
+            own_step_speedup: None,
             metrics: specdec_core::Metrics::default(),
             prompt_tokens: None,
             output_tokens: None,
@@ -818,6 +893,56 @@ mod tests {
         runs[1].generated_tokens = 50;
         pair_with_plain(&mut runs);
         assert!((runs[1].e2e_speedup_vs_ar - 6.0 / 8.0).abs() < 1e-12);
+    }
+
+    /// A run's speedup against its own single-token steps takes out the machine's drift between
+    /// it and the plain run, and needs a few such steps.
+    #[test]
+    fn a_runs_own_single_steps_take_out_the_drift_since_the_plain_run() {
+        let steps = |calls: u64, ms: f64| specdec_core::Metrics {
+            verify_by_len: vec![specdec_core::metrics::VerifyTiming {
+                m: 1,
+                calls,
+                secs: calls as f64 * ms / 1e3,
+            }],
+            ..Default::default()
+        };
+        // The plain run's steps took 20 ms; the hybrid's own 25 ms, the machine 25% slower then.
+        let mut ar = record("a", "ar", 0, 50.0, f64::NAN);
+        ar.metrics = steps(100, 20.0);
+        let mut hybrid = record("a", "hybrid", 0, 75.0, f64::NAN);
+        hybrid.metrics = steps(4, 25.0);
+        let mut few = record("a", "model", 0, 60.0, f64::NAN);
+        few.metrics = steps(2, 25.0);
+        let mut runs = [ar, hybrid, few];
+        pair_with_plain(&mut runs);
+        assert_eq!(runs[1].speedup_vs_ar, 1.5);
+        let own = runs[1].own_step_speedup.expect("four steps of its own");
+        assert!((own - 1.5 * 1.25).abs() < 1e-12, "{own}");
+        assert_eq!(runs[0].own_step_speedup, None);
+        assert_eq!(runs[2].own_step_speedup, None);
+        // A prediction 1.05 times that speedup is within 10% of it, in the hybrid's summary row.
+        runs[1].predicted_speedup = Some(own * 1.05);
+        let summary = summarize(&runs, &["ar", "hybrid", "model"], &flat_calibration());
+        let row = |mode: &str| {
+            summary
+                .rows
+                .iter()
+                .find(|r| r.category == "all" && r.mode == mode)
+                .expect("a row")
+                .clone()
+        };
+        let hybrid = row("hybrid");
+        assert!((hybrid.median_own_step_ratio.expect("a ratio") - 1.05).abs() < 1e-12);
+        assert_eq!((hybrid.own_step_prompts, hybrid.own_step_within_10), (1, 1));
+        // Against the plain run the prediction is 1.31 times the measured speedup.
+        assert_eq!(hybrid.predicted_within_10, 0);
+        let model = row("model");
+        assert_eq!(
+            (model.median_own_step_ratio, model.own_step_prompts),
+            (None, 0)
+        );
+        assert!(summary.table.contains("hybrid: predicted within 10% of the measured speedup on 0 of 1 prompts; of the 1 with 3 or more"));
     }
 
     #[test]

@@ -184,10 +184,12 @@ struct Record {
     predicted_speedup: Option<f64>,
     /// `speedup_vs_ar` with the plain run's single-token step replaced by this run's own: scaled
     /// by the mean time of this run's single-token target steps (plain rounds and probes) over
-    /// the plain run's, where it timed [`OWN_STEPS_MIN`] or more. Both runs' steps do the same
-    /// work, so what differs between them is the machine's speed drifting between the runs, which
-    /// this cancels, and which the cost model's prediction, from this run's timings alone, cannot
-    /// know (since stop 74; stop 73 found that drift behind most per-prompt misses).
+    /// the plain run's, where it timed [`OWN_STEPS_MIN`] or more (since stop 74). Both runs' steps
+    /// do the same work, so their ratio is the machine's speed drifting between the runs, or the
+    /// noise of the few steps this run timed. The cost model prices a round in units of that same
+    /// step, so the prediction over this speedup checks the rest of the model (acceptance, the
+    /// cost of blocks and drafts against the step) and not the step itself: the prediction over
+    /// `speedup_vs_ar` is that times this run's step over the plain run's.
     own_step_speedup: Option<f64>,
     /// The run's counters and timings, for offline analysis of the cost model.
     metrics: specdec_core::Metrics,
@@ -508,11 +510,13 @@ pub struct Row {
     /// model is off on one run, which the two medians above, taken over prompts in different
     /// orders, do not show.
     pub median_prediction_ratio: Option<f64>,
-    /// Prompts whose predicted speedup is within 10% of the measured one.
+    /// Prompts with a predicted speedup.
+    pub predicted_prompts: usize,
+    /// Of those, the prompts whose predicted speedup is within 10% of the measured one.
     pub predicted_within_10: usize,
     /// Median over the prompts with a [`Record::own_step_speedup`] of the predicted speedup over
-    /// it: the cost model's error with the machine's drift between the plain run and this one
-    /// taken out (since stop 74).
+    /// it: the cost model's error with the plain run's step replaced by the run's own (since
+    /// stop 74); a median over fewer prompts than `median_prediction_ratio`.
     pub median_own_step_ratio: Option<f64>,
     /// Prompts with a [`Record::own_step_speedup`].
     pub own_step_prompts: usize,
@@ -538,7 +542,7 @@ fn end_to_end_rate(r: &Record) -> f64 {
 }
 
 /// Single-token target steps a speculative run must have timed for its
-/// [`Record::own_step_speedup`]: a few, so that one step the machine slowed does not decide it.
+/// [`Record::own_step_speedup`]: a few, so that its mean is not a single step's.
 const OWN_STEPS_MIN: u64 = 3;
 
 /// The mean seconds of a run's single-token target steps, where it timed at least `min`.
@@ -660,6 +664,7 @@ fn summarize(records: &[Record], modes: &[&str], cal: &Calibration) -> Summary {
                 .filter_map(|r| r.predicted_speedup.map(|p| p / r.speedup_vs_ar))
                 .collect();
             let within = ratios.iter().filter(|r| (*r - 1.0).abs() <= 0.1).count();
+            let predicted_prompts = ratios.len();
             let ratio = (!ratios.is_empty()).then(|| median(&mut ratios));
             let mut own: Vec<f64> = mine
                 .iter()
@@ -690,6 +695,7 @@ fn summarize(records: &[Record], modes: &[&str], cal: &Calibration) -> Summary {
                 },
                 predicted_speedup: predicted,
                 median_prediction_ratio: ratio,
+                predicted_prompts,
                 predicted_within_10: within,
                 median_own_step_ratio: own_ratio,
                 own_step_prompts: own_prompts,
@@ -729,7 +735,7 @@ fn summarize(records: &[Record], modes: &[&str], cal: &Calibration) -> Summary {
             "{}: predicted within 10% of the measured speedup on {} of {} prompts; of the {} with {} or more single-token steps of their own, within 10% of the speedup against those (pred/own) on {}\n",
             row.mode,
             row.predicted_within_10,
-            row.prompts,
+            row.predicted_prompts,
             row.own_step_prompts,
             OWN_STEPS_MIN,
             row.own_step_within_10,
@@ -914,8 +920,13 @@ mod tests {
         hybrid.metrics = steps(4, 25.0);
         let mut few = record("a", "model", 0, 60.0, f64::NAN);
         few.metrics = steps(2, 25.0);
-        let mut runs = [ar, hybrid, few];
+        let mut three = record("a", "ngram", 0, 60.0, f64::NAN);
+        three.metrics = steps(3, 16.0);
+        let mut runs = [ar, hybrid, few, three];
         pair_with_plain(&mut runs);
+        // Three steps are enough; the machine was faster then, so the drift-free speedup is lower.
+        let own = runs[3].own_step_speedup.expect("three steps of its own");
+        assert!((own - 1.2 * 0.8).abs() < 1e-12, "{own}");
         assert_eq!(runs[1].speedup_vs_ar, 1.5);
         let own = runs[1].own_step_speedup.expect("four steps of its own");
         assert!((own - 1.5 * 1.25).abs() < 1e-12, "{own}");
@@ -923,7 +934,7 @@ mod tests {
         assert_eq!(runs[2].own_step_speedup, None);
         // A prediction 1.05 times that speedup is within 10% of it, in the hybrid's summary row.
         runs[1].predicted_speedup = Some(own * 1.05);
-        let summary = summarize(&runs, &["ar", "hybrid", "model"], &flat_calibration());
+        let summary = summarize(&runs[..3], &["ar", "hybrid", "model"], &flat_calibration());
         let row = |mode: &str| {
             summary
                 .rows
@@ -947,7 +958,7 @@ mod tests {
 
     #[test]
     fn repeated_runs_become_one_record_per_prompt_and_mode_with_medians() {
-        let records = vec![
+        let mut records = vec![
             record("a", "ar", 0, 30.0, 1.0),
             record("a", "hybrid", 0, 60.0, 2.0),
             record("b", "ar", 0, 20.0, 1.0),
@@ -956,6 +967,9 @@ mod tests {
             record("a", "ar", 2, 40.0, 1.0),
             record("a", "hybrid", 2, 100.0, 2.5),
         ];
+        // Two of the three runs timed single steps of their own.
+        records[1].own_step_speedup = Some(2.2);
+        records[6].own_step_speedup = Some(2.6);
         let merged = per_prompt(&records);
         let keys: Vec<(&str, &str)> = merged
             .iter()
@@ -971,6 +985,7 @@ mod tests {
         assert_eq!(hybrid.e2e_speedup_vs_ar, 1.25);
         assert_eq!(hybrid.first_token_s, 0.7);
         assert_eq!(hybrid.predicted_speedup, Some(2.5 * 0.9));
+        assert!((hybrid.own_step_speedup.expect("a median") - 2.4).abs() < 1e-12);
         assert_eq!(
             (hybrid.drafted, hybrid.accepted, hybrid.rounds),
             (30, 15, 15)

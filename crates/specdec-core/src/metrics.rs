@@ -271,6 +271,15 @@ impl Metrics {
         (time > 0.0).then(|| tokens / time)
     }
 
+    /// The mean seconds of the run's single-token target steps (its plain rounds and probes, or
+    /// every step of plain decoding) and how many it timed; `None` where it timed none.
+    pub fn single_steps(&self) -> Option<(f64, u64)> {
+        self.verify_by_len
+            .first()
+            .filter(|t| t.m == 1 && t.calls > 0 && t.secs > 0.0)
+            .map(|t| (t.secs / t.calls as f64, t.calls))
+    }
+
     /// Decode tokens/s relative to a baseline run (plain decoding through the same loop).
     pub fn measured_speedup(&self, baseline: &Metrics) -> f64 {
         ratio(self.decode_tokens_per_s(), baseline.decode_tokens_per_s())

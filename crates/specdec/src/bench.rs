@@ -545,14 +545,6 @@ fn end_to_end_rate(r: &Record) -> f64 {
 /// [`Record::own_step_speedup`]: a few, so that its mean is not a single step's.
 const OWN_STEPS_MIN: u64 = 3;
 
-/// The mean seconds of a run's single-token target steps, where it timed at least `min`.
-fn single_step_secs(m: &specdec_core::Metrics, min: u64) -> Option<f64> {
-    m.verify_by_len
-        .first()
-        .filter(|t| t.m == 1 && t.calls >= min.max(1))
-        .map(|t| t.secs / t.calls as f64)
-}
-
 /// Sets each run's speedups against the plain run among `runs` (one prompt's repetition): decoding
 /// tokens/s and [`end_to_end_rate`], both ratios of rates, and [`Record::own_step_speedup`].
 fn pair_with_plain(runs: &mut [Record]) {
@@ -563,7 +555,7 @@ fn pair_with_plain(runs: &mut [Record]) {
                 (
                     r.decode_tokens_per_s,
                     end_to_end_rate(r),
-                    single_step_secs(&r.metrics, 1),
+                    r.metrics.single_steps().map(|s| s.0),
                 )
             });
     for r in runs.iter_mut() {
@@ -571,8 +563,11 @@ fn pair_with_plain(runs: &mut [Record]) {
         r.e2e_speedup_vs_ar = end_to_end_rate(r) / ar_e2e;
         r.own_step_speedup = match (r.mode.as_str(), ar_step) {
             ("ar", _) | (_, None) => None,
-            (_, Some(ar)) => single_step_secs(&r.metrics, OWN_STEPS_MIN)
-                .map(|own| r.speedup_vs_ar * own / ar)
+            (_, Some(ar)) => r
+                .metrics
+                .single_steps()
+                .filter(|s| s.1 >= OWN_STEPS_MIN)
+                .map(|(own, _)| r.speedup_vs_ar * own / ar)
                 .filter(|s| s.is_finite() && *s > 0.0),
         };
     }
@@ -663,7 +658,8 @@ fn summarize(records: &[Record], modes: &[&str], cal: &Calibration) -> Summary {
                 .filter(|r| r.speedup_vs_ar > 0.0)
                 .filter_map(|r| r.predicted_speedup.map(|p| p / r.speedup_vs_ar))
                 .collect();
-            let within = ratios.iter().filter(|r| (*r - 1.0).abs() <= 0.1).count();
+            let within_10 = |v: &[f64]| v.iter().filter(|r| (*r - 1.0).abs() <= 0.1).count();
+            let within = within_10(&ratios);
             let predicted_prompts = ratios.len();
             let ratio = (!ratios.is_empty()).then(|| median(&mut ratios));
             let mut own: Vec<f64> = mine
@@ -671,7 +667,7 @@ fn summarize(records: &[Record], modes: &[&str], cal: &Calibration) -> Summary {
                 .filter_map(|r| r.predicted_speedup.zip(r.own_step_speedup))
                 .map(|(p, s)| p / s)
                 .collect();
-            let own_within = own.iter().filter(|r| (*r - 1.0).abs() <= 0.1).count();
+            let own_within = within_10(&own);
             let own_prompts = own.len();
             let own_ratio = (!own.is_empty()).then(|| median(&mut own));
             let mut e2e: Vec<f64> = mine.iter().map(|r| r.end_to_end_s).collect();

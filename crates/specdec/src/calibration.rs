@@ -161,17 +161,13 @@ impl Calibration {
     /// context), where it timed at least [`MIN_SINGLE_STEPS`]: that step, its count and the run's
     /// mean context.
     fn learn_step(&mut self, m: &Metrics) -> Option<(f64, u64, f64)> {
-        let single = m
-            .verify_by_len
-            .first()
-            .filter(|t| t.m == 1 && t.calls >= MIN_SINGLE_STEPS && t.secs > 0.0)?;
-        let t1 = single.secs / single.calls as f64;
+        let (t1, calls) = m.single_steps().filter(|s| s.1 >= MIN_SINGLE_STEPS)?;
         let n = m.prompt_tokens as f64 + m.emitted as f64 / 2.0;
         let step = t1 / self.context.map_or(1.0, |cc| cc.step_at(n));
         if step.is_finite() && step > 0.0 {
             self.recent_step = Some((step, Instant::now()));
         }
-        Some((t1, single.calls, n))
+        Some((t1, calls, n))
     }
 
     /// The curve's part of [`Calibration::learn`], the recent step and the recent draft cost.

@@ -8,7 +8,8 @@
 //! stop tokens). Writes one line per record: `id`, `category`, the `prompt` and `output` ids, and
 //! `pred`, where `pred[j]` is the draft's most likely token after the prompt and the first `j`
 //! answer tokens (`j = 0..=output.len()`), `conf`, where `conf[j]` is that token's probability (the
-//! draft's confidence, at temperature 1), and the `stop` tokens. With greedy verification, a model
+//! draft's confidence, at temperature 1), `pred2` and `conf2`, the second most likely token and its
+//! probability (for simulating token trees), and the `stop` tokens. With greedy verification, a model
 //! draft made from a context the target committed is exactly this walk, so a replay can decide
 //! acceptance without the models. `DP_THREADS` sets the kernel threads (default 2).
 
@@ -75,20 +76,30 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let mut s = Session::new(draft.clone(), all.len() + 1);
         let rows = output.len() + 1;
         let logits = s.feed(&all, rows)?;
-        let (pred, conf): (Vec<u32>, Vec<f32>) = logits
-            .chunks_exact(vocab)
-            .map(|row| {
-                let mut best = 0;
-                for (i, &x) in row.iter().enumerate() {
-                    if x > row[best] {
-                        best = i;
-                    }
+        let mut pred = Vec::with_capacity(rows);
+        let mut conf = Vec::with_capacity(rows);
+        let mut pred2 = Vec::with_capacity(rows);
+        let mut conf2 = Vec::with_capacity(rows);
+        for row in logits.chunks_exact(vocab) {
+            let (mut best, mut second) = (0, 1);
+            if row[second] > row[best] {
+                (best, second) = (second, best);
+            }
+            for (i, &x) in row.iter().enumerate().skip(2) {
+                if x > row[best] {
+                    second = best;
+                    best = i;
+                } else if x > row[second] {
+                    second = i;
                 }
-                let max = row[best];
-                let total: f64 = row.iter().map(|&x| f64::from(x - max).exp()).sum();
-                (best as u32, (1.0 / total) as f32)
-            })
-            .unzip();
+            }
+            let max = row[best];
+            let total: f64 = row.iter().map(|&x| f64::from(x - max).exp()).sum();
+            pred.push(best as u32);
+            conf.push((1.0 / total) as f32);
+            pred2.push(second as u32);
+            conf2.push((f64::from(row[second] - max).exp() / total) as f32);
+        }
         let line = serde_json::json!({
             "id": r["id"],
             "category": r["category"],
@@ -96,6 +107,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "output": output,
             "pred": pred,
             "conf": conf,
+            "pred2": pred2,
+            "conf2": conf2,
             "stop": stops,
         });
         writeln!(f, "{line}")?;

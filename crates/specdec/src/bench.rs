@@ -727,14 +727,19 @@ fn summarize(records: &[Record], modes: &[&str], cal: &Calibration) -> Summary {
         .iter()
         .filter(|r| r.category == "all" && r.predicted_speedup.is_some())
     {
+        let own = if row.own_step_prompts == 0 {
+            format!(
+                "no prompt timed {OWN_STEPS_MIN} or more single-token steps of its own (pred/own)"
+            )
+        } else {
+            format!(
+                "of the {} with {OWN_STEPS_MIN} or more single-token steps of their own, within 10% of the speedup against those (pred/own) on {}",
+                row.own_step_prompts, row.own_step_within_10,
+            )
+        };
         table.push_str(&format!(
-            "{}: predicted within 10% of the measured speedup on {} of {} prompts; of the {} with {} or more single-token steps of their own, within 10% of the speedup against those (pred/own) on {}\n",
-            row.mode,
-            row.predicted_within_10,
-            row.predicted_prompts,
-            row.own_step_prompts,
-            OWN_STEPS_MIN,
-            row.own_step_within_10,
+            "{}: predicted within 10% of the measured speedup on {} of {} prompts; {own}\n",
+            row.mode, row.predicted_within_10, row.predicted_prompts,
         ));
     }
     table.push_str(&format!(
@@ -930,6 +935,7 @@ mod tests {
         assert_eq!(runs[2].own_step_speedup, None);
         // A prediction 1.05 times that speedup is within 10% of it, in the hybrid's summary row.
         runs[1].predicted_speedup = Some(own * 1.05);
+        runs[2].predicted_speedup = Some(1.0);
         let summary = summarize(&runs[..3], &["ar", "hybrid", "model"], &flat_calibration());
         let row = |mode: &str| {
             summary
@@ -950,6 +956,7 @@ mod tests {
             (None, 0)
         );
         assert!(summary.table.contains("hybrid: predicted within 10% of the measured speedup on 0 of 1 prompts; of the 1 with 3 or more"));
+        assert!(summary.table.contains("model: predicted within 10% of the measured speedup on 0 of 1 prompts; no prompt timed 3 or more"));
     }
 
     #[test]

@@ -13,8 +13,10 @@ extended by up to `ext` tokens of the draft's greedy walk after it. Greedy verif
 longest path of the tree that the target's answer follows and adds the target's next token.
 
 Costs, in target steps: `c` per chain position drafted (the sibling comes from the same draft pass;
-an extension adds `slope` of a draft pass per position, the sibling's row batched with the chain's),
-plus r(nodes + 1) for the verification. r(m) is the calibration's, made non-decreasing (pool
+where a round extends siblings, each of its chain's draft passes costs `slope` more, as if the
+extensions' rows rode along in them), plus r(nodes + 1) for the verification. That undercharges
+extensions that reach past the chain's end and rounds extending several siblings, so it leans
+towards the tree. r(m) is the calibration's, made non-decreasing (pool
 adjacent violators) unless `--raw`; `--flat S` prices r(m) = 1 + S (m - 1) instead, to ask what
 flatter verification would change.
 

@@ -12,20 +12,21 @@ position whose second choice has probability at least `th2`, that second choice 
 extended by up to `ext` tokens of the draft's greedy walk after it. Greedy verification accepts the
 longest path of the tree that the target's answer follows and adds the target's next token.
 
-Costs, in target steps: `c` per chain position drafted (the sibling comes from the same draft pass;
-where a round extends siblings, each of its chain's draft passes costs `slope` more, as if the
-extensions' rows rode along in them), plus r(nodes + 1) for the verification. That undercharges
-extensions that reach past the chain's end and rounds extending several siblings, so it leans
-towards the tree. r(m) is the calibration's, made non-decreasing (pool
-adjacent violators) unless `--raw`; `--flat S` prices r(m) = 1 + S (m - 1) instead, to ask what
-flatter verification would change.
+Costs, in target steps: `c` per draft pass, one per chain position drafted and one more where the
+confidence stopped the chain (the sibling comes from the same pass; where a round extends
+siblings, each of its passes costs `slope` more, as if the extensions' rows rode along in them),
+plus r(nodes + 1) for the verification. That undercharges extensions that reach past the chain's
+end and rounds extending several siblings, so it leans towards the tree. r(m) is the
+calibration's, made non-decreasing (pool adjacent violators) unless `--raw`; `--flat S` prices
+r(m) = 1 + S (m - 1) instead, to ask what flatter verification would change.
 
 What the answer cannot tell: past a chain's first rejected position the draft's own walk leaves the
 target's answer, so its confidence there is unknown; the answer's positions stand in for it. That
 moves only the rounds' costs, never what they accept.
 
 For every category it prints the best chain and the best tree over a grid of their parameters
-(median over prompts of answer tokens per target step), and their ratio.
+(median over prompts of answer tokens per target step; the chains' grid holds plain decoding, k = 0,
+and the trees' grid every chain without siblings, so a tree is never worse), and their ratio.
 
     python3 scripts/model_tree_sim.py PREDICTIONS.jsonl BENCH.json [--raw] [--flat S] [--slope S]
 """
@@ -33,6 +34,7 @@ For every category it prints the best chain and the best tree over a grid of the
 import argparse
 import json
 import statistics
+import sys
 from collections import defaultdict
 
 
@@ -49,6 +51,40 @@ def non_decreasing(v: list) -> list:
     return [x for x, n in blocks for _ in range(n)]
 
 
+def rate(rec: dict, k: int, th1: float, th2: float, ext: int, *, c: float, r, slope: float) -> float:
+    """Answer tokens per target step over `rec`'s answer (not empty) with draft length `k` (0: plain
+    decoding), the chain's confidence stop `th1`, siblings from `th2` and `ext` tokens extending each.
+    `r(m)` prices verifying m rows."""
+    out, pred, pred2 = rec["output"], rec["pred"], rec["pred2"]
+    conf, conf2 = rec["conf"], rec["conf2"]
+    n = len(out)
+    p, cost = 0, 0.0
+    while p < n:
+        depth = 0
+        while depth < min(k, n - p) and conf[p + depth] >= th1:
+            depth += 1
+        # A chain stopped by its confidence paid for the draft pass that showed it.
+        passes = depth + (depth < min(k, n - p))
+        sibs = {d for d in range(1, depth + 1) if conf2[p + d - 1] >= th2}
+        nodes = depth + len(sibs) * (1 + ext)
+        cost += c * passes * (1 + (slope if sibs and ext else 0)) + r(nodes + 1)
+        acc = 0
+        for d in range(1, depth + 1):
+            t = out[p + d - 1]
+            if pred[p + d - 1] == t:
+                acc = d
+                continue
+            if d in sibs and pred2[p + d - 1] == t:
+                acc = d
+                for j in range(p + d, min(p + d + ext, n)):
+                    if pred[j] != out[j]:
+                        break
+                    acc += 1
+            break
+        p += acc + 1
+    return n / cost
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("predictions")
@@ -58,7 +94,9 @@ def main() -> None:
     ap.add_argument("--slope", type=float, default=0.05, help="a draft pass's cost per extra row")
     args = ap.parse_args()
     cal = json.load(open(args.bench_json))["calibration"]
-    c = cal["c"]
+    c = cal.get("c")
+    if c is None:
+        sys.exit(f"{args.bench_json}: the calibration has no draft cost c (a run without a draft model?)")
     curve = cal["r"] if args.raw else non_decreasing(cal["r"])
     if args.flat is not None:
         curve = [1 + args.flat * i for i in range(16)]
@@ -68,35 +106,8 @@ def main() -> None:
             return curve[m - 1]
         return curve[-1] + (m - len(curve)) * (curve[-1] - curve[-4]) / 3
 
-    def rate(rec: dict, k: int, th1: float, th2: float, ext: int) -> float:
-        out, pred, pred2 = rec["output"], rec["pred"], rec["pred2"]
-        conf, conf2 = rec["conf"], rec["conf2"]
-        n = len(out)
-        p, cost = 0, 0.0
-        while p < n:
-            depth = 0
-            while depth < min(k, n - p) and conf[p + depth] >= th1:
-                depth += 1
-            sibs = {d for d in range(1, depth + 1) if conf2[p + d - 1] >= th2}
-            nodes = depth + len(sibs) * (1 + ext)
-            cost += c * depth * (1 + (args.slope if sibs and ext else 0)) + r(nodes + 1)
-            acc = 0
-            for d in range(1, depth + 1):
-                t = out[p + d - 1]
-                if pred[p + d - 1] == t:
-                    acc = d
-                    continue
-                if d in sibs and pred2[p + d - 1] == t:
-                    acc = d
-                    for j in range(p + d, min(p + d + ext, n)):
-                        if pred[j] != out[j]:
-                            break
-                        acc += 1
-                break
-            p += acc + 1
-        return n / cost
-
-    recs = [json.loads(line) for line in open(args.predictions)]
+    # An empty answer has no rounds to replay.
+    recs = [x for x in map(json.loads, open(args.predictions)) if x["output"]]
     cats = defaultdict(list)
     for rec in recs:
         cats[rec["category"]].append(rec)
@@ -104,20 +115,20 @@ def main() -> None:
     print("r(m):", " ".join(f"{x:.2f}" for x in curve), f" c = {c:.3f}")
     print(f"{'category':10s} {'top1':>6s} {'top2|miss':>9s}   " + "best chain (k, th1)".ljust(21)
           + "best tree (k, th1, th2, ext)".ljust(31) + "gain")
-    chains = [(k, t1) for k in range(1, 11) for t1 in (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6)]
+    chains = [(0, 0.0)] + [(k, t1) for k in range(1, 11) for t1 in (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6)]
     for cat, group in cats.items():
         tot = sum(len(x["output"]) for x in group)
         top1 = sum(a == b for x in group for a, b in zip(x["pred"], x["output"]))
         top2 = sum(a != b and a2 == b for x in group for a, a2, b in zip(x["pred"], x["pred2"], x["output"]))
 
         def med(*params) -> float:
-            return statistics.median(rate(x, *params) for x in group)
+            return statistics.median(rate(x, *params, c=c, r=r, slope=args.slope) for x in group)
 
         chain = max((med(k, t1, 2.0, 0), k, t1) for k, t1 in chains)
         tree = max(
             (med(k, t1, t2, e), k, t1, t2, e)
             for k, t1 in chains
-            for t2 in (0.05, 0.1, 0.15, 0.2, 0.3)
+            for t2 in (0.05, 0.1, 0.15, 0.2, 0.3, 2.0)
             for e in (0, 1, 2)
         )
         print(

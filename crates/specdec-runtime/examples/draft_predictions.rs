@@ -8,10 +8,10 @@
 //! stop tokens). Writes one line per record: `id`, `category`, the `prompt` and `output` ids, and
 //! `pred`, where `pred[j]` is the draft's most likely token after the prompt and the first `j`
 //! answer tokens (`j = 0..=output.len()`), `conf`, where `conf[j]` is that token's probability (the
-//! draft's confidence, at temperature 1), `pred2` and `conf2`, the second most likely token and its
-//! probability (for simulating token trees), and the `stop` tokens. With greedy verification, a model
-//! draft made from a context the target committed is exactly this walk, so a replay can decide
-//! acceptance without the models. `DP_THREADS` sets the kernel threads (default 2).
+//! draft's confidence, at temperature 1), `pred2` and `conf2`, the second most likely token and
+//! its probability (for `scripts/model_tree_sim.py`), and the `stop` tokens. With greedy
+//! verification, a model draft made from a context the target committed is exactly this walk, so
+//! a replay can decide acceptance without the models. `DP_THREADS` sets the kernel threads (default 2).
 
 use std::io::Write;
 use std::sync::Arc;
@@ -61,6 +61,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             ..LoadOptions::default()
         },
     )?);
+    if vocab < 2 {
+        return Err(format!("a vocabulary of {vocab} has no second choice").into());
+    }
     let doc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(bench)?)?;
     let records = doc["records"]
         .as_array()
@@ -81,6 +84,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let mut pred2 = Vec::with_capacity(rows);
         let mut conf2 = Vec::with_capacity(rows);
         for row in logits.chunks_exact(vocab) {
+            // Tokens outside a restricted vocabulary score -inf; NaN or +inf is a broken pass.
+            if row.iter().any(|x| x.is_nan() || *x == f32::INFINITY) {
+                return Err(format!("{}: non-finite logits", r["id"]).into());
+            }
             let (mut best, mut second) = (0, 1);
             if row[second] > row[best] {
                 (best, second) = (second, best);

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Offline estimate of token-tree verification for the draft model's top-2, greedy.
 
-Input: the JSONL of `examples/draft_predictions` (specdec-runtime), which holds, for every prompt of a
-greedy `specdec bench --json` run, the target's answer and the draft model's two likeliest tokens
-(`pred`, `pred2`) and their probabilities (`conf`, `conf2`) after the prompt and each prefix of the
-answer; and that bench JSON, for its calibration (c and r(m)).
+Input: the JSONL of `examples/draft_predictions` (specdec-runtime), which holds, for every prompt
+of a greedy `specdec bench --json` run, the target's answer and the draft model's two likeliest
+tokens (`pred`, `pred2`) and their probabilities (`conf`, `conf2`) after the prompt and each
+prefix of the answer; and that bench JSON, for its calibration (c and r(m)).
 
 Each round starts where the last one ended. A *chain* drafts the draft's greedy walk while its
 confidence is at least `th1`, at most `k` tokens. A *tree* drafts the same chain plus, at each chain
@@ -51,9 +51,10 @@ def non_decreasing(v: list) -> list:
     return [x for x, n in blocks for _ in range(n)]
 
 
-def rate(rec: dict, k: int, th1: float, th2: float, ext: int, *, c: float, r, slope: float) -> float:
-    """Answer tokens per target step over `rec`'s answer (not empty) with draft length `k` (0: plain
-    decoding), the chain's confidence stop `th1`, siblings from `th2` and `ext` tokens extending each.
+def rate(rec: dict, k: int, th1: float, th2: float, ext: int, *, c: float, r, slope: float):
+    """Answer tokens per target step over `rec`'s answer (not empty) with draft length `k` (0:
+    plain decoding), the chain's confidence stop `th1`, siblings from `th2` and `ext` tokens
+    extending each.
     `r(m)` prices verifying m rows."""
     out, pred, pred2 = rec["output"], rec["pred"], rec["pred2"]
     conf, conf2 = rec["conf"], rec["conf2"]
@@ -96,7 +97,7 @@ def main() -> None:
     cal = json.load(open(args.bench_json))["calibration"]
     c = cal.get("c")
     if c is None:
-        sys.exit(f"{args.bench_json}: the calibration has no draft cost c (a run without a draft model?)")
+        sys.exit(f"{args.bench_json}: the calibration has no draft cost c (no draft model?)")
     curve = cal["r"] if args.raw else non_decreasing(cal["r"])
     if args.flat is not None:
         curve = [1 + args.flat * i for i in range(16)]
@@ -115,11 +116,16 @@ def main() -> None:
     print("r(m):", " ".join(f"{x:.2f}" for x in curve), f" c = {c:.3f}")
     print(f"{'category':10s} {'top1':>6s} {'top2|miss':>9s}   " + "best chain (k, th1)".ljust(21)
           + "best tree (k, th1, th2, ext)".ljust(31) + "gain")
-    chains = [(0, 0.0)] + [(k, t1) for k in range(1, 11) for t1 in (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6)]
+    thresholds = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6)
+    chains = [(0, 0.0)] + [(k, t1) for k in range(1, 11) for t1 in thresholds]
     for cat, group in cats.items():
         tot = sum(len(x["output"]) for x in group)
         top1 = sum(a == b for x in group for a, b in zip(x["pred"], x["output"]))
-        top2 = sum(a != b and a2 == b for x in group for a, a2, b in zip(x["pred"], x["pred2"], x["output"]))
+        top2 = sum(
+            a != b and a2 == b
+            for x in group
+            for a, a2, b in zip(x["pred"], x["pred2"], x["output"])
+        )
 
         def med(*params) -> float:
             return statistics.median(rate(x, *params, c=c, r=r, slope=args.slope) for x in group)

@@ -59,7 +59,8 @@ def test_a_sibling_pays_only_where_the_draft_second_choice_is_right(tmp_path):
     rows = simulate(
         tmp_path,
         [
-            # The draft's first choice is always right and sure: siblings (never likely) add nothing.
+            # The draft's first choice is always right and sure: siblings (never likely) add
+            # nothing.
             record("sure", answer, answer, [0.95] * 40, wrong, [0.01] * 40),
             # Its first choice is always wrong and its second always right, both near one half: a
             # chain accepts nothing, a tree one sibling a round.

@@ -11,7 +11,8 @@
 //! draft's confidence, at temperature 1), `pred2` and `conf2`, the second most likely token and
 //! its probability (for `scripts/model_tree_sim.py`), and the `stop` tokens. With greedy
 //! verification, a model draft made from a context the target committed is exactly this walk, so
-//! a replay can decide acceptance without the models. `DP_THREADS` sets the kernel threads (default 2).
+//! a replay can decide acceptance without the models. `DP_THREADS` sets the kernel threads
+//! (default 2).
 
 use std::io::Write;
 use std::sync::Arc;

@@ -44,6 +44,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let g = Gguf::open(draft_path)?;
     let tok = Tokenizer::from_gguf(&g)?;
     let vocab = ModelConfig::from_gguf(&g)?.vocab;
+    if vocab < 2 {
+        return Err(format!("a vocabulary of {vocab} has no second choice").into());
+    }
     // As the CLI loads a draft: the restricted vocabulary at most the whole one, and the stop
     // tokens within it scored beside it.
     let stops: Vec<u32> = tok
@@ -62,9 +65,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             ..LoadOptions::default()
         },
     )?);
-    if vocab < 2 {
-        return Err(format!("a vocabulary of {vocab} has no second choice").into());
-    }
     let doc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(bench)?)?;
     let records = doc["records"]
         .as_array()

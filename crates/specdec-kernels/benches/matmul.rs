@@ -1,12 +1,12 @@
-//! Multi-row matmul throughput per weight format and row count.
+//! Multi-row matmul throughput per weight format and row count, and activation quantisation's.
 //!
 //! Throughput is weight bytes streamed per call, so GB/s compares directly with memory bandwidth; the
 //! number to watch is r(m) = time(m) / time(1): how much `m` activation rows cost over one.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use specdec_kernels::{
-    BlockFormat, BlockQ4K, BlockQ4_0, BlockQ5_0, BlockQ6K, BlockQ8_0, Kernels, QMatrix, Weights,
-    F16,
+    quantize_row_q8_0, quantize_row_q8_k, ActQ8_0, BlockFormat, BlockQ4K, BlockQ4_0, BlockQ5_0,
+    BlockQ6K, BlockQ8K, BlockQ8_0, Kernels, QMatrix, Weights, F16,
 };
 use std::hint::black_box;
 
@@ -115,5 +115,35 @@ fn bench(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, bench);
+/// Activation quantisation of one 4,864-value row (the draft's FFN width) and of 200 such rows (a
+/// prefill's block), in both activation formats; throughput in input values.
+fn quantize(c: &mut Criterion) {
+    let mut group = c.benchmark_group("quantize");
+    for rows in [1usize, 200] {
+        let n = rows * 4864;
+        let x: Vec<f32> = bytes(3, n)
+            .iter()
+            .map(|&b| f32::from(b) / 64.0 - 2.0)
+            .collect();
+        group.throughput(Throughput::Elements(n as u64));
+        let mut q8_0 = vec![
+            ActQ8_0 {
+                d: 0.0,
+                sum: 0,
+                qs: [0; 32]
+            };
+            n / 32
+        ];
+        group.bench_with_input(BenchmarkId::new("q8_0", rows), &rows, |b, _| {
+            b.iter(|| quantize_row_q8_0(black_box(&x), &mut q8_0))
+        });
+        let mut q8_k = vec![BlockQ8K::ZERO; n / 256];
+        group.bench_with_input(BenchmarkId::new("q8_k", rows), &rows, |b, _| {
+            b.iter(|| quantize_row_q8_k(black_box(&x), &mut q8_k))
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bench, quantize);
 criterion_main!(benches);

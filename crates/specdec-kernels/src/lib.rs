@@ -82,8 +82,11 @@ pub use simd::MAX_PASS_ROWS;
 /// VNNI passes of interleaved Q4_K and of Q6_K chain `vpdpbusd`, and weights are prefetched into L2
 /// (stop 27); 28: interleaved Q4_K keeps at most 8 rows' sums in registers and adds both chains
 /// with one `vpdpwssd`, and Q6_K is stored with 8 rows interleaved (stop 28); 33: the
-/// [`CpuLevel::Avx512Zmm`] level, chosen on Intel's AVX-512 CPUs (stop 33).
-pub const REVISION: u32 = 33;
+/// [`CpuLevel::Avx512Zmm`] level, chosen on Intel's AVX-512 CPUs (stop 33); 34: the 32-value
+/// formats' 512-bit passes broadcast their activations from memory and run at
+/// [`CpuLevel::Avx512ZmmK`] on AMD from Zen 5, and Q8_0 activations are quantised in AVX2
+/// (stop 76).
+pub const REVISION: u32 = 34;
 
 /// Everything that can go wrong in this crate: shapes and levels, never arithmetic.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -329,7 +329,7 @@ mod tests {
             sum: 0,
             qs: [0; 32],
         };
-        let mut portable = vec![zero.clone(); x.len() / 32];
+        let mut portable = vec![zero; x.len() / 32];
         let mut avx2 = portable.clone();
         quantize_blocks(&x, &mut portable);
         // SAFETY: AVX2 was detected above.

@@ -83,8 +83,8 @@ pub use simd::MAX_PASS_ROWS;
 /// (stop 27); 28: interleaved Q4_K keeps at most 8 rows' sums in registers and adds both chains
 /// with one `vpdpwssd`, and Q6_K is stored with 8 rows interleaved (stop 28); 33: the
 /// [`CpuLevel::Avx512Zmm`] level, chosen on Intel's AVX-512 CPUs (stop 33); 34: the 32-value
-/// formats' 512-bit passes broadcast their activations from memory and run at
-/// [`CpuLevel::Avx512ZmmK`] on AMD from Zen 5, and Q8_0 and Q8_K activations are quantised in
+/// formats' 512-bit passes prefetch in one burst (and so compile to `vpdpbusd` broadcasting its
+/// activations from memory) and run at [`CpuLevel::Avx512ZmmK`] on AMD's EPYC Zen 5, and Q8_0 and Q8_K activations are quantised in
 /// AVX2 intrinsics (stop 76).
 pub const REVISION: u32 = 34;
 

@@ -127,7 +127,8 @@ format!(
 /// over groups of 8 rows.
 pub(crate) trait GroupFormat {
     /// Whether the format is a K-quant, whose 512-bit pass runs at [`CpuLevel::Avx512ZmmK`] too
-    /// (the 32-value formats' runs at [`CpuLevel::Avx512Zmm`] only).
+    /// (the 32-value formats' runs at [`CpuLevel::Avx512Zmm`], and at [`CpuLevel::Avx512ZmmK`]
+    /// only on AMD's EPYC Zen 5: [`crate::dispatch::amd_full_width_512`]).
     const K_QUANT: bool = false;
     type Group: Interleaved;
     /// The activation blocks.
@@ -257,7 +258,9 @@ group_format!(
 /// ([`Ahead::part`]), so that the prefetches wait for memory among the multiplies instead of in one
 /// burst before them, which held up the whole step: 8-token target blocks 78–82 → 67–71 ms,
 /// 16-token 130–133 → 113–116 (stop 39, `step_time`, alternated). The 256-bit passes keep their
-/// burst ([`avx2::prefetch_ahead`]): spread the same way, 1- to 6-token blocks ran 4–7% slower.
+/// burst ([`avx2::prefetch_ahead`]): spread the same way, 1- to 6-token blocks ran 4–7% slower. The
+/// 32-value formats' 512-bit chunk has asked for the whole part in one burst since stop 76 (see
+/// `avx512::Groups::chunk`).
 #[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
 pub(crate) struct Ahead {
@@ -419,15 +422,14 @@ pub(crate) unsafe fn pass_groups<G: GroupFormat>(
         // SAFETY: as above.
         #[cfg(target_arch = "x86_64")]
         CpuLevel::Avx512Vnni => unsafe { G::vnni_pass(w, nb, x, out) },
-        // SAFETY: as above. Passes of few rows, and the 32-value formats at the K-quant level, take
-        // the 256-bit pass.
+        // SAFETY: as above. Passes of few rows take the 256-bit pass.
         #[cfg(target_arch = "x86_64")]
         CpuLevel::Avx512Zmm | CpuLevel::Amx if x.len() < ZMM_FROM_ROWS * nb => unsafe {
             G::vnni_pass(w, nb, x, out)
         },
-        // SAFETY: as above. The 32-value formats take the 512-bit pass at this level only where
-        // 512-bit operations run at full width ([`crate::dispatch::amd_full_width_512`]), from as
-        // many rows as at the full 512-bit level.
+        // SAFETY: as above. Passes of few rows take the 256-bit pass; so do the 32-value formats'
+        // at this level, except on AMD's EPYC Zen 5 ([`crate::dispatch::amd_full_width_512`]) from
+        // as many rows as at the full 512-bit level.
         #[cfg(target_arch = "x86_64")]
         CpuLevel::Avx512ZmmK
             if x.len() < ZMM_K_FROM_ROWS * nb
@@ -1230,8 +1232,8 @@ pub(crate) mod avx2 {
     }
 }
 
-/// The passes of the interleaved 32-value formats on 512-bit vectors ([`CpuLevel::Avx512Zmm`]), and
-/// helpers of the K-quants' ones.
+/// The passes of the interleaved 32-value formats on 512-bit vectors ([`CpuLevel::Avx512Zmm`], and
+/// [`CpuLevel::Avx512ZmmK`] on AMD's EPYC Zen 5), and helpers of the K-quants' ones.
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512 {
     use super::avx2::by_rows;
@@ -1414,12 +1416,15 @@ pub(crate) mod avx512 {
             let mut c = [_mm512_setzero_si512(); R];
             // The rows' quants, bounds-checked once here rather than at every load.
             let rows: [*const i8; R] = std::array::from_fn(|i| x[i * nb].qs.as_ptr());
-            // The next pair's lines in one burst (5 of them), before the multiplies: a prefetch
-            // among them has the compiler load every activation quad into a general register up
-            // front (spilled, for 8 rows) and broadcast it from there, not from memory as part of
-            // `vpdpbusd`. With both changes, on Zen 5 (stop 76, `rcurve 2 4864`, 896 columns,
-            // 3 alternations) this pass ran Q4_0 at 399–463 GMAC/s, against 271–338 before and
-            // 287–329 for the 256-bit pass.
+            // The next pair's lines in one burst (5 for Q4_0, 6 or 7 for Q5_0), before the
+            // multiplies, unlike the K-quant chunks' parts per sub-block: a prefetch among them
+            // had the compiler load every activation quad into a general register up front
+            // (spilled, for 8 rows) and broadcast it from there instead of from memory as part
+            // of `vpdpbusd` (as it did too with the loads in a function of their own, like the
+            // K-quants' `quads`). With both changes, on Zen 5 (stop 76, `rcurve 2 4864`, 896
+            // columns, 3 alternations) this pass ran Q4_0 at 399–463 GMAC/s, against 271–338
+            // before and 287–329 for the 256-bit pass. Not measured on Intel, where
+            // `CpuLevel::Avx512Zmm` takes this chunk too.
             ahead.part(0, 1);
             for t in 0..4 {
                 for (i, (a, c)) in a.iter_mut().zip(c.iter_mut()).enumerate() {

@@ -55,7 +55,9 @@ impl WeightBlock for BlockQ8_0 {
 
 /// A Q8_0-quantised activation block: ggml's `block_q8_0` numbers (the scale is rounded to f16), with
 /// the scale kept widened to `f32` so the hot loop need not convert it, and the sum of the quants (what
-/// a kernel subtracts once per block for weights stored with an offset). Quants lie in `-127..=127`.
+/// a kernel subtracts once per block for weights stored with an offset). Quants lie in `-127..=127`,
+/// but for a block so small that the reciprocal of its scale overflows (its scale then rounds to 0
+/// as an f16, so its quants count for nothing): there they saturate, to -128 for a negative value.
 #[derive(Clone, Copy, Debug, PartialEq)]
 #[repr(C)]
 pub struct ActQ8_0 {
@@ -96,18 +98,21 @@ pub fn quantize_row_q8_0(x: &[f32], out: &mut [ActQ8_0]) {
 
 /// [`quantize_blocks`] in 256-bit vectors, with the same quants and scales: the largest magnitude
 /// (NaN ignored, as `f32::max` does) and the scale as there, then per value the same product and
-/// rounding addend, the truncating cast's saturation (NaN to 0, beyond the `i8` range to its ends)
-/// done by a mask and a clamp before the conversion.
+/// rounding addend ([`round_to_i8`]'s, its sign taken from the value, as the product's sign is but
+/// where the product is NaN, which becomes 0 anyway), the cast's saturation (NaN to 0, beyond the
+/// `i8` range to its ends) done by a mask and a clamp before the truncating conversion.
+///
+/// # Safety
+/// The CPU must support AVX2.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn quantize_avx2(x: &[f32], out: &mut [ActQ8_0]) {
     use std::arch::x86_64::*;
-    const JUST_BELOW_HALF: f32 = 0.499_999_97;
     let sign = _mm256_set1_ps(-0.0);
     let half = _mm256_set1_ps(JUST_BELOW_HALF);
     let (lo, hi) = (_mm256_set1_ps(-128.0), _mm256_set1_ps(127.0));
-    // `_mm256_packs_epi32` then `_mm256_packs_epi16` leave the four vectors' 4-value groups in the
-    // order 0 4 1 5 2 6 3 7 (per 32-bit lane, vector by vector: a0 b0 c0 d0 a1 b1 c1 d1).
+    // `_mm256_packs_epi32` then `_mm256_packs_epi16` leave the 4-value groups in the order 0 2 4 6
+    // 1 3 5 7; `order` gathers them back.
     let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (x, block) in x.chunks_exact(QK8_0).zip(out) {
         // SAFETY: `x` holds 32 values, four vectors of 8.
@@ -163,7 +168,7 @@ fn quantize_blocks(x: &[f32], out: &mut [ActQ8_0]) {
         block.d = F16::from_f32(d).to_f32();
         for (q, &v) in block.qs.iter_mut().zip(x) {
             // |v · id| ≤ 127 (up to rounding of id, which rounding absorbs), so the cast cannot
-            // saturate.
+            // saturate, but where `1 / d` overflows (the f16 scale is then 0).
             *q = round_to_i8(v * id);
         }
         block.sum = block.qs.iter().map(|&q| i32::from(q)).sum();
@@ -175,9 +180,11 @@ fn quantize_blocks(x: &[f32], out: &mut [ActQ8_0]) {
 /// more), and unlike `round()`, which calls `libm`'s `roundf` value by value, it vectorises.
 #[inline]
 fn round_to_i8(v: f32) -> i8 {
-    const JUST_BELOW_HALF: f32 = 0.499_999_97;
     (v + JUST_BELOW_HALF.copysign(v)) as i8
 }
+
+/// The largest `f32` below ½ ([`round_to_i8`]).
+const JUST_BELOW_HALF: f32 = 0.499_999_97;
 
 /// Reference dot product of a Q8_0 weight row with a Q8_0 activation row (see the module docs of
 /// [`crate::formats`] for the lane arithmetic every kernel reproduces).
@@ -281,14 +288,17 @@ pub(crate) mod avx2 {
 
 #[cfg(test)]
 mod tests {
-    use super::{quantize_blocks, round_to_i8, ActQ8_0};
+    use super::round_to_i8;
 
     /// The AVX2 quantisation gives the portable loop's blocks bit for bit: on random rows of several
-    /// magnitudes, and on blocks holding zeros, NaN, infinities, values that round at a half, and
-    /// magnitudes so small that the reciprocal scale overflows.
+    /// magnitudes; on blocks holding zeros, NaN, infinities and magnitudes so small that the
+    /// reciprocal scale overflows, each alone, at one place among tiny values and at every third
+    /// among ordinary ones; and on a block of scale 1 whose values are halves and their
+    /// neighbouring floats.
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn avx2_quantisation_equals_the_portable_loop() {
+        use super::{quantize_blocks, ActQ8_0};
         if !std::arch::is_x86_feature_detected!("avx2") {
             eprintln!("skipped: this CPU has no AVX2");
             return;
@@ -324,6 +334,20 @@ mod tests {
             x.extend((0..32).map(|j| if j == i { v } else { next() as f32 * 1e-38 }));
             x.extend((0..32).map(|j| if j % 3 == 0 { v } else { next() as f32 - 0.5 }));
         }
+        // Scale 1 (127 is the largest magnitude): the halves round away from zero, and their
+        // neighbouring floats to the nearer integer.
+        let mut halves = vec![127.0f32];
+        for k in [0.5f32, 1.5, 2.5, 63.5, 126.5] {
+            for v in [k, -k] {
+                halves.extend([
+                    v,
+                    f32::from_bits(v.to_bits() + 1),
+                    f32::from_bits(v.to_bits() - 1),
+                ]);
+            }
+        }
+        halves.resize(32, 0.0);
+        x.extend(halves);
         let zero = ActQ8_0 {
             d: 0.0,
             sum: 0,

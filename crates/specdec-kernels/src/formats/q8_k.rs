@@ -94,8 +94,11 @@ pub fn quantize_row_q8_k(x: &[f32], out: &mut [BlockQ8K]) {
 /// [`quantize_blocks`] in 256-bit vectors, the same operations value by value, so the same blocks:
 /// the largest magnitude (NaN ignored, as `f32::max` does) and the first value that has it, the
 /// quants through the float adder's rounding and the truncating cast, and per 32 values their bytes
-/// in value order, whose
-/// 4-byte groups an 8 × 8 transpose puts into [`BlockQ8K`]'s order, and their two 16-value sums.
+/// in value order, whose 4-byte groups an 8 × 8 transpose puts into [`BlockQ8K`]'s order, and
+/// their two 16-value sums.
+///
+/// # Safety
+/// The CPU must support AVX2.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn quantize_avx2(x: &[f32], out: &mut [BlockQ8K]) {
@@ -107,12 +110,12 @@ unsafe fn quantize_avx2(x: &[f32], out: &mut [BlockQ8K]) {
         _mm256_set1_epi32(0x0040_0000),
     );
     let top = _mm256_set1_epi32(127);
-    // `_mm256_packs_epi32` then `_mm256_packs_epi16` leave 4-value groups in the order 0 4 1 5 2 6
-    // 3 7.
+    // `_mm256_packs_epi32` then `_mm256_packs_epi16` leave the 4-value groups in the order 0 2 4 6
+    // 1 3 5 7; `order` gathers them back.
     let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (x, block) in x.chunks_exact(QK_K).zip(out) {
-        // SAFETY (every load below): `x` holds 256 values, 32 vectors of 8.
-        let load = |i: usize| unsafe { _mm256_loadu_ps(x.as_ptr().add(8 * i)) };
+        // SAFETY: 8 values from `8 i`, in bounds (checked).
+        let load = |i: usize| unsafe { _mm256_loadu_ps(x[8 * i..][..8].as_ptr()) };
         let mut m = [_mm256_setzero_ps(); 4];
         for i in 0..QK_K / 8 {
             // The second operand where either is NaN: a NaN value leaves the maximum as it was.
@@ -345,6 +348,8 @@ mod tests {
             0.0,
             -0.0,
             f32::NAN,
+            f32::from_bits(0x7fc0_0005),
+            f32::from_bits(0xff80_0001),
             f32::INFINITY,
             f32::NEG_INFINITY,
             3.0,
@@ -363,6 +368,19 @@ mod tests {
                 }
             }));
             x.extend((0..QK_K).map(|j| if j % 5 == 0 { v } else { next() as f32 - 0.5 }));
+        }
+        // Ties of opposite signs for the largest magnitude, in one vector and in two, either way
+        // round (the first one sets the scale's sign), and +∞ before -∞.
+        for (first, second, a, b) in [
+            (3.0f32, -3.0f32, 5, 6),
+            (-3.0, 3.0, 5, 6),
+            (3.0, -3.0, 17, 200),
+            (-3.0, 3.0, 17, 200),
+            (f32::INFINITY, f32::NEG_INFINITY, 40, 41),
+        ] {
+            let mut block: Vec<f32> = (0..QK_K).map(|_| next() as f32 - 0.5).collect();
+            (block[a], block[b]) = (first, second);
+            x.extend(block);
         }
         let mut portable = vec![BlockQ8K::ZERO; x.len() / QK_K];
         let mut avx2 = portable.clone();

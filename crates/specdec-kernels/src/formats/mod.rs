@@ -236,6 +236,58 @@ pub(crate) fn words<const B: usize, const W: usize>(bytes: &[u8; B]) -> [u32; W]
     })
 }
 
+/// The largest of `m`'s 8 lanes, none of them NaN (the activation quantisers' largest magnitude, in
+/// any order, is exact).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2")]
+pub(crate) fn hmax_avx2(m: std::arch::x86_64::__m256) -> f32 {
+    use std::arch::x86_64::*;
+    let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+    let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    _mm_cvtss_f32(_mm_max_ss(m2, _mm_shuffle_ps::<0b01>(m2, m2)))
+}
+
+/// Values for the activation quantisers' tests, in blocks of `block`: 8 random blocks at each of
+/// several magnitudes, then for each special value a block of it alone, one with it at a single
+/// place (the `i`-th special at `31 i % block`) among tiny values, and one with it at every `every`-th
+/// place among ordinary ones. `next` gives uniform values in `[0, 1)`.
+#[cfg(test)]
+pub(crate) fn quantiser_test_values(
+    block: usize,
+    specials: &[f32],
+    every: usize,
+    next: &mut impl FnMut() -> f32,
+) -> Vec<f32> {
+    let mut x = Vec::new();
+    for scale in [1e-3f32, 1.0, 37.5, 1e4] {
+        x.extend((0..8 * block).map(|_| (next() * 2.0 - 1.0) * scale));
+    }
+    for (i, &v) in specials.iter().enumerate() {
+        x.extend(std::iter::repeat_n(v, block));
+        x.extend((0..block).map(|j| {
+            if j == 31 * i % block {
+                v
+            } else {
+                next() * 1e-38
+            }
+        }));
+        x.extend((0..block).map(|j| if j % every == 0 { v } else { next() - 0.5 }));
+    }
+    x
+}
+
+/// A xorshift generator of uniform values in `[0, 1)` for tests.
+#[cfg(test)]
+pub(crate) fn xorshift(mut s: u64) -> impl FnMut() -> f32 {
+    move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        ((s >> 11) as f64 / (1u64 << 53) as f64) as f32
+    }
+}
+
 /// The bytes of little-endian 32-bit words (`B = 4 W`).
 pub(crate) fn bytes<const W: usize, const B: usize>(words: &[u32; W]) -> [u8; B] {
     const { assert!(B == 4 * W, "4 bytes per word") };

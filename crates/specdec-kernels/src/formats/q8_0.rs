@@ -123,10 +123,7 @@ unsafe fn quantize_avx2(x: &[f32], out: &mut [ActQ8_0]) {
             // The second operand where either is NaN: a NaN value leaves the maximum as it was.
             m = _mm256_max_ps(_mm256_andnot_ps(sign, v), m);
         }
-        let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
-        let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        let m1 = _mm_max_ss(m2, _mm_shuffle_ps::<0b01>(m2, m2));
-        let amax = _mm_cvtss_f32(m1);
+        let amax = super::hmax_avx2(m);
         let d = amax / 127.0;
         let id = if d != 0.0 { 1.0 / d } else { 0.0 };
         block.d = F16::from_f32(d).to_f32();
@@ -303,17 +300,6 @@ mod tests {
             eprintln!("skipped: this CPU has no AVX2");
             return;
         }
-        let mut s = 0x2545_f491_4f6c_dd1du64;
-        let mut next = || {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 11) as f64 / (1u64 << 53) as f64
-        };
-        let mut x: Vec<f32> = Vec::new();
-        for scale in [1e-3f32, 1.0, 37.5, 1e4] {
-            x.extend((0..32 * 64).map(|_| (next() as f32 * 2.0 - 1.0) * scale));
-        }
         let specials = [
             0.0,
             -0.0,
@@ -328,12 +314,8 @@ mod tests {
             -3e-39,
             f32::MIN_POSITIVE,
         ];
-        for (i, &v) in specials.iter().enumerate() {
-            // A block of the special value alone, then one with it among small random values.
-            x.extend(std::iter::repeat_n(v, 32));
-            x.extend((0..32).map(|j| if j == i { v } else { next() as f32 * 1e-38 }));
-            x.extend((0..32).map(|j| if j % 3 == 0 { v } else { next() as f32 - 0.5 }));
-        }
+        let mut next = crate::formats::xorshift(0x2545_f491_4f6c_dd1d);
+        let mut x = crate::formats::quantiser_test_values(32, &specials, 3, &mut next);
         // Scale 1 (127 is the largest magnitude): the halves round away from zero, and their
         // neighbouring floats to the nearer integer.
         let mut halves = vec![127.0f32];

@@ -122,9 +122,7 @@ unsafe fn quantize_avx2(x: &[f32], out: &mut [BlockQ8K]) {
             m[i % 4] = _mm256_max_ps(_mm256_andnot_ps(sign, load(i)), m[i % 4]);
         }
         let m = _mm256_max_ps(_mm256_max_ps(m[0], m[1]), _mm256_max_ps(m[2], m[3]));
-        let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
-        let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        let amax = _mm_cvtss_f32(_mm_max_ss(m2, _mm_shuffle_ps::<0b01>(m2, m2)));
+        let amax = super::hmax_avx2(m);
         if amax == 0.0 {
             *block = BlockQ8K::ZERO;
             continue;
@@ -333,17 +331,6 @@ mod tests {
             eprintln!("skipped: this CPU has no AVX2");
             return;
         }
-        let mut s = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = || {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 11) as f64 / (1u64 << 53) as f64
-        };
-        let mut x: Vec<f32> = Vec::new();
-        for scale in [1e-3f32, 1.0, 37.5, 1e4] {
-            x.extend((0..QK_K * 8).map(|_| (next() as f32 * 2.0 - 1.0) * scale));
-        }
         let specials = [
             0.0,
             -0.0,
@@ -357,18 +344,8 @@ mod tests {
             1e-39,
             -3e-39,
         ];
-        for (i, &v) in specials.iter().enumerate() {
-            // The special value alone, at one place among small values, and at every fifth.
-            x.extend(std::iter::repeat_n(v, QK_K));
-            x.extend((0..QK_K).map(|j| {
-                if j == 31 * i {
-                    v
-                } else {
-                    next() as f32 * 1e-38
-                }
-            }));
-            x.extend((0..QK_K).map(|j| if j % 5 == 0 { v } else { next() as f32 - 0.5 }));
-        }
+        let mut next = crate::formats::xorshift(0x9e37_79b9_7f4a_7c15);
+        let mut x = crate::formats::quantiser_test_values(QK_K, &specials, 5, &mut next);
         // Ties of opposite signs for the largest magnitude, in one vector and in two, either way
         // round (the first one sets the scale's sign), and +∞ before -∞.
         for (first, second, a, b) in [
@@ -378,7 +355,7 @@ mod tests {
             (-3.0, 3.0, 17, 200),
             (f32::INFINITY, f32::NEG_INFINITY, 40, 41),
         ] {
-            let mut block: Vec<f32> = (0..QK_K).map(|_| next() as f32 - 0.5).collect();
+            let mut block: Vec<f32> = (0..QK_K).map(|_| next() - 0.5).collect();
             (block[a], block[b]) = (first, second);
             x.extend(block);
         }

@@ -20,16 +20,17 @@ pub enum CpuLevel {
     /// fewer instructions per activation row.
     Avx512Vnni,
     /// [`CpuLevel::Avx512Vnni`] with the interleaved K-quant passes (Q4_K, Q6_K) of 4 or more rows
-    /// on 512-bit vectors (needs AVX512BW besides): two groups of 8 weight rows side by side, so one `vpdpbusd` does
-    /// the work of two; attention on 512-bit vectors too. The same integer lanes and float
-    /// operations per weight row as the other levels. Zen 4 executes a 512-bit operation as two
-    /// 256-bit halves, yet these passes still pay there: fewer instructions and loads per product
-    /// (stop 41, `rcurve 2 8960` with 48 copies of the matrix on an EPYC Zen 4, 2 alternations:
-    /// Q4_K 334–335 against 263–299 GMAC/s, r(16) 2.99–3.05 against 3.45–3.54; Q6_K r(16) 2.54–2.64
-    /// against 2.93–2.95), where the 32-value formats' 512-bit passes lose (Q4_0 201–230 against
-    /// 271–273 GMAC/s, Q5_0 200–203 against 260). On AMD's EPYC Zen 5, whose 512-bit operations
-    /// run at full width, the 32-value formats' passes of 6 or more rows take 512-bit vectors too
-    /// (stop 76: Q4_0 399–463 against 287–329 GMAC/s). The best level detected where [`full_width_512`] is false.
+    /// on 512-bit vectors (needs AVX512BW besides): two groups of 8 weight rows side by side, so
+    /// one `vpdpbusd` does the work of two; attention on 512-bit vectors too. The same integer
+    /// lanes and float operations per weight row as the other levels. Zen 4 executes a 512-bit
+    /// operation as two 256-bit halves, yet these passes still pay there: fewer instructions and
+    /// loads per product (stop 41, `rcurve 2 8960` with 48 copies of the matrix on an EPYC Zen 4, 2
+    /// alternations: Q4_K 334–335 against 263–299 GMAC/s, r(16) 2.99–3.05 against 3.45–3.54; Q6_K
+    /// r(16) 2.54–2.64 against 2.93–2.95), where the 32-value formats' 512-bit passes lose (Q4_0
+    /// 201–230 against 271–273 GMAC/s, Q5_0 200–203 against 260). On AMD's EPYC Zen 5, whose
+    /// 512-bit operations run at full width, the 32-value formats' passes of 6 or more rows take
+    /// 512-bit vectors too (stop 76: Q4_0 399–463 against 287–329 GMAC/s). The best level detected
+    /// where [`full_width_512`] is false.
     Avx512ZmmK,
     /// [`CpuLevel::Avx512ZmmK`] with the interleaved 32-value formats (Q4_0, Q5_0) on 512-bit
     /// vectors too, and the K-quants' from 6 rows (Intel's count). Detected as the best level only
@@ -54,13 +55,13 @@ pub enum CpuLevel {
 }
 
 /// Whether [`CpuLevel::detect`] picks [`CpuLevel::Avx512Zmm`]: where 512-bit vector operations run
-/// at full width and the level's row counts were measured. Intel's AVX-512 cores run them so (measured on a Xeon with AVX-512 VNNI, stop 33: `vpdpbusd` on
-/// `zmm` at the same instruction rate as on `ymm`, twice the products); AMD's Zen 4 executes each
-/// as two 256-bit halves, and there [`CpuLevel::Avx512ZmmK`] is the best level. AMD's EPYC Zen 5
-/// runs them at full width (stop 76) but keeps [`CpuLevel::Avx512ZmmK`], whose K-quant row counts
-/// were measured on AMD, with the 32-value formats' 512-bit passes added there. Other vendors are
-/// not measured, so they get [`CpuLevel::Avx512ZmmK`] too unless `SPECDEC_KERNELS` asks for
-/// another.
+/// at full width and the level's row counts were measured. Intel's AVX-512 cores run them so
+/// (measured on a Xeon with AVX-512 VNNI, stop 33: `vpdpbusd` on `zmm` at the same instruction rate
+/// as on `ymm`, twice the products); AMD's Zen 4 executes each as two 256-bit halves, and there
+/// [`CpuLevel::Avx512ZmmK`] is the best level. AMD's EPYC Zen 5 runs them at full width (stop 76)
+/// but keeps [`CpuLevel::Avx512ZmmK`], whose K-quant row counts were measured on AMD, with the
+/// 32-value formats' 512-bit passes added there. Other vendors are not measured, so they get
+/// [`CpuLevel::Avx512ZmmK`] too unless `SPECDEC_KERNELS` asks for another.
 pub fn full_width_512() -> bool {
     vendor() == *b"GenuineIntel"
 }
@@ -70,14 +71,15 @@ pub fn full_width_512() -> bool {
 /// formats' passes of [`crate::simd::ZMM_FROM_ROWS`] rows or more (Intel's count, not measured
 /// here) on 512-bit vectors too. The mobile Zen 5 cores (Strix Point and later models of the
 /// family) run 512-bit operations on 256-bit datapaths, as Zen 4 does, and later families are not
-/// measured, so they keep the 256-bit pass. Measured on a 2-core EPYC Zen 5 (model 0x02, stop 76): `vpdpbusd` at 6.7–6.9 G instructions a second per core on `zmm` against 6.9–7.1 on
-/// `ymm`; `rcurve 2 4864` with 896 columns, 3 alternations, Q4_0 399–463 GMAC/s on the 512-bit
-/// pass against 287–329 on the 256-bit one (Q5_0 371–441 against 271–310), r(16) 7.5–8.1 against
+/// measured, so they keep the 256-bit pass. Measured on a 2-core EPYC Zen 5 (model 0x02, stop 76):
+/// `vpdpbusd` at 6.7–6.9 G instructions a second per core on `zmm` against 6.9–7.1 on `ymm`;
+/// `rcurve 2 4864` with 896 columns, 3 alternations, Q4_0 399–463 GMAC/s on the 512-bit pass
+/// against 287–329 on the 256-bit one (Q5_0 371–441 against 271–310), r(16) 7.5–8.1 against
 /// 8.8–12.2; the draft model's 200-token blocks (`step_time`) 336–351 ms against 415–564. Its
-/// K-quant passes keep [`CpuLevel::Avx512ZmmK`]'s row counts, which were measured on Zen 4, and
-/// Zen 4 keeps the 256-bit passes for the 32-value formats (stop 41's measurement there was made
-/// before stop 76 let the 512-bit pass broadcast its activations from memory; not measured
-/// since). Detected once.
+/// K-quant passes keep [`CpuLevel::Avx512ZmmK`]'s row counts, which were measured on Zen 4, and Zen
+/// 4 keeps the 256-bit passes for the 32-value formats (stop 41's measurement there was made before
+/// stop 76 let the 512-bit pass broadcast its activations from memory; not measured since).
+/// Detected once.
 pub(crate) fn amd_full_width_512() -> bool {
     static FULL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *FULL.get_or_init(|| {

@@ -250,8 +250,8 @@ pub(crate) fn hmax_avx2(m: std::arch::x86_64::__m256) -> f32 {
 
 /// Values for the activation quantisers' tests, in blocks of `block`: 8 random blocks at each of
 /// several magnitudes, then for each special value a block of it alone, one with it at a single
-/// place (the `i`-th special at `31 i % block`) among tiny values, and one with it at every `every`-th
-/// place among ordinary ones. `next` gives uniform values in `[0, 1)`.
+/// place (the `i`-th special at `31 i % block`) among tiny values, and one with it at every
+/// `every`-th place among ordinary ones. `next` gives uniform values in `[0, 1)`.
 #[cfg(test)]
 pub(crate) fn quantiser_test_values(
     block: usize,

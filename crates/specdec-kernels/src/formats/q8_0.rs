@@ -53,11 +53,12 @@ impl WeightBlock for BlockQ8_0 {
     }
 }
 
-/// A Q8_0-quantised activation block: ggml's `block_q8_0` numbers (the scale is rounded to f16), with
-/// the scale kept widened to `f32` so the hot loop need not convert it, and the sum of the quants (what
-/// a kernel subtracts once per block for weights stored with an offset). Quants lie in `-127..=127`,
-/// but for a block so small that the reciprocal of its scale overflows (its scale then rounds to 0
-/// as an f16, so its quants count for nothing): there they saturate, to -128 for a negative value.
+/// A Q8_0-quantised activation block: ggml's `block_q8_0` numbers (the scale is rounded to f16),
+/// with the scale kept widened to `f32` so the hot loop need not convert it, and the sum of the
+/// quants (what a kernel subtracts once per block for weights stored with an offset). Quants lie in
+/// `-127..=127`, but for a block so small that the reciprocal of its scale overflows (its scale
+/// then rounds to 0 as an f16, so its quants count for nothing): there they saturate, to -128 for a
+/// negative value.
 #[derive(Clone, Copy, Debug, PartialEq)]
 #[repr(C)]
 pub struct ActQ8_0 {
@@ -287,10 +288,10 @@ pub(crate) mod avx2 {
 mod tests {
     use super::round_to_i8;
 
-    /// The AVX2 quantisation gives the portable loop's blocks bit for bit: on random rows of several
-    /// magnitudes; on blocks holding zeros, NaN, infinities and magnitudes so small that the
-    /// reciprocal scale overflows, each alone, at one place among tiny values and at every third
-    /// among ordinary ones; and on a block of scale 1 whose values are halves and their
+    /// The AVX2 quantisation gives the portable loop's blocks bit for bit: on random rows of
+    /// several magnitudes; on blocks holding zeros, NaN, infinities and magnitudes so small that
+    /// the reciprocal scale overflows, each alone, at one place among tiny values and at every
+    /// third among ordinary ones; and on a block of scale 1 whose values are halves and their
     /// neighbouring floats.
     #[cfg(target_arch = "x86_64")]
     #[test]

@@ -252,7 +252,7 @@ pub(crate) fn hmax_avx2(m: std::arch::x86_64::__m256) -> f32 {
 /// several magnitudes, then for each special value a block of it alone, one with it at a single
 /// place (the `i`-th special at `31 i % block`) among tiny values, and one with it at every
 /// `every`-th place among ordinary ones. `next` gives uniform values in `[0, 1)`.
-#[cfg(test)]
+#[cfg(all(test, target_arch = "x86_64"))]
 pub(crate) fn quantiser_test_values(
     block: usize,
     specials: &[f32],
@@ -278,7 +278,7 @@ pub(crate) fn quantiser_test_values(
 }
 
 /// A xorshift generator of uniform values in `[0, 1)` for tests.
-#[cfg(test)]
+#[cfg(all(test, target_arch = "x86_64"))]
 pub(crate) fn xorshift(mut s: u64) -> impl FnMut() -> f32 {
     move || {
         s ^= s << 13;

@@ -248,6 +248,21 @@ pub(crate) fn hmax_avx2(m: std::arch::x86_64::__m256) -> f32 {
     _mm_cvtss_f32(_mm_max_ss(m2, _mm_shuffle_ps::<0b01>(m2, m2)))
 }
 
+/// 32 quants in `i32` lanes, in value order and within the range of `i8`, as 32 bytes in value
+/// order: `_mm256_packs_epi32` then `_mm256_packs_epi16` leave the 4-value groups in the order 0 2
+/// 4 6 1 3 5 7, and a permute gathers them back.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2")]
+pub(crate) fn pack_i8_avx2(q: [std::arch::x86_64::__m256i; 4]) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    let packed = _mm256_packs_epi16(
+        _mm256_packs_epi32(q[0], q[1]),
+        _mm256_packs_epi32(q[2], q[3]),
+    );
+    _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7))
+}
+
 /// Values for the activation quantisers' tests, in blocks of `block`: 8 random blocks at each of
 /// several magnitudes, then for each special value a block of it alone, one with it at a single
 /// place (the `i`-th special at `31 i % block`) among tiny values, and one with it at every

@@ -112,9 +112,6 @@ unsafe fn quantize_avx2(x: &[f32], out: &mut [ActQ8_0]) {
     let sign = _mm256_set1_ps(-0.0);
     let half = _mm256_set1_ps(JUST_BELOW_HALF);
     let (lo, hi) = (_mm256_set1_ps(-128.0), _mm256_set1_ps(127.0));
-    // `_mm256_packs_epi32` then `_mm256_packs_epi16` leave the 4-value groups in the order 0 2 4 6
-    // 1 3 5 7; `order` gathers them back.
-    let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (x, block) in x.chunks_exact(QK8_0).zip(out) {
         // SAFETY: `x` holds 32 values, four vectors of 8.
         let v: [__m256; 4] =
@@ -146,11 +143,7 @@ unsafe fn quantize_avx2(x: &[f32], out: &mut [ActQ8_0]) {
         let t2 = _mm_add_epi32(t4, _mm_unpackhi_epi64(t4, t4));
         let t1 = _mm_add_epi32(t2, _mm_shuffle_epi32::<0b01>(t2));
         block.sum = _mm_cvtsi128_si32(t1);
-        let packed = _mm256_packs_epi16(
-            _mm256_packs_epi32(q[0], q[1]),
-            _mm256_packs_epi32(q[2], q[3]),
-        );
-        let bytes = _mm256_permutevar8x32_epi32(packed, order);
+        let bytes = super::pack_i8_avx2(q);
         // SAFETY: `qs` is 32 bytes.
         unsafe { _mm256_storeu_si256(block.qs.as_mut_ptr().cast(), bytes) };
     }

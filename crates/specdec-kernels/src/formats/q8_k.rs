@@ -110,9 +110,6 @@ unsafe fn quantize_avx2(x: &[f32], out: &mut [BlockQ8K]) {
         _mm256_set1_epi32(0x0040_0000),
     );
     let top = _mm256_set1_epi32(127);
-    // `_mm256_packs_epi32` then `_mm256_packs_epi16` leave the 4-value groups in the order 0 2 4 6
-    // 1 3 5 7; `order` gathers them back.
-    let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (x, block) in x.chunks_exact(QK_K).zip(out) {
         // SAFETY: 8 values from `8 i`, in bounds (checked).
         let load = |i: usize| unsafe { _mm256_loadu_ps(x[8 * i..][..8].as_ptr()) };
@@ -158,11 +155,7 @@ unsafe fn quantize_avx2(x: &[f32], out: &mut [BlockQ8K]) {
             block.bsums[2 * j] = _mm_cvtsi128_si32(s) as i16;
             block.bsums[2 * j + 1] = _mm_extract_epi32::<1>(s) as i16;
             block.sums32[j] = block.bsums[2 * j] + block.bsums[2 * j + 1];
-            let packed = _mm256_packs_epi16(
-                _mm256_packs_epi32(q[0], q[1]),
-                _mm256_packs_epi32(q[2], q[3]),
-            );
-            *row = _mm256_permutevar8x32_epi32(packed, order);
+            *row = super::pack_i8_avx2(q);
         }
         // Vector `t` of `qs` holds group `t` of every row: the transpose of rows × groups.
         let t: [__m256i; 8] = std::array::from_fn(|k| {

@@ -107,9 +107,11 @@ def test_logprob_bytes_are_each_tokens_own_bytes(server):
         except UnicodeDecodeError:
             assert t.token.startswith("bytes:"), t
     raw = b"".join(bytes(t.bytes) for t in content)
-    if "\ufffd" in text:
-        pytest.skip(f"the reply holds broken UTF-8 (a random tiny model): {text!r}")
-    assert raw.decode("utf-8") == text
+    # A random tiny model leaves characters unfinished: its reply holds U+FFFD for each maximal
+    # invalid byte sequence (Unicode's recommended substitution, which Python's decoder follows
+    # too), so the reply is the lossy decoding of the tokens' bytes; where they are valid UTF-8,
+    # their plain decoding.
+    assert raw.decode("utf-8", errors="replace") == text
 
 
 def test_drafters_give_the_same_greedy_text(server):

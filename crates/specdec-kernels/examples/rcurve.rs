@@ -5,8 +5,8 @@
 //! the matrix, enough of which read it from memory instead of cache; `RCURVE_MS=1,64,256` times
 //! those row counts instead, the first taken as r's unit, so `r(m)` there is a ratio to its time). Each line ends with the fastest pass's
 //! multiply-accumulate rate and the median pass's rate at the last row count: on a shared machine
-//! the median is what a model's passes see (stop 77: Q4_K at 200 rows, fastest 415–472 GMAC/s,
-//! median 357–377).
+//! the model's passes run at or below the median (stop 77: Q4_K at 200 rows, fastest 415–483
+//! GMAC/s, median 347–377).
 
 use specdec_kernels::{BlockFormat, Kernels, QMatrix, ThreadPool};
 use std::time::Instant;

@@ -72,7 +72,7 @@ pub use formats::{
     BlockQ8_0, Interleaved, WeightBlock, GROUP_ROWS,
 };
 pub use matrix::{matmul, MatmulJob, QMatrix, QuantizedActivations, Weights};
-pub use pool::ThreadPool;
+pub use pool::{ThreadPool, MAX_THREADS};
 pub use simd::MAX_PASS_ROWS;
 
 /// The kernels' revision, raised whenever a change moves their speed (r(m), a step's time): a saved

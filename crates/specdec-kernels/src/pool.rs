@@ -18,6 +18,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::thread::JoinHandle;
 
+/// The most threads a pool takes: far past any CPU this runs on, and low enough that a mistyped
+/// count is an error rather than thousands of spinning threads or an allocation that cannot succeed.
+pub const MAX_THREADS: usize = 1024;
+
 /// Spins of a worker waiting for the next job before it sleeps (a few tens of microseconds).
 const SPINS: u32 = 1 << 14;
 
@@ -84,8 +88,15 @@ impl ThreadPool {
     /// A pool of `threads` threads (at least 1): the caller and `threads - 1` workers.
     ///
     /// # Errors
-    /// The operating system's error if a worker thread cannot be started.
+    /// [`std::io::ErrorKind::InvalidInput`] for more than [`MAX_THREADS`] threads; the operating
+    /// system's error if a worker thread cannot be started.
     pub fn new(threads: usize) -> std::io::Result<ThreadPool> {
+        if threads > MAX_THREADS {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("at most {MAX_THREADS} threads"),
+            ));
+        }
         let threads = threads.max(1);
         let shared = Arc::new(Shared::new());
         let mut workers = Vec::with_capacity(threads - 1);

@@ -68,7 +68,11 @@ impl Default for LoadOptions {
 pub fn thread_pool(threads: Option<usize>) -> Result<Arc<ThreadPool>> {
     static POOLS: OnceLock<Mutex<HashMap<usize, Arc<ThreadPool>>>> = OnceLock::new();
     let n = threads
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+        .unwrap_or_else(|| {
+            std::thread::available_parallelism()
+                .map_or(1, |n| n.get())
+                .min(specdec_kernels::MAX_THREADS)
+        })
         .max(1);
     let mut pools = POOLS
         .get_or_init(|| Mutex::new(HashMap::new()))

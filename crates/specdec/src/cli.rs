@@ -77,8 +77,8 @@ pub struct ModelArgs {
     /// Context size in tokens (prompt + generated), at most the trained context of the models loaded.
     #[arg(long, default_value_t = 4096)]
     pub ctx: usize,
-    /// CPU threads for the matrix kernels [default: all cores].
-    #[arg(long)]
+    /// CPU threads for the matrix kernels, 1 to 1024 [default: all cores].
+    #[arg(long, value_parser = parse_threads)]
     pub threads: Option<usize>,
     /// Let the draft model score only the first N token ids of the vocabulary (roughly the N most
     /// frequent; the others are never drafted; at most its vocabulary), which skips much of its
@@ -108,6 +108,16 @@ impl DraftVocab {
             DraftVocab::All => vocab,
             DraftVocab::First(n) => n.min(vocab),
         }
+    }
+}
+
+fn parse_threads(s: &str) -> Result<usize, String> {
+    let max = specdec_kernels::MAX_THREADS;
+    match s.parse::<usize>() {
+        Ok(n) if (1..=max).contains(&n) => Ok(n),
+        _ => Err(format!(
+            "expected a number of threads from 1 to {max}, got {s:?}"
+        )),
     }
 }
 

@@ -1,6 +1,7 @@
 //! `specdec bench --cost-curve`: what one token, a block of m tokens and a prompt cost on this machine,
 //! for the target and the draft, against the machine's measured read bandwidth.
 
+use std::io::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -269,9 +270,10 @@ impl Timings {
     }
 }
 
-fn print(name: &str, m: &ModelCosts) {
+/// The two lines of one model's figures.
+fn lines(name: &str, m: &ModelCosts) -> String {
     let r: Vec<String> = m.r.iter().map(|r| format!("{r:.2}")).collect();
-    println!(
+    format!(
         "{name}: decode {:.1} tok/s at context 128, {} at 2048; prefill {:.1} tok/s (512 tokens); \
          {:.2} GB/s of weights per step ({:.0}% of the read roofline)",
         m.decode_tok_s_ctx128,
@@ -280,8 +282,7 @@ fn print(name: &str, m: &ModelCosts) {
         m.prefill_tok_s_512,
         m.achieved_gb_s,
         100.0 * m.roofline_fraction
-    );
-    println!("{name}: r(m) for m = 1..16: {}", r.join(" "));
+    ) + &format!("\n{name}: r(m) for m = 1..16: {}\n", r.join(" "))
 }
 
 /// `specdec bench --cost-curve`.
@@ -327,20 +328,20 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
         draft,
         c,
     };
-    println!(
-        "threads {}, kernels {}, read bandwidth {:.1} GB/s (median of {} passes; fastest {:.1})",
+    let mut out = format!(
+        "threads {}, kernels {}, read bandwidth {:.1} GB/s (median of {} passes; fastest {:.1})\n",
         curve.threads,
         curve.kernels,
         curve.read_gb_s,
         SWEEPS * READ_PASSES,
         curve.read_gb_s_best
     );
-    print("target", &curve.target);
+    out += &lines("target", &curve.target);
     if let Some(d) = &curve.draft {
-        print("draft", d);
+        out += &lines("draft", d);
     }
     let r = &curve.target.r;
-    println!(
+    out += &format!(
         "calibration: target step {:.1} ms, draft step {}, c = {}, r(m) for m = 1..16: {}",
         curve.target.step_s * 1e3,
         curve
@@ -358,5 +359,7 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
             .with_context(|| format!("writing {}", path.display()))?;
         ui.note(format!("wrote {}", path.display()));
     }
+    // After the file: a closed stdout is an error, not a panic.
+    writeln!(std::io::stdout(), "{out}").context("printing the figures")?;
     Ok(())
 }

@@ -272,7 +272,8 @@ pub fn command(args: &GenerateArgs, ui: Ui) -> Result<()> {
             "error": g.error,
             "stats": stats_json(&g, &config, &drafter_name),
         });
-        println!("{}", serde_json::to_string(&obj)?);
+        writeln!(std::io::stdout(), "{}", serde_json::to_string(&obj)?)
+            .context("printing the JSON result")?;
     } else {
         ui.note(stats_line(&g, &config));
     }
@@ -280,6 +281,9 @@ pub fn command(args: &GenerateArgs, ui: Ui) -> Result<()> {
         ui.note("interrupted");
     }
     match g.error {
+        Some(e) if g.output.tokens.is_empty() => {
+            Err(anyhow::anyhow!(e)).context("generation failed before its first token")
+        }
         Some(e) => Err(anyhow::anyhow!(e))
             .context("generation stopped early (the text above is what was produced)"),
         None => Ok(()),

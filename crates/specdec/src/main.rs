@@ -11,8 +11,10 @@ mod generate;
 mod plot;
 mod serve;
 
+use std::io::Write;
 use std::process::ExitCode;
 
+use anyhow::Context;
 use clap::{CommandFactory, FromArgMatches};
 
 use crate::cli::{Cli, Command};
@@ -87,7 +89,8 @@ fn fetch(models: &[String], ui: Ui) -> anyhow::Result<()> {
             );
         }
         let path = ui.model_path(m)?;
-        println!("{m}\t{}", path.display());
+        writeln!(std::io::stdout(), "{m}\t{}", path.display())
+            .context("printing the model's path")?;
     }
     Ok(())
 }

@@ -142,12 +142,11 @@ pub fn command(args: &ServeArgs, ui: Ui) -> Result<()> {
             },
             min_confidence: d.min_confidence,
             ignore_eos: d.ignore_eos,
+            seed: d.seed,
+            stop: d.stop.clone(),
         }
     };
-    defaults
-        .sampling
-        .validate()
-        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    defaults.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
     let shared = engine.shared.clone();
     let app = specdec_server::router(
         engine,

@@ -171,9 +171,47 @@ fn argument_errors_are_one_clear_line() {
     };
     assert_clean_error(&serve(&["--shutdown-grace", "1e20"]), "--shutdown-grace");
     assert_clean_error(&serve(&["--max-tokens", "0"]), "--max-tokens");
+    // Defaults that every request would fail on are refused at start.
+    assert_clean_error(&serve(&["--min-confidence", "2"]), "min_confidence");
+    assert_clean_error(&serve(&["--stop", ""]), "stop");
+    // A thread count of 0 or past the pool's limit: clap's usage error, not a crash.
+    for threads in ["0", "5000", "18446744073709551615"] {
+        let out = run(base(&["--threads", threads]));
+        assert_clean_error(&out, "--threads");
+        assert_eq!(out.status.code(), Some(2));
+    }
     assert_clean_error(
         &specdec(&f, &["bench", "--target", t, "--min-confidence", "2"]),
         "min-confidence",
+    );
+    // Bench refuses before any run: no tokens to generate, a prompt id used twice, an output
+    // file it cannot write, a prompt (not the first) longer than the context.
+    let prompts = f.home.with_extension("twice.jsonl");
+    let line = |id: &str, prompt: &str| {
+        format!(r#"{{"id": "{id}", "category": "qa", "chat": false, "prompt": "{prompt}"}}"#)
+    };
+    std::fs::write(&prompts, line("a", "hello") + "\n" + &line("a", "again")).unwrap();
+    let bench = |extra: &[&str]| {
+        let mut a = vec!["bench", "--target", t, "--modes", "ar", "--threads", "1"];
+        a.extend_from_slice(extra);
+        specdec(&f, &a)
+    };
+    assert_clean_error(
+        &bench(&["--prompts", s(&prompts), "--max-tokens", "0"]),
+        "--max-tokens",
+    );
+    assert_clean_error(&bench(&["--prompts", s(&prompts)]), "\"a\"");
+    assert_clean_error(
+        &bench(&["--prompts", s(&prompts), "--json", "/no/such/dir/out.json"]),
+        "/no/such/dir/out.json",
+    );
+    let long = "x ".repeat(60);
+    std::fs::write(&prompts, line("a", "hello") + "\n" + &line("b", &long)).unwrap();
+    let out = bench(&["--prompts", s(&prompts), "--ctx", "48"]);
+    assert_clean_error(&out, "prompt b");
+    assert!(
+        !String::from_utf8_lossy(&out.stderr).contains("calibrating"),
+        "checked before the runs"
     );
     assert_clean_error(
         &specdec(

@@ -195,7 +195,7 @@ impl Calibration {
             let w = self.weights[i];
             self.r[i] = (w * self.r[i] + calls * r_at) / (w + calls);
             self.weights[i] = (w + calls).min(MAX_LEARNED_WEIGHT);
-            self.learned_blocks += t.calls;
+            self.learned_blocks = self.learned_blocks.saturating_add(t.calls);
             changed = true;
         }
         changed

@@ -85,8 +85,9 @@ pub use simd::MAX_PASS_ROWS;
 /// [`CpuLevel::Avx512Zmm`] level, chosen on Intel's AVX-512 CPUs (stop 33); 34: the 32-value
 /// formats' 512-bit passes prefetch in one burst (and so compile to `vpdpbusd` broadcasting its
 /// activations from memory) and run at [`CpuLevel::Avx512ZmmK`] on AMD's EPYC Zen 5, and Q8_0 and
-/// Q8_K activations are quantised in AVX2 intrinsics (stop 76).
-pub const REVISION: u32 = 34;
+/// Q8_K activations are quantised in AVX2 intrinsics (stop 76); 35: on AMD's EPYC Zen 5 the K-quant
+/// passes run on 512-bit vectors from one row (stop 78).
+pub const REVISION: u32 = 35;
 
 /// Everything that can go wrong in this crate: shapes and levels, never arithmetic.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

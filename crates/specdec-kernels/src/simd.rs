@@ -33,6 +33,25 @@ pub(crate) const ZMM_FROM_ROWS: usize = 6;
 /// 41.5 at 1000), 3-token blocks 1–2% slower.
 pub(crate) const ZMM_K_FROM_ROWS: usize = 4;
 
+/// From how many activation rows [`CpuLevel::Avx512ZmmK`] runs the K-quant formats' 512-bit passes:
+/// [`ZMM_K_FROM_ROWS`], except on AMD's EPYC Zen 5 ([`crate::dispatch::amd_full_width_512`]),
+/// whose full-width 512-bit units make those passes the faster ones at every row count. Measured
+/// there (stop 78) with `step_time` on the 1.5B target, the two thresholds taking turns step by
+/// step in one run (200–300 steps): single steps 1–2% faster (26.31 → 25.62, 26.03 → 25.40, 25.97
+/// → 25.52, 25.70 → 25.13, 19.10 → 19.13 ms medians), 2-token blocks 6% (27.05 → 25.40, 30.55 →
+/// 28.67), 3-token blocks 9–16% (25.42 → 21.32, 27.08 → 24.74). The 32-value formats keep
+/// [`ZMM_FROM_ROWS`] there: the draft model's (Q4_0) single steps and 2-token blocks were 5–8%
+/// slower on the 512-bit pass in the same kind of run (5.99 → 6.54, 6.08 → 6.57, 6.77 → 7.22 ms),
+/// 4-token blocks as fast.
+#[cfg(target_arch = "x86_64")]
+fn zmm_k_from_rows() -> usize {
+    if crate::dispatch::amd_full_width_512() {
+        1
+    } else {
+        ZMM_K_FROM_ROWS
+    }
+}
+
 /// A weight format's kernels: the scalar reference dot and, on x86-64, the AVX2 and AVX-512 VNNI
 /// passes.
 pub(crate) trait Format {
@@ -432,7 +451,7 @@ pub(crate) unsafe fn pass_groups<G: GroupFormat>(
         // as many rows as at the full 512-bit level.
         #[cfg(target_arch = "x86_64")]
         CpuLevel::Avx512ZmmK
-            if x.len() < ZMM_K_FROM_ROWS * nb
+            if x.len() < zmm_k_from_rows() * nb
                 || (!G::K_QUANT
                     && (x.len() < ZMM_FROM_ROWS * nb
                         || !crate::dispatch::amd_full_width_512())) =>

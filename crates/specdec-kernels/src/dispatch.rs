@@ -20,7 +20,7 @@ pub enum CpuLevel {
     /// fewer instructions per activation row.
     Avx512Vnni,
     /// [`CpuLevel::Avx512Vnni`] with the interleaved K-quant passes (Q4_K, Q6_K) of 4 or more rows
-    /// on 512-bit vectors (needs AVX512BW besides): two groups of 8 weight rows side by side, so
+    /// (of any row count on AMD's EPYC Zen 5, stop 78) on 512-bit vectors (needs AVX512BW besides): two groups of 8 weight rows side by side, so
     /// one `vpdpbusd` does the work of two; attention on 512-bit vectors too. The same integer
     /// lanes and float operations per weight row as the other levels. Zen 4 executes a 512-bit
     /// operation as two 256-bit halves, yet these passes still pay there: fewer instructions and
@@ -59,8 +59,8 @@ pub enum CpuLevel {
 /// (measured on a Xeon with AVX-512 VNNI, stop 33: `vpdpbusd` on `zmm` at the same instruction rate
 /// as on `ymm`, twice the products); AMD's Zen 4 executes each as two 256-bit halves, and there
 /// [`CpuLevel::Avx512ZmmK`] is the best level. AMD's EPYC Zen 5 runs them at full width (stop 76)
-/// but keeps [`CpuLevel::Avx512ZmmK`], whose K-quant row counts were measured on AMD, with the
-/// 32-value formats' 512-bit passes added there. Other vendors are not measured, so they get
+/// but keeps [`CpuLevel::Avx512ZmmK`], with the 32-value formats' 512-bit passes added there and
+/// the K-quant ones run from one row (stop 78). Other vendors are not measured, so they get
 /// [`CpuLevel::Avx512ZmmK`] too unless `SPECDEC_KERNELS` asks for another.
 pub fn full_width_512() -> bool {
     vendor() == *b"GenuineIntel"
@@ -76,7 +76,7 @@ pub fn full_width_512() -> bool {
 /// `rcurve 2 4864` with 896 columns, 3 alternations, Q4_0 399–463 GMAC/s on the 512-bit pass
 /// against 287–329 on the 256-bit one (Q5_0 371–441 against 271–310), r(16) 7.5–8.1 against
 /// 8.8–12.2; the draft model's 200-token blocks (`step_time`) 336–351 ms against 415–564. Its
-/// K-quant passes keep [`CpuLevel::Avx512ZmmK`]'s row counts, which were measured on Zen 4, and Zen
+/// K-quant passes run on 512-bit vectors from one row (stop 78, `simd::zmm_k_from_rows`), and Zen
 /// 4 keeps the 256-bit passes for the 32-value formats (stop 41's measurement there was made before
 /// stop 76 let the 512-bit pass broadcast its activations from memory; not measured since).
 /// Detected once.

@@ -13,7 +13,8 @@
 //!   functions) and the scalar reference dot products.
 //! - [`Kernels`]: the matmul at a [`CpuLevel`] (portable scalar, AVX2 with F16C and FMA, AVX2 with
 //!   AVX-512 VNNI dot products, and the interleaved formats' passes of 6 or more rows on 512-bit
-//!   vectors, the K-quants' only, from 4 rows, on CPUs that split 512-bit operations in two), detected once per
+//!   vectors, the K-quants' only, from 4 rows, on CPUs that split 512-bit operations in two, and the
+//!   K-quants' from one row on AMD's EPYC Zen 5), detected once per
 //!   process and overridable with
 //!   `SPECDEC_KERNELS=scalar|avx2|avx512vnni|avx512zmm-k|avx512zmm|amx|auto` (`amx`: Q4_K's
 //!   16-row passes on Intel's AMX tiles, never detected since it measured no faster for

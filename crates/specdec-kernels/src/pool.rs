@@ -121,11 +121,14 @@ impl ThreadPool {
         })
     }
 
-    /// The process-wide pool, one thread per available core (made on first use).
+    /// The process-wide pool, one thread per available core, at most [`MAX_THREADS`] (made on first
+    /// use).
     pub fn global() -> Arc<ThreadPool> {
         static GLOBAL: OnceLock<Arc<ThreadPool>> = OnceLock::new();
         Arc::clone(GLOBAL.get_or_init(|| {
-            let n = std::thread::available_parallelism().map_or(1, |n| n.get());
+            let n = std::thread::available_parallelism()
+                .map_or(1, |n| n.get())
+                .min(MAX_THREADS);
             // Falling back to the caller alone keeps every kernel working if threads cannot start.
             Arc::new(ThreadPool::new(n).unwrap_or_else(|_| ThreadPool::single()))
         }))
@@ -430,6 +433,15 @@ fn worker(s: &Shared, index: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn more_threads_than_the_limit_are_an_error() {
+        let Err(e) = ThreadPool::new(MAX_THREADS + 1) else {
+            panic!("a pool of more than MAX_THREADS threads started");
+        };
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput);
+        assert!(ThreadPool::new(2).is_ok());
+    }
 
     #[test]
     fn every_chunk_runs_exactly_once() {

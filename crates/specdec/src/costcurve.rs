@@ -354,12 +354,13 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
             .collect::<Vec<_>>()
             .join(" ")
     );
+    // The figures first, then the file: a failure of one loses nothing of the other (a closed
+    // stdout is an error, not a panic).
+    let printed = writeln!(std::io::stdout(), "{out}").context("printing the figures");
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&curve)?)
             .with_context(|| format!("writing {}", path.display()))?;
         ui.note(format!("wrote {}", path.display()));
     }
-    // After the file: a closed stdout is an error, not a panic.
-    writeln!(std::io::stdout(), "{out}").context("printing the figures")?;
-    Ok(())
+    printed
 }

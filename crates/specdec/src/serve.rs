@@ -76,6 +76,38 @@ pub fn command(args: &ServeArgs, ui: Ui) -> Result<()> {
             .unwrap_or(name)
     };
 
+    let defaults = {
+        let d = &args.decode;
+        specdec_server::Defaults {
+            sampling: specdec_core::SamplingParams {
+                temperature: d.temperature,
+                top_k: d.top_k,
+                top_p: d.top_p,
+                min_p: d.min_p,
+                repetition_penalty: d.repetition_penalty,
+                presence_penalty: d.presence_penalty,
+                frequency_penalty: d.frequency_penalty,
+                ..specdec_core::SamplingParams::default()
+            },
+            max_tokens: d.max_tokens,
+            drafter,
+            draft_len: match crate::engine::draft_len_policy(&d.draft_len)? {
+                DraftLenPolicy::CostModel { .. } => DraftLenPolicy::auto(prior),
+                other => other,
+            },
+            verify_mode: match d.verify_mode {
+                crate::cli::VerifyModeArg::Rejection => specdec_core::VerifyMode::Rejection,
+                crate::cli::VerifyModeArg::Onehot => specdec_core::VerifyMode::OneHot,
+            },
+            min_confidence: d.min_confidence,
+            ignore_eos: d.ignore_eos,
+            seed: d.seed,
+            stop: d.stop.clone(),
+        }
+    };
+    // Checked before binding: defaults every request would fail on stop the server at once.
+    defaults.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
+
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -117,36 +149,6 @@ pub fn command(args: &ServeArgs, ui: Ui) -> Result<()> {
             })
         },
     );
-    let defaults = {
-        let d = &args.decode;
-        specdec_server::Defaults {
-            sampling: specdec_core::SamplingParams {
-                temperature: d.temperature,
-                top_k: d.top_k,
-                top_p: d.top_p,
-                min_p: d.min_p,
-                repetition_penalty: d.repetition_penalty,
-                presence_penalty: d.presence_penalty,
-                frequency_penalty: d.frequency_penalty,
-                ..specdec_core::SamplingParams::default()
-            },
-            max_tokens: d.max_tokens,
-            drafter,
-            draft_len: match crate::engine::draft_len_policy(&d.draft_len)? {
-                DraftLenPolicy::CostModel { .. } => DraftLenPolicy::auto(prior),
-                other => other,
-            },
-            verify_mode: match d.verify_mode {
-                crate::cli::VerifyModeArg::Rejection => specdec_core::VerifyMode::Rejection,
-                crate::cli::VerifyModeArg::Onehot => specdec_core::VerifyMode::OneHot,
-            },
-            min_confidence: d.min_confidence,
-            ignore_eos: d.ignore_eos,
-            seed: d.seed,
-            stop: d.stop.clone(),
-        }
-    };
-    defaults.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
     let shared = engine.shared.clone();
     let app = specdec_server::router(
         engine,

@@ -37,11 +37,11 @@ pub(crate) const ZMM_K_FROM_ROWS: usize = 4;
 /// [`ZMM_K_FROM_ROWS`], except on AMD's EPYC Zen 5 ([`crate::dispatch::amd_full_width_512`]),
 /// whose full-width 512-bit units make those passes the faster ones at every row count. Measured
 /// there (stop 78) with `step_time` on the 1.5B target, the two thresholds taking turns step by
-/// step in one run (200–300 steps): single steps 1–2% faster (26.31 → 25.62, 26.03 → 25.40, 25.97
+/// step in one run (200–300 steps): single steps up to 3% faster (26.31 → 25.62, 26.03 → 25.40, 25.97
 /// → 25.52, 25.70 → 25.13, 19.10 → 19.13 ms medians), 2-token blocks 6% (27.05 → 25.40, 30.55 →
 /// 28.67), 3-token blocks 9–16% (25.42 → 21.32, 27.08 → 24.74). The 32-value formats keep
-/// [`ZMM_FROM_ROWS`] there: the draft model's (Q4_0) single steps and 2-token blocks were 5–8%
-/// slower on the 512-bit pass in the same kind of run (5.99 → 6.54, 6.08 → 6.57, 6.77 → 7.22 ms),
+/// [`ZMM_FROM_ROWS`] there: the draft model's (Q4_0) single steps and 2-token blocks took 7–9%
+/// longer on the 512-bit pass in the same kind of run (5.99 → 6.54, 6.08 → 6.57, 6.77 → 7.22 ms),
 /// 4-token blocks as fast.
 #[cfg(target_arch = "x86_64")]
 fn zmm_k_from_rows() -> usize {

@@ -312,10 +312,11 @@ pub fn command(args: &BenchArgs, ui: Ui) -> Result<()> {
     let all_ids = prompts
         .iter()
         .map(|p| {
+            // `Loaded::prompt` refuses an empty prompt.
             let ids = loaded
                 .prompt(&p.prompt, p.chat, None, false)
                 .with_context(|| format!("prompt {}", p.id))?;
-            if ids.is_empty() || ids.len() >= loaded.ctx {
+            if ids.len() >= loaded.ctx {
                 bail!(
                     "prompt {}: {} tokens, and the context (--ctx, at most the models' trained \
                      context) holds {}: a prompt needs 1 to {} tokens",

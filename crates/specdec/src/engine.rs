@@ -138,10 +138,8 @@ pub struct Loaded {
 impl Loaded {
     /// Loads what `drafters` need.
     pub fn load(args: &ModelArgs, drafters: &[DrafterKind], ui: Ui) -> Result<Self> {
+        // `--threads` is 1 ..= `MAX_THREADS` by its parser (`cli::parse_threads`).
         if let Some(n) = args.threads {
-            if n == 0 {
-                bail!("--threads must be at least 1");
-            }
             // Our kernels take the count from `LoadOptions`; candle's (the types we have no kernel
             // for) size their thread pool from this variable when they first run.
             std::env::set_var("CANDLE_NUM_THREADS", n.to_string());

@@ -28,7 +28,7 @@
 //! `REPLAY_MIN_CONFIDENCE=p` sets `--min-confidence`.
 //! Stop 66 found with it that fixed draft lengths beat `auto` by about 10% in some categories,
 //! that a burst of rejections stopped drafting for most of an answer, and that the hybrid's
-//! deferred readings cost it most of its losses (README, section "Stop 66").
+//! deferred readings cost it most of its losses (docs/HISTORY.md, section "Stop 66").
 //!
 //! Leaves out: the cost of a longer context, timing noise, sampled decoding, a draft model whose
 //! teacher-forced prediction differs from its step-by-step one in the last bits, and which stop

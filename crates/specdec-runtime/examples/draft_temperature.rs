@@ -10,7 +10,7 @@
 //! `--draft-quant q4_0` does: rejection sampling accepts a token drawn from `q_τ` with
 //! probability `Σ min(p, q_τ)`. Prints its mean per category and τ. `DT_THREADS` sets the kernel
 //! threads (default 2). Stop 65 measured with it that a draft temperature other than the target's
-//! would not pay (README, section "Stop 65").
+//! would not pay (docs/HISTORY.md, section "Stop 65").
 
 use std::collections::BTreeMap;
 use std::ops::ControlFlow;

@@ -38,6 +38,8 @@ pub struct Tokenizer {
     pieces: Pieces,
     /// Added (special or user-defined) tokens, whose entries are their literal text.
     added: std::collections::HashSet<TokenId>,
+    /// The most bytes one token stands for, computed when first asked.
+    max_token_bytes: std::sync::OnceLock<usize>,
 }
 
 /// How the vocabulary's entries spell the bytes a token stands for (GGUF `tokenizer.ggml.model`).
@@ -151,6 +153,23 @@ impl Tokenizer {
             chat_template: g.str("tokenizer.chat_template").ok().map(str::to_string),
             pieces,
             added,
+            max_token_bytes: std::sync::OnceLock::new(),
+        })
+    }
+
+    /// The most bytes of text one token of the vocabulary stands for (at least 1). A text of `n`
+    /// bytes needs at least `n / max_token_bytes()` tokens with a byte-level vocabulary, which lets a
+    /// caller refuse a text far too long for a context without tokenizing it. Computed over the whole
+    /// vocabulary the first time (milliseconds).
+    pub fn max_token_bytes(&self) -> usize {
+        *self.max_token_bytes.get_or_init(|| {
+            (0..self.vocab)
+                .filter_map(|id| TokenId::try_from(id).ok())
+                .filter_map(|id| self.token_bytes(id))
+                .map(|b| b.len())
+                .max()
+                .unwrap_or(0)
+                .max(1)
         })
     }
 

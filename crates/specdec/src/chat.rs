@@ -52,6 +52,10 @@ pub fn command(args: &ChatArgs, ui: Ui) -> Result<()> {
             }
             _ => {}
         }
+        if let Err(e) = loaded.check_fits("this message", line.len() as u64, budget) {
+            eprintln!("error: {e:#}");
+            continue;
+        }
         // Ctrl-C stops the reply being generated; the chat goes on.
         crate::engine::INTERRUPTED.store(false, std::sync::atomic::Ordering::SeqCst);
         history.push(Message::new("user", line));

@@ -258,6 +258,24 @@ impl Loaded {
         })
     }
 
+    /// Refuses `what`, a text of `bytes` bytes, where it could not possibly fit in `tokens` tokens,
+    /// before it is read or tokenized: a text over four times the most bytes `tokens` tokens of the
+    /// vocabulary can stand for (the margin covers normalisers that shorten text). Tokenizing a
+    /// huge file only to find it too long would take minutes and many times its size in memory.
+    pub fn check_fits(&self, what: &str, bytes: u64, tokens: usize) -> Result<()> {
+        let per_token = self.tokenizer.max_token_bytes();
+        let most = (tokens as u64)
+            .saturating_mul(per_token as u64)
+            .saturating_mul(4);
+        if bytes > most {
+            bail!(
+                "{what} is {bytes} bytes, far more than {tokens} tokens can hold (a token of this \
+                 vocabulary stands for at most {per_token} bytes); shorten it or raise --ctx"
+            );
+        }
+        Ok(())
+    }
+
     /// Encodes a prompt: as a user message through the chat template, or as text. Special-token text
     /// in the prompt or the system message becomes special tokens only with `parse_special` (raw
     /// prompts); the chat template alone inserts them otherwise.
@@ -268,6 +286,8 @@ impl Loaded {
         system: Option<&str>,
         parse_special: bool,
     ) -> Result<Vec<TokenId>> {
+        let bytes = text.len() + system.map_or(0, str::len);
+        self.check_fits("the prompt", bytes as u64, self.ctx)?;
         let ids = if chat {
             let mut messages = Vec::new();
             if let Some(s) = system {

@@ -223,14 +223,35 @@ pub fn stats_line(g: &Generation, config: &GenerateConfig) -> String {
 
 /// `specdec generate`.
 pub fn command(args: &GenerateArgs, ui: Ui) -> Result<()> {
-    let prompt_text = match (&args.prompt, &args.prompt_file) {
-        (Some(p), _) => p.clone(),
-        (None, Some(f)) => std::fs::read_to_string(f)
-            .with_context(|| format!("reading --prompt-file {}", f.display()))?,
+    // A prompt file is opened before the models load (a wrong path fails at once) and read after,
+    // once its size is known to fit the context.
+    let file = match (&args.prompt, &args.prompt_file) {
+        (Some(_), _) => None,
+        (None, Some(f)) => {
+            let opened = std::fs::File::open(f)
+                .with_context(|| format!("opening --prompt-file {}", f.display()))?;
+            Some((f, opened))
+        }
         (None, None) => anyhow::bail!("give --prompt TEXT or --prompt-file FILE"),
     };
     crate::engine::install_ctrl_c();
     let loaded = Loaded::load(&args.model, &[args.decode.drafter], ui)?;
+    let prompt_text = match (&args.prompt, file) {
+        (Some(p), _) => p.clone(),
+        (None, Some((path, mut opened))) => {
+            let what = format!("--prompt-file {}", path.display());
+            let size = opened
+                .metadata()
+                .with_context(|| format!("reading {what}"))?
+                .len();
+            loaded.check_fits(&what, size, loaded.ctx)?;
+            let mut text = String::new();
+            std::io::Read::read_to_string(&mut opened, &mut text)
+                .with_context(|| format!("reading {what}"))?;
+            text
+        }
+        (None, None) => anyhow::bail!("give --prompt TEXT or --prompt-file FILE"),
+    };
     let mut config = crate::engine::generate_config(&args.decode, &loaded.tokenizer)?;
     crate::calibration::apply(&mut config.draft_len, &loaded, true, ui)?;
     let prompt = loaded.prompt(

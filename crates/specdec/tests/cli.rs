@@ -259,6 +259,35 @@ fn argument_errors_are_one_clear_line() {
         ),
         "/no/such/file",
     );
+    // A prompt file far too long for the context is refused by its size, unread: 8 GiB (a sparse
+    // file, nothing written) would take minutes and many times its size in memory to tokenize.
+    let huge = f.home.with_file_name("huge.txt");
+    std::fs::File::create(&huge)
+        .unwrap()
+        .set_len(8 << 30)
+        .unwrap();
+    assert_clean_error(
+        &specdec(
+            &f,
+            &[
+                "generate",
+                "--target",
+                t,
+                "--drafter",
+                "none",
+                "--prompt-file",
+                s(&huge),
+            ],
+        ),
+        "8589934592 bytes, far more than",
+    );
+    std::fs::remove_file(&huge).unwrap();
+    let mut a = base(&["--ctx", "32"]);
+    a[7] = "x".repeat(100_000);
+    assert_clean_error(
+        &run(a),
+        "the prompt is 100000 bytes, far more than 32 tokens",
+    );
     let mut a = base(&["--ctx", "32"]);
     a[7] = long;
     assert_clean_error(&run(a), "context overflow");
@@ -718,6 +747,29 @@ fn chat_drops_the_oldest_turns_when_the_context_fills() {
     let errors: Vec<&str> = stderr.lines().filter(|l| l.contains("error")).collect();
     assert_eq!(errors.len(), 1, "{stderr}");
     assert!(errors[0].contains("does not fit the context"), "{stderr}");
+}
+
+/// A chat message far too long for the context is refused by its length, before it is tokenized,
+/// and the chat goes on.
+#[test]
+fn chat_refuses_a_message_far_too_long_by_its_length() {
+    let f = fixture();
+    let input = format!("{}\nhi\n/exit\n", "x".repeat(200_000));
+    let (ok, stderr) = chat_session(
+        &f,
+        &["--ctx", "64", "--max-tokens", "8", "--ignore-eos"],
+        &input,
+    );
+    assert!(ok, "{stderr}");
+    assert!(
+        stderr.contains("error: this message is 200000 bytes, far more than 56 tokens"),
+        "{stderr}"
+    );
+    assert_eq!(
+        turn_stats(&stderr).len(),
+        1,
+        "the next message is answered: {stderr}"
+    );
 }
 
 /// Special-token text in a prompt is ordinary text unless `--parse-special` asks otherwise, and in a chat

@@ -81,4 +81,21 @@ pub fn check_round_trips(t: &Tokenizer) {
         }
         assert_eq!(out, text, "streamed {text:?}");
     }
+    // `max_token_bytes` bounds every token, the long runs that merge into a vocabulary's longest
+    // tokens included, so no text has fewer tokens than its bytes over that bound (what the CLI's
+    // size check before tokenizing relies on).
+    let most = t.max_token_bytes();
+    for c in [" ", "=", "-", "\n", "\t", "a", "#", "_", "é"] {
+        let text = c.repeat(400);
+        let ids = t.encode(&text, false).unwrap();
+        for &id in &ids {
+            let len = t.token_bytes(id).unwrap().len();
+            assert!(len <= most, "token {id} of {len} bytes > {most}");
+        }
+        assert!(
+            ids.len() * most >= text.len(),
+            "{c:?}: {} tokens",
+            ids.len()
+        );
+    }
 }

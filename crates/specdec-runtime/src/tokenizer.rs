@@ -157,10 +157,12 @@ impl Tokenizer {
         })
     }
 
-    /// The most bytes of text one token of the vocabulary stands for (at least 1). A text of `n`
-    /// bytes needs at least `n / max_token_bytes()` tokens with a byte-level vocabulary, which lets a
-    /// caller refuse a text far too long for a context without tokenizing it. Computed over the whole
-    /// vocabulary the first time (milliseconds).
+    /// The most bytes of text one token of the vocabulary stands for (at least 1). With a byte-level
+    /// vocabulary (every byte has a token) a text of `n` bytes after normalisation needs at least
+    /// `n / max_token_bytes()` tokens, which lets a caller refuse a text far too long for a context
+    /// without tokenizing it (allowing for normalisation: Qwen2's NFC shortens a text at most
+    /// threefold). Computed over the whole vocabulary the first time (milliseconds for a byte-level
+    /// one).
     pub fn max_token_bytes(&self) -> usize {
         *self.max_token_bytes.get_or_init(|| {
             (0..self.vocab)

@@ -52,7 +52,8 @@ pub fn command(args: &ChatArgs, ui: Ui) -> Result<()> {
             }
             _ => {}
         }
-        if let Err(e) = loaded.check_fits("this message", line.len() as u64, budget) {
+        let room = format!("--ctx {} minus room for the reply", loaded.ctx);
+        if let Err(e) = loaded.check_fits("this message", line.len() as u64, budget, &room) {
             eprintln!("error: {e:#}");
             continue;
         }

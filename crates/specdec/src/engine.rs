@@ -258,19 +258,26 @@ impl Loaded {
         })
     }
 
-    /// Refuses `what`, a text of `bytes` bytes, where it could not possibly fit in `tokens` tokens,
-    /// before it is read or tokenized: a text over four times the most bytes `tokens` tokens of the
-    /// vocabulary can stand for (the margin covers normalisers that shorten text). Tokenizing a
-    /// huge file only to find it too long would take minutes and many times its size in memory.
-    pub fn check_fits(&self, what: &str, bytes: u64, tokens: usize) -> Result<()> {
-        let per_token = self.tokenizer.max_token_bytes();
-        let most = (tokens as u64)
-            .saturating_mul(per_token as u64)
-            .saturating_mul(4);
-        if bytes > most {
+    /// The most bytes of text that could still become `tokens` tokens or fewer: four times the bytes
+    /// `tokens` of the vocabulary's longest tokens stand for. A byte-level vocabulary (the only kind
+    /// the loader builds) covers a normalised text's bytes exactly; the margin covers normalisation
+    /// (Qwen2's NFC shortens a text at most threefold: a Kelvin sign's 3 bytes become `K`).
+    /// Tokenizing a huge file only to find it too long would take minutes and many times its size
+    /// in memory; a text over this limit is refused untokenized.
+    pub fn byte_limit(&self, tokens: usize) -> u64 {
+        (tokens as u64)
+            .saturating_mul(self.tokenizer.max_token_bytes() as u64)
+            .saturating_mul(4)
+    }
+
+    /// Refuses `what`, a text of `bytes` bytes, over [`Loaded::byte_limit`] for `tokens` tokens;
+    /// `room` says where the `tokens` come from, for the message.
+    pub fn check_fits(&self, what: &str, bytes: u64, tokens: usize, room: &str) -> Result<()> {
+        if bytes > self.byte_limit(tokens) {
             bail!(
-                "{what} is {bytes} bytes, far more than {tokens} tokens can hold (a token of this \
-                 vocabulary stands for at most {per_token} bytes); shorten it or raise --ctx"
+                "{what} is {bytes} bytes, far more than {tokens} tokens ({room}) can hold (a token \
+                 of this vocabulary stands for at most {} bytes); shorten it or raise --ctx",
+                self.tokenizer.max_token_bytes()
             );
         }
         Ok(())
@@ -287,7 +294,7 @@ impl Loaded {
         parse_special: bool,
     ) -> Result<Vec<TokenId>> {
         let bytes = text.len() + system.map_or(0, str::len);
-        self.check_fits("the prompt", bytes as u64, self.ctx)?;
+        self.check_fits("the prompt", bytes as u64, self.ctx, "--ctx")?;
         let ids = if chat {
             let mut messages = Vec::new();
             if let Some(s) = system {

@@ -221,36 +221,77 @@ pub fn stats_line(g: &Generation, config: &GenerateConfig) -> String {
     s
 }
 
+/// Where `generate`'s prompt comes from.
+enum PromptSource {
+    /// `--prompt`.
+    Text(String),
+    /// `--prompt-file`, opened.
+    File(PromptFile),
+}
+
+/// A `--prompt-file`, opened but not read.
+struct PromptFile {
+    what: String,
+    file: std::fs::File,
+}
+
+impl PromptFile {
+    /// Opens `path`, refusing what cannot be read as text (a directory opens on Linux).
+    fn open(path: &std::path::Path) -> Result<Self> {
+        let what = format!("--prompt-file {}", path.display());
+        let file = std::fs::File::open(path).with_context(|| format!("opening {what}"))?;
+        if file
+            .metadata()
+            .with_context(|| format!("reading {what}"))?
+            .is_dir()
+        {
+            anyhow::bail!("{what} is a directory");
+        }
+        Ok(Self { what, file })
+    }
+
+    /// Reads the file, at most [`Loaded::byte_limit`] bytes for the context: a larger file is
+    /// refused by its size unread, and one whose size the system does not tell (a pipe, `/proc`)
+    /// once that many bytes came.
+    fn read(self, loaded: &Loaded) -> Result<String> {
+        let Self { what, file } = self;
+        let size = file
+            .metadata()
+            .with_context(|| format!("reading {what}"))?
+            .len();
+        loaded.check_fits(&what, size, loaded.ctx, "--ctx")?;
+        let limit = loaded.byte_limit(loaded.ctx);
+        let mut bytes = Vec::new();
+        std::io::Read::read_to_end(
+            &mut std::io::Read::take(file, limit.saturating_add(1)),
+            &mut bytes,
+        )
+        .with_context(|| format!("reading {what}"))?;
+        if bytes.len() as u64 > limit {
+            anyhow::bail!(
+                "{what} holds more than {limit} bytes, far more than {} tokens (--ctx) can hold; \
+                 shorten it or raise --ctx",
+                loaded.ctx
+            );
+        }
+        String::from_utf8(bytes).with_context(|| format!("reading {what}: not UTF-8 text"))
+    }
+}
+
 /// `specdec generate`.
 pub fn command(args: &GenerateArgs, ui: Ui) -> Result<()> {
     // A prompt file is opened before the models load (a wrong path fails at once) and read after,
-    // once its size is known to fit the context.
+    // at most as many bytes as could fit the context.
     let file = match (&args.prompt, &args.prompt_file) {
-        (Some(_), _) => None,
-        (None, Some(f)) => {
-            let opened = std::fs::File::open(f)
-                .with_context(|| format!("opening --prompt-file {}", f.display()))?;
-            Some((f, opened))
-        }
+        (Some(p), _) => PromptSource::Text(p.clone()),
+        (None, Some(f)) => PromptSource::File(PromptFile::open(f)?),
         (None, None) => anyhow::bail!("give --prompt TEXT or --prompt-file FILE"),
     };
     crate::engine::install_ctrl_c();
     let loaded = Loaded::load(&args.model, &[args.decode.drafter], ui)?;
-    let prompt_text = match (&args.prompt, file) {
-        (Some(p), _) => p.clone(),
-        (None, Some((path, mut opened))) => {
-            let what = format!("--prompt-file {}", path.display());
-            let size = opened
-                .metadata()
-                .with_context(|| format!("reading {what}"))?
-                .len();
-            loaded.check_fits(&what, size, loaded.ctx)?;
-            let mut text = String::new();
-            std::io::Read::read_to_string(&mut opened, &mut text)
-                .with_context(|| format!("reading {what}"))?;
-            text
-        }
-        (None, None) => anyhow::bail!("give --prompt TEXT or --prompt-file FILE"),
+    let prompt_text = match file {
+        PromptSource::Text(text) => text,
+        PromptSource::File(f) => f.read(&loaded)?,
     };
     let mut config = crate::engine::generate_config(&args.decode, &loaded.tokenizer)?;
     crate::calibration::apply(&mut config.draft_len, &loaded, true, ui)?;

@@ -205,6 +205,12 @@ fn argument_errors_are_one_clear_line() {
         &bench(&["--prompts", s(&prompts), "--json", "/no/such/dir/out.json"]),
         "/no/such/dir/out.json",
     );
+    let huge = "x".repeat(100_000);
+    std::fs::write(&prompts, line("a", "hello") + "\n" + &line("b", &huge)).unwrap();
+    assert_clean_error(
+        &bench(&["--prompts", s(&prompts), "--ctx", "48"]),
+        "prompt b: the prompt is 100000 bytes, far more than 48 tokens",
+    );
     let long = "x ".repeat(60);
     std::fs::write(&prompts, line("a", "hello") + "\n" + &line("b", &long)).unwrap();
     let out = bench(&["--prompts", s(&prompts), "--ctx", "48"]);
@@ -259,12 +265,12 @@ fn argument_errors_are_one_clear_line() {
         ),
         "/no/such/file",
     );
-    // A prompt file far too long for the context is refused by its size, unread: 8 GiB (a sparse
+    // A prompt file far too long for the context is refused by its size, unread: 1 GiB (a sparse
     // file, nothing written) would take minutes and many times its size in memory to tokenize.
     let huge = f.home.with_file_name("huge.txt");
     std::fs::File::create(&huge)
         .unwrap()
-        .set_len(8 << 30)
+        .set_len(1 << 30)
         .unwrap();
     assert_clean_error(
         &specdec(
@@ -279,9 +285,45 @@ fn argument_errors_are_one_clear_line() {
                 s(&huge),
             ],
         ),
-        "8589934592 bytes, far more than",
+        "1073741824 bytes, far more than",
     );
     std::fs::remove_file(&huge).unwrap();
+    // One whose size the system does not tell (a pipe) is read only up to the limit.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_specdec"))
+        .args([
+            "generate",
+            "--target",
+            t,
+            "--drafter",
+            "none",
+            "--ctx",
+            "32",
+            "--prompt-file",
+            "/dev/stdin",
+        ])
+        .env("SPECDEC_HOME", &f.home)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    {
+        use std::io::Write;
+        // The child stops reading at its limit: a broken pipe here is expected.
+        let _ = child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all("x".repeat(1 << 20).as_bytes());
+    }
+    assert_clean_error(&child.wait_with_output().unwrap(), "holds more than");
+    assert_clean_error(
+        &specdec(
+            &f,
+            &["generate", "--target", t, "--prompt-file", s(&f.home)],
+        ),
+        "is a directory",
+    );
     let mut a = base(&["--ctx", "32"]);
     a[7] = "x".repeat(100_000);
     assert_clean_error(

@@ -77,7 +77,7 @@ pub use decode::{generate, DecodeError, GenerateConfig, Output, StopReason};
 pub use drafter::{DraftError, ModelDrafter, READ_PROBE_AFTER};
 pub use error::{Error, Result, Side};
 pub use lookup::{LookupConfig, LookupDrafter};
-pub use metrics::{CostProfile, DraftCost, Metrics, Round};
+pub use metrics::{CostProfile, DraftCost, Metrics, Prediction, PredictionFactors, Round};
 pub use model::{
     AnswerLengths, Draft, DraftRequest, Logits, NoDraft, PrefillRequest, Proposal, ReadSavings,
     RecentAnswers, Score, SeqId, Target, RECENT_ANSWERS, RECENT_ANSWER_DECAY,

@@ -250,6 +250,12 @@ impl Metrics {
     /// gives `t(1)` when this generation never timed a single-token step (a model drafter that
     /// drafted in every round). With a prior, one timed block length suffices.
     pub fn predicted_speedup_with(&self, prior: Option<&[f64]>) -> Option<f64> {
+        self.prediction_with(prior).map(|p| p.speedup())
+    }
+
+    /// The terms of [`Metrics::predicted_speedup_with`]: the tokens the rounds were expected to
+    /// emit, their cost in target steps and the step's seconds in this run.
+    pub fn prediction_with(&self, prior: Option<&[f64]>) -> Option<Prediction> {
         let cost = self.cost_profile_with(prior)?;
         if cost.measured.len() < 2 && prior.is_none() {
             return None;
@@ -268,7 +274,11 @@ impl Metrics {
         } else {
             pooled
         };
-        (time > 0.0).then(|| tokens / time)
+        (time > 0.0).then_some(Prediction {
+            tokens,
+            steps: time,
+            target_step_secs: cost.target_step_secs,
+        })
     }
 
     /// The mean seconds of the run's single-token target steps (its plain rounds and probes, or
@@ -283,6 +293,71 @@ impl Metrics {
     /// Decode tokens/s relative to a baseline run (plain decoding through the same loop).
     pub fn measured_speedup(&self, baseline: &Metrics) -> f64 {
         ratio(self.decode_tokens_per_s(), baseline.decode_tokens_per_s())
+    }
+}
+
+/// The cost model's prediction for one generation ([`Metrics::prediction_with`]), in its terms.
+///
+/// Against a plain run that emitted its tokens at `t_plain` seconds each, the measured speedup is
+/// `emitted · t_plain / decode_secs`, so the prediction over it is exactly the product of three
+/// factors ([`Prediction::factors`]): the acceptance (`tokens / emitted`), the time (`decode_secs`
+/// over `steps · target_step_secs`) and the machine (`target_step_secs / t_plain`).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Prediction {
+    /// Tokens the rounds were expected to emit before they were verified.
+    pub tokens: f64,
+    /// The rounds' cost in target steps, `Σ_k n_k (k c + r(k + 1))`.
+    pub steps: f64,
+    /// Seconds of one target step in this generation (`t(1)` of its [`CostProfile`]).
+    pub target_step_secs: f64,
+}
+
+impl Prediction {
+    /// Predicted speedup: tokens per target step.
+    pub fn speedup(&self) -> f64 {
+        self.tokens / self.steps
+    }
+
+    /// Where the prediction and a measured speedup part: given the generation's emitted tokens and
+    /// decoding seconds and a plain run's seconds per token, the factors whose product is the
+    /// predicted over the measured speedup. `None` where a factor is not finite.
+    pub fn factors(
+        &self,
+        emitted: u64,
+        decode_secs: f64,
+        plain_token_secs: f64,
+    ) -> Option<PredictionFactors> {
+        let f = PredictionFactors {
+            acceptance: self.tokens / emitted as f64,
+            time: decode_secs / (self.steps * self.target_step_secs),
+            machine: self.target_step_secs / plain_token_secs,
+        };
+        [f.acceptance, f.time, f.machine]
+            .iter()
+            .all(|x| x.is_finite() && *x > 0.0)
+            .then_some(f)
+    }
+}
+
+/// The predicted over the measured speedup of one generation, as the product of three factors
+/// ([`Prediction::factors`]); each is 1 where that part of the prediction held.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PredictionFactors {
+    /// The tokens the rounds were expected to emit over those they emitted: the acceptance
+    /// estimate's error (above 1: fewer drafted tokens were accepted than expected).
+    pub acceptance: f64,
+    /// Decoding seconds over the cost model's (its steps at this generation's own target step):
+    /// what the cost of drafts and blocks relative to a step, and the round's overhead, add.
+    pub time: f64,
+    /// This generation's target step over the plain run's seconds per token: the machine's speed
+    /// drifting between the two runs (both do the same work per step).
+    pub machine: f64,
+}
+
+impl PredictionFactors {
+    /// The product: the predicted over the measured speedup.
+    pub fn product(&self) -> f64 {
+        self.acceptance * self.time * self.machine
     }
 }
 
@@ -570,6 +645,42 @@ mod tests {
         let want = 3.0 / (2.0 * 0.2 + 1.3);
         let got = m.predicted_speedup_with(Some(&prior)).unwrap();
         assert!((got - want).abs() < 1e-9, "{got} vs {want}");
+    }
+
+    #[test]
+    fn the_prediction_factors_multiply_to_predicted_over_measured() {
+        // Rounds of 3 drafted tokens verified in blocks of 4, expected to emit 3 tokens each.
+        let mut m = Metrics::default();
+        for accepted in [3, 1, 2, 0] {
+            m.record(&Round {
+                drafted: 3,
+                accepted,
+                emitted: accepted + 1,
+                draft_secs: 0.012,
+                verify_secs: 0.026,
+                verified: 4,
+                expected: 3.0,
+                ..Default::default()
+            });
+        }
+        m.decode_secs = 0.2;
+        let prior = [1.0, 1.1, 1.2, 1.3];
+        let p = m.prediction_with(Some(&prior)).unwrap();
+        assert!((p.target_step_secs - 0.02).abs() < 1e-12);
+        assert!((p.tokens - 12.0).abs() < 1e-12);
+        // Four rounds of 3 · c + r(4), c = 0.004 / 0.02.
+        assert!((p.steps - 4.0 * (3.0 * 0.2 + 1.3)).abs() < 1e-12);
+        assert_eq!(p.speedup(), m.predicted_speedup_with(Some(&prior)).unwrap());
+        // Against a plain run at 25 ms a token: measured 10 tokens in 0.2 s, i.e. 50 tok/s
+        // against 40.
+        let measured = (m.emitted as f64 / m.decode_secs) / (1.0 / 0.025);
+        let f = p.factors(m.emitted, m.decode_secs, 0.025).unwrap();
+        assert!((f.product() - p.speedup() / measured).abs() < 1e-12);
+        assert!((f.acceptance - 1.2).abs() < 1e-12);
+        assert!((f.machine - 0.8).abs() < 1e-12);
+        assert!((f.time - 0.2 / (p.steps * 0.02)).abs() < 1e-12);
+        assert_eq!(p.factors(0, m.decode_secs, 0.025), None);
+        assert_eq!(p.factors(m.emitted, m.decode_secs, 0.0), None);
     }
 
     #[test]

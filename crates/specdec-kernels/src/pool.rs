@@ -44,6 +44,9 @@ struct Shared {
     lock: Mutex<()>,
     wake: Condvar,
     shutdown: AtomicBool,
+    /// The payload of the first panic of a worker in the current job, which [`ThreadPool::run`]
+    /// resumes on the caller once every worker is done.
+    panic: Mutex<Option<Box<dyn std::any::Any + Send>>>,
 }
 
 impl Shared {
@@ -56,6 +59,7 @@ impl Shared {
             lock: Mutex::new(()),
             wake: Condvar::new(),
             shutdown: AtomicBool::new(false),
+            panic: Mutex::new(None),
         }
     }
 }
@@ -194,6 +198,11 @@ impl ThreadPool {
         let close = Close(s);
         f(0);
         drop(close);
+        // A worker's panic is the caller's: its chunks may be unwritten, so the job failed.
+        let panic = s.panic.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(payload) = panic {
+            std::panic::resume_unwind(payload);
+        }
     }
 
     /// Splits `0..n` into chunks of `chunk` (the last may be shorter; more than `u32::MAX` chunks are
@@ -423,8 +432,16 @@ fn worker(s: &Shared, index: usize) {
         if let Some(job) = job {
             // SAFETY: as above.
             let f = unsafe { &*job };
-            // A panic in `f` must still report done, or the caller would wait forever.
-            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(index)));
+            // A panic in `f` must still report done, or the caller would wait forever; the caller
+            // resumes it once every worker is done.
+            if let Err(payload) =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(index)))
+            {
+                s.panic
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .get_or_insert(payload);
+            }
         }
         s.done.fetch_add(1, Ordering::Release);
     }
@@ -441,6 +458,38 @@ mod tests {
         };
         assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput);
         assert!(ThreadPool::new(2).is_ok());
+    }
+
+    /// A worker's panic reaches the caller (its chunks are missing), and the pool runs the next
+    /// job as before.
+    #[test]
+    fn a_workers_panic_is_resumed_on_the_caller() {
+        let pool = ThreadPool::new(2).expect("threads start");
+        let worker_in = AtomicBool::new(false);
+        let got = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            pool.run(&|participant| {
+                if participant == 0 {
+                    // Wait for the worker to enter (a worker that never starts is never called).
+                    let start = std::time::Instant::now();
+                    while !worker_in.load(Ordering::SeqCst)
+                        && start.elapsed() < std::time::Duration::from_secs(30)
+                    {
+                        std::thread::yield_now();
+                    }
+                } else {
+                    worker_in.store(true, Ordering::SeqCst);
+                    panic!("a worker's bug");
+                }
+            })
+        }));
+        assert!(worker_in.load(Ordering::SeqCst), "the worker never started");
+        let payload = got.expect_err("the worker's panic reached the caller");
+        assert_eq!(payload.downcast_ref::<&str>(), Some(&"a worker's bug"));
+        let hits = AtomicUsize::new(0);
+        pool.for_chunks(100, 1, &|r| {
+            hits.fetch_add(r.len(), Ordering::Relaxed);
+        });
+        assert_eq!(hits.load(Ordering::Relaxed), 100);
     }
 
     #[test]

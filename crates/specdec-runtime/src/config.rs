@@ -118,6 +118,10 @@ pub struct ModelConfig {
     pub qkv_bias: bool,
 }
 
+/// The largest head size a file may declare (the largest in use is 256): it sizes the rope tables
+/// before any tensor is read.
+pub const MAX_HEAD_DIM: usize = 1024;
+
 impl ModelConfig {
     /// Reads the configuration from GGUF metadata; the vocabulary comes from the embedding table.
     ///
@@ -161,12 +165,55 @@ impl ModelConfig {
         let rope_dim = g
             .usize_opt(&key("rope.dimension_count"))?
             .unwrap_or(head_dim);
-        if head_dim == 0 || head_dim % 2 != 0 || rope_dim > head_dim || rope_dim % 2 != 0 {
+        if head_dim == 0 || head_dim % 2 != 0 || head_dim > MAX_HEAD_DIM {
+            return Err(Error::BadKey {
+                path: g.path().to_path_buf(),
+                key: key("attention.key_length"),
+                expected: "an even head size of at most 1024",
+            });
+        }
+        if rope_dim < 2 || rope_dim > head_dim || rope_dim % 2 != 0 {
             return Err(Error::BadKey {
                 path: g.path().to_path_buf(),
                 key: key("rope.dimension_count"),
-                expected: "an even head size and rope dimension <= head size",
+                expected: "an even rope dimension from 2 to the head size",
             });
+        }
+        // Every size is checked before any allocation rests on it: a zero-width matrix holds no
+        // bytes, so the tensors' fit in the file bounds nothing where a size is 0, and a product
+        // of sizes must not wrap.
+        let bad = |k: &str, expected: &'static str| Error::BadKey {
+            path: g.path().to_path_buf(),
+            key: key(k),
+            expected,
+        };
+        if n_embd == 0 {
+            return Err(bad("embedding_length", "a positive embedding length"));
+        }
+        if n_head.checked_mul(head_dim).is_none() {
+            return Err(bad(
+                "attention.head_count",
+                "a head count whose query width fits in memory",
+            ));
+        }
+        let n_ff = g.usize(&key("feed_forward_length"))?;
+        if n_ff == 0 {
+            return Err(bad("feed_forward_length", "a positive feed-forward length"));
+        }
+        let ctx_train = g.usize(&key("context_length"))?;
+        if ctx_train == 0 {
+            return Err(bad("context_length", "a positive context length"));
+        }
+        let rope_theta = g.f32_opt(&key("rope.freq_base"))?.unwrap_or(10_000.0);
+        if !(rope_theta.is_finite() && rope_theta > 0.0) {
+            return Err(bad("rope.freq_base", "a finite positive rope base"));
+        }
+        let rms_eps = g.f32(&key("attention.layer_norm_rms_epsilon"))?;
+        if !(rms_eps.is_finite() && rms_eps >= 0.0) {
+            return Err(bad(
+                "attention.layer_norm_rms_epsilon",
+                "a finite non-negative epsilon",
+            ));
         }
         let (rope_style, qkv_bias) = match arch {
             Arch::Llama => (crate::arch::llama::ROPE, false),
@@ -184,13 +231,14 @@ impl ModelConfig {
         // must be what the file's tensors hold (the last layer's first tensor present, and no
         // more layers than tensors), not whatever a corrupt header says.
         let n_layer = g.usize(&key("block_count"))?;
-        if n_layer > g.content().tensor_infos.len()
-            || (n_layer > 0 && !g.has_tensor(&format!("blk.{}.attn_norm.weight", n_layer - 1)))
+        if n_layer == 0
+            || n_layer > g.content().tensor_infos.len()
+            || !g.has_tensor(&format!("blk.{}.attn_norm.weight", n_layer - 1))
         {
             return Err(Error::BadKey {
                 path: g.path().to_path_buf(),
                 key: key("block_count"),
-                expected: "the number of layers whose tensors the file holds",
+                expected: "a positive number of layers, whose tensors the file holds",
             });
         }
         Ok(Self {
@@ -201,13 +249,13 @@ impl ModelConfig {
             n_head,
             n_head_kv,
             head_dim,
-            n_ff: g.usize(&key("feed_forward_length"))?,
-            rope_theta: g.f32_opt(&key("rope.freq_base"))?.unwrap_or(10_000.0),
+            n_ff,
+            rope_theta,
             rope_dim,
             rope_style,
             rope_scaling,
-            rms_eps: g.f32(&key("attention.layer_norm_rms_epsilon"))?,
-            ctx_train: g.usize(&key("context_length"))?,
+            rms_eps,
+            ctx_train,
             vocab,
             qkv_bias,
         })

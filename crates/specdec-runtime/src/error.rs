@@ -137,8 +137,8 @@ pub enum Error {
         /// The vocabulary size.
         vocab: usize,
     },
-    /// A KV cache was copied from a cache of a model of another shape.
-    #[error("the KV cache copied from belongs to a model of another shape")]
+    /// A KV cache of a model of another shape was passed to a model's pass or copied from.
+    #[error("the KV cache belongs to a model of another shape")]
     CacheShape,
     /// A rollback asked for more tokens than the cache holds.
     #[error("cannot roll back to {len} tokens: the cache holds {cached}")]

@@ -35,9 +35,15 @@ pub struct KvCache {
 impl KvCache {
     /// A cache for `n_layer` layers of `heads` KV heads of `head_dim` values per position, and
     /// `capacity` positions.
+    ///
+    /// # Panics
+    /// Where the size does not fit in memory, as [`Vec::with_capacity`] does (a size that would
+    /// wrap saturates instead, so it never makes a smaller cache than asked).
     pub fn new(n_layer: usize, heads: usize, head_dim: usize, capacity: usize) -> Self {
-        let slots = capacity.next_multiple_of(KEY_TILE);
-        let size = heads * slots * head_dim;
+        let slots = capacity
+            .checked_next_multiple_of(KEY_TILE)
+            .unwrap_or(usize::MAX);
+        let size = heads.saturating_mul(slots).saturating_mul(head_dim);
         Self {
             k: (0..n_layer).map(|_| vec![0; size]).collect(),
             v: (0..n_layer).map(|_| vec![0; size]).collect(),
@@ -48,6 +54,11 @@ impl KvCache {
             len: 0,
             scratch: crate::model::Scratch::default(),
         }
+    }
+
+    /// Layers, KV heads and the head size: what a model's pass needs its cache to have.
+    pub(crate) fn shape(&self) -> (usize, usize, usize) {
+        (self.k.len(), self.heads, self.head_dim)
     }
 
     /// Valid positions.
@@ -145,7 +156,7 @@ impl KvCache {
     /// [`Error::CacheShape`] if `src` belongs to a model of another shape, [`Error::Rollback`] if it
     /// holds fewer than `n` positions, [`Error::ContextOverflow`] if this one holds fewer.
     pub(crate) fn copy_prefix(&mut self, src: &KvCache, n: usize) -> Result<()> {
-        if (src.k.len(), src.heads, src.head_dim) != (self.k.len(), self.heads, self.head_dim) {
+        if src.shape() != self.shape() {
             return Err(Error::CacheShape);
         }
         if n > src.len {

@@ -351,6 +351,9 @@ impl Model {
         let mut m = 0;
         let mut wanted = 0;
         for p in parts.iter() {
+            if p.cache.shape() != (c.n_layer, c.n_head_kv, c.head_dim) {
+                return Err(Error::CacheShape);
+            }
             p.cache.reserve(p.cache.len(), p.tokens.len())?;
             if p.logits_rows > p.tokens.len() {
                 return Err(Error::RowsOutOfRange {

@@ -365,6 +365,11 @@ impl Tokenizer {
             .as_deref()
             .ok_or_else(|| Error::Template("the model has no tokenizer.chat_template".into()))?;
         let mut env = Environment::new();
+        // The template comes from the model file: bounded in instructions and in output, so that
+        // one that loops for ever or writes without end is an error, not a hang or an abort.
+        env.set_fuel(Some(TEMPLATE_FUEL.saturating_add(
+            TEMPLATE_FUEL_PER_MESSAGE.saturating_mul(messages.len() as u64),
+        )));
         minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function(
@@ -382,13 +387,61 @@ impl Tokenizer {
             .get_template("chat")
             .map_err(|e| Error::Template(e.to_string()))?;
         let name = |t: &Option<(TokenId, String)>| t.as_ref().map(|(_, s)| s.clone());
-        tmpl.render(context! {
-            messages => minijinja::Value::from(minijinja::value::Serde(messages)),
-            add_generation_prompt => true,
-            bos_token => name(&self.bos).unwrap_or_default(),
-            eos_token => name(&self.eos).unwrap_or_default(),
-        })
-        .map_err(|e| Error::Template(e.to_string()))
+        let input: usize = messages
+            .iter()
+            .map(|m| m.role.len() + m.content.len())
+            .sum();
+        let mut out = Capped {
+            bytes: Vec::new(),
+            cap: TEMPLATE_OUTPUT.saturating_add(input.saturating_mul(8)),
+        };
+        tmpl.render_captured_to(
+            context! {
+                messages => minijinja::Value::from(minijinja::value::Serde(messages)),
+                add_generation_prompt => true,
+                bos_token => name(&self.bos).unwrap_or_default(),
+                eos_token => name(&self.eos).unwrap_or_default(),
+            },
+            &mut out,
+        )
+        .map_err(|e| match e.kind() {
+            minijinja::ErrorKind::WriteFailure => Error::Template(format!(
+                "the chat template wrote more than {} bytes for {input} bytes of messages",
+                out.cap
+            )),
+            _ => Error::Template(e.to_string()),
+        })?;
+        String::from_utf8(out.bytes).map_err(|e| Error::Template(e.to_string()))
+    }
+}
+
+/// Instructions a chat template may run ([`Environment::set_fuel`]), and more for each message: a
+/// real template runs a few hundred per message.
+const TEMPLATE_FUEL: u64 = 1_000_000;
+const TEMPLATE_FUEL_PER_MESSAGE: u64 = 100_000;
+
+/// Bytes a chat template may write, and eight more per byte of the messages.
+const TEMPLATE_OUTPUT: usize = 1 << 20;
+
+/// A writer that fails past `cap` bytes.
+struct Capped {
+    bytes: Vec<u8>,
+    cap: usize,
+}
+
+impl std::io::Write for Capped {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.bytes.len().saturating_add(buf.len()) > self.cap {
+            return Err(std::io::Error::other(
+                "the chat template's output is too long",
+            ));
+        }
+        self.bytes.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 
@@ -435,6 +488,19 @@ fn fix_pre_tokenizer(g: &Gguf, inner: &mut tokenizers::Tokenizer) -> Result<()> 
     Ok(())
 }
 
+/// Whether `bytes` end with the first bytes of a UTF-8 character, not all of them (a valid start
+/// that more bytes could complete): what tells a text that ends inside a character, which decodes
+/// to a U+FFFD at the end, from one that ends with a U+FFFD of its own.
+pub fn ends_inside_a_character(bytes: &[u8]) -> bool {
+    let n = bytes.len();
+    // The last byte that is not a continuation byte, among the last four.
+    (1..=n.min(4))
+        .find(|&back| bytes[n - back] & 0xC0 != 0x80)
+        .is_some_and(|back| {
+            matches!(std::str::from_utf8(&bytes[n - back..]), Err(e) if e.error_len().is_none())
+        })
+}
+
 /// Turns a stream of tokens into text pieces without ever emitting a broken UTF-8 sequence: a piece is
 /// released only once its bytes decode to complete characters.
 #[derive(Debug, Default)]
@@ -455,7 +521,12 @@ impl StreamDecoder {
         self.ids.push(id);
         let before = tok.decode(&self.ids[self.prefix..self.read])?;
         let now = tok.decode(&self.ids[self.prefix..])?;
-        if now.len() > before.len() && !now.ends_with('\u{FFFD}') && now.starts_with(&before) {
+        // From the tokens' bytes: a U+FFFD at the end may be the text's own.
+        let tail: Vec<u8> = self.ids[self.read..]
+            .iter()
+            .flat_map(|&id| tok.token_bytes(id).unwrap_or_default())
+            .collect();
+        if now.len() > before.len() && !ends_inside_a_character(&tail) && now.starts_with(&before) {
             let piece = now[before.len()..].to_string();
             self.prefix = self.read;
             self.read = self.ids.len();

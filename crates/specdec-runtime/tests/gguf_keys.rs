@@ -244,6 +244,101 @@ fn malformed_headers_are_errors_not_crashes() {
     }
 }
 
+/// Sizes that would let a model load whose first pass panics or whose tables exhaust memory are bad
+/// keys naming the key: zero sizes (a zero-width matrix holds no bytes, so the tensors' fit in the
+/// file bounds nothing), a rope of no dimension, a head size no model has, a query width that
+/// wraps, and rope bases or epsilons that are not finite.
+#[test]
+fn sizes_that_bound_nothing_are_bad_keys() {
+    let arch = Arch::Llama;
+    let cases: Vec<(Vec<(&str, Value)>, &str)> = vec![
+        (
+            vec![("rope.dimension_count", Value::U32(0))],
+            "rope.dimension_count",
+        ),
+        (
+            vec![("attention.key_length", Value::U64(1 << 40))],
+            "attention.key_length",
+        ),
+        (
+            vec![
+                ("block_count", Value::U32(0)),
+                ("attention.key_length", Value::U64(1 << 40)),
+            ],
+            "attention.key_length",
+        ),
+        (
+            vec![
+                ("attention.head_count", Value::U64(1 << 60)),
+                ("attention.key_length", Value::U32(64)),
+            ],
+            "attention.head_count",
+        ),
+        (
+            vec![
+                ("embedding_length", Value::U32(0)),
+                ("attention.key_length", Value::U32(16)),
+            ],
+            "embedding_length",
+        ),
+        (
+            vec![("feed_forward_length", Value::U32(0))],
+            "feed_forward_length",
+        ),
+        (vec![("context_length", Value::U32(0))], "context_length"),
+        (vec![("block_count", Value::U32(0))], "block_count"),
+        (
+            vec![("rope.freq_base", Value::F32(f32::NAN))],
+            "rope.freq_base",
+        ),
+        (vec![("rope.freq_base", Value::F32(0.0))], "rope.freq_base"),
+        (
+            vec![(
+                "attention.layer_norm_rms_epsilon",
+                Value::F32(f32::INFINITY),
+            )],
+            "attention.layer_norm_rms_epsilon",
+        ),
+        (
+            vec![("attention.layer_norm_rms_epsilon", Value::F32(-1.0))],
+            "attention.layer_norm_rms_epsilon",
+        ),
+    ];
+    for (keys, want) in cases {
+        let e = load_err(&TinySpec {
+            extra_keys: keys
+                .iter()
+                .map(|(k, v)| (format!("{}.{k}", arch_name(arch)), v.clone()))
+                .collect(),
+            ..TinySpec::new(arch, GgmlDType::Q8_0)
+        });
+        match &e {
+            Error::BadKey { key, .. } => assert_eq!(key, &format!("llama.{want}"), "{keys:?}"),
+            _ => panic!("{keys:?}: expected BadKey {want}, got {e}"),
+        }
+    }
+}
+
+/// A model's pass refuses a cache of a model of another shape, with a typed error.
+#[test]
+fn a_cache_of_another_model_is_refused() {
+    let model = tiny_model(&TinySpec::new(Arch::Llama, GgmlDType::Q8_0));
+    let other = tiny_model(&TinySpec {
+        n_layer: TinySpec::new(Arch::Llama, GgmlDType::Q8_0).n_layer + 1,
+        ..TinySpec::new(Arch::Llama, GgmlDType::Q8_0)
+    });
+    let mut cache = other.cache(16);
+    let mut logits = Vec::new();
+    let e = model
+        .forward(&mut cache, &[1, 2], 1, &mut logits)
+        .unwrap_err();
+    assert!(matches!(e, Error::CacheShape), "{e}");
+    assert!(cache.is_empty());
+    let mut own = model.cache(16);
+    model.forward(&mut own, &[1, 2], 1, &mut logits).unwrap();
+    assert_eq!(own.len(), 2);
+}
+
 /// A special token id that does not fit a token id is a bad key, not a truncated id.
 #[test]
 fn a_token_id_past_2_32_is_a_bad_key() {

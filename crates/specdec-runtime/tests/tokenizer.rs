@@ -122,3 +122,57 @@ fn chat_template_renders_chatml() {
         .unwrap();
     assert_eq!(s, "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
 }
+
+/// A chat template comes from the model file: one that loops for ever or writes without end is a
+/// template error, not a hang or an abort; a long conversation with an ordinary template renders.
+#[test]
+fn a_template_that_runs_or_writes_without_end_is_an_error() {
+    let hi = [Message::new("user", "Hi")];
+    for (template, want) in [
+        (
+            "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}",
+            "fuel",
+        ),
+        (
+            "{% for i in range(100000) %}{{ 'x' * 10000000 }}{% endfor %}",
+            "wrote more than",
+        ),
+    ] {
+        let (_d, mut t) = tiny_tokenizer();
+        t.set_chat_template(template);
+        let err = t.apply_chat_template(&hi).unwrap_err().to_string();
+        assert!(err.contains(want), "{template}: {err}");
+        assert!(t.encode_chat(&hi).is_err());
+    }
+    let (_d, t) = tiny_tokenizer();
+    let long: Vec<Message> = (0..2000)
+        .map(|i| {
+            Message::new(
+                if i % 2 == 0 { "user" } else { "assistant" },
+                "x".repeat(300),
+            )
+        })
+        .collect();
+    let s = t.apply_chat_template(&long).unwrap();
+    assert_eq!(s.matches("<|im_start|>").count(), 2001);
+}
+
+/// A U+FFFD the text holds is streamed with the token that completes it, like any character: only
+/// a character whose bytes are incomplete is held back.
+#[test]
+fn a_replacement_character_of_the_text_streams_at_once() {
+    let (_d, t) = tiny_tokenizer();
+    let text = "a\u{FFFD}\u{FFFD}";
+    let ids = t.encode(text, false).unwrap();
+    let mut stream = specdec_runtime::StreamDecoder::new();
+    let mut out = String::new();
+    for &id in &ids {
+        if let Some(piece) = stream.push(&t, id).unwrap() {
+            out.push_str(&piece);
+        }
+        // Whatever has been pushed, the text released is the text of whole characters so far.
+        assert!(text.starts_with(&out), "{out:?}");
+    }
+    assert_eq!(out, text);
+    assert_eq!(stream.finish(&t).unwrap(), None);
+}

@@ -225,7 +225,10 @@ pub fn parse(
     }
     if prompt.len() >= info.ctx {
         return Err(ApiError::invalid(
-            "messages",
+            match kind {
+                Kind::Chat => "messages",
+                Kind::Completion => "prompt",
+            },
             format!(
                 "the prompt has {} tokens; the context holds {} (prompt and completion together)",
                 prompt.len(),
@@ -236,8 +239,11 @@ pub fn parse(
     }
     let room = info.ctx - prompt.len();
 
-    // Token limit: `max_completion_tokens` is the newer name.
-    let limit_name = if obj.contains_key("max_completion_tokens") {
+    // Token limit: `max_completion_tokens` is the newer name (a null one is unset, as everywhere).
+    let limit_name = if obj
+        .get("max_completion_tokens")
+        .is_some_and(|v| !v.is_null())
+    {
         "max_completion_tokens"
     } else {
         "max_tokens"

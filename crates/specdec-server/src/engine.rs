@@ -37,11 +37,10 @@ pub trait Codec: Send + Sync + 'static {
     fn encode_chat(&self, messages: &[(String, String)]) -> Result<Vec<TokenId>, String>;
     /// Decodes tokens (an incomplete UTF-8 character becomes U+FFFD).
     fn decode(&self, ids: &[TokenId]) -> String;
-    /// The bytes one token stands for, possibly part of a UTF-8 character (log-probabilities report
-    /// them). By default the token decoded alone.
-    fn token_bytes(&self, id: TokenId) -> Vec<u8> {
-        self.decode(&[id]).into_bytes()
-    }
+    /// The bytes one token stands for, possibly part of a UTF-8 character: log-probabilities
+    /// report them, and the detokenizer tells from them whether a text ends inside a character
+    /// (its U+FFFD) or with a U+FFFD of its own.
+    fn token_bytes(&self, id: TokenId) -> Vec<u8>;
     /// The tokens that end generation (end of turn, end of text).
     fn stop_tokens(&self) -> Vec<TokenId>;
 }
@@ -536,6 +535,8 @@ pub struct Shared {
     pub info: OnceLock<Info>,
     /// Set if loading failed.
     pub load_error: OnceLock<String>,
+    /// Set if the engine stopped after loading (it panicked): no request can be served.
+    pub engine_error: OnceLock<String>,
     /// Requests waiting for a slot.
     pub queued: AtomicUsize,
     /// Sequences being decoded.
@@ -567,6 +568,9 @@ impl EngineHandle {
             return Err(ApiError::unavailable(format!(
                 "the models failed to load: {e}"
             )));
+        }
+        if let Some(e) = self.shared.engine_error.get() {
+            return Err(ApiError::unavailable(format!("the engine stopped: {e}")));
         }
         self.shared
             .info
@@ -701,17 +705,25 @@ where
             let mut batch = Batch::new(target, drafter);
             batch.set_batch_draft_cap(batch_draft_len);
             batch.set_prefill_chunk(prefill_chunk);
-            Engine {
+            let mut engine = Engine {
                 batch,
                 jobs: HashMap::new(),
                 waiting: VecDeque::new(),
                 codec,
-                shared,
+                shared: shared.clone(),
                 parallel,
                 next_id: 0,
                 learner,
+            };
+            // A panic ends the engine (its requests get "the engine stopped" as their senders
+            // drop); it must not leave a server that reports itself healthy and takes requests.
+            let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| engine.run(&rx)));
+            if let Err(panic) = ran {
+                let e = format!("it panicked: {}", panic_message(&*panic));
+                tracing::error!("the engine stopped: {e}");
+                let _ = shared.engine_error.set(e);
             }
-            .run(&rx);
+            drop(engine);
         });
     if let Err(e) = spawned {
         let _ = handle
@@ -808,6 +820,9 @@ impl<M: Target, T: Target> Engine<M, T> {
                 let Some(job) = self.waiting.pop_front() else {
                     break;
                 };
+                // Counted active before it stops counting as queued, so that `submit` never sees
+                // its slot free in between.
+                self.shared.active.fetch_add(1, Ordering::SeqCst);
                 self.shared.queued.fetch_sub(1, Ordering::SeqCst);
                 self.admit(job);
             }

@@ -97,6 +97,15 @@ impl ApiError {
         Self::new(StatusCode::NOT_FOUND, "invalid_request_error", what)
     }
 
+    /// 405: the route exists, not with this method.
+    pub fn method_not_allowed() -> Self {
+        Self::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "invalid_request_error",
+            "this route does not take this HTTP method",
+        )
+    }
+
     /// 413.
     pub fn too_large(limit: usize) -> Self {
         Self::new(

@@ -92,6 +92,7 @@ pub fn router(engine: EngineHandle, options: ServerOptions) -> Router {
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(
             state.clone(),
             count_and_auth,
@@ -138,10 +139,13 @@ pub async fn serve(
         // Streams end once the engine cancels them; give them a moment, then stop regardless.
         tokio::time::sleep(Duration::from_secs(3)).await;
     };
-    let failed_load = async {
+    let failed = async {
         loop {
             if let Some(e) = shared_load.load_error.get() {
                 return std::io::Error::other(format!("the models failed to load: {e}"));
+            }
+            if let Some(e) = shared_load.engine_error.get() {
+                return std::io::Error::other(format!("the engine stopped: {e}"));
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
@@ -149,7 +153,7 @@ pub async fn serve(
     tokio::select! {
         r = std::future::IntoFuture::into_future(server) => r,
         () = deadline => Ok(()),
-        e = failed_load => Err(e),
+        e = failed => Err(e),
     }
 }
 
@@ -212,7 +216,14 @@ async fn not_found() -> ApiError {
     ApiError::not_found("no such route")
 }
 
+async fn method_not_allowed() -> ApiError {
+    ApiError::method_not_allowed()
+}
+
 async fn health(State(s): State<AppState>) -> Response {
+    if s.engine.shared.closing.load(Ordering::SeqCst) {
+        return ApiError::unavailable("the server is shutting down").into_response();
+    }
     match s.engine.info() {
         Ok(info) => Json(json!({"status": "ok", "model": info.model})).into_response(),
         Err(e) => e.into_response(),

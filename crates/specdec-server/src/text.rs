@@ -3,6 +3,7 @@
 //! could still become a stop string (also when streaming).
 
 use specdec_core::TokenId;
+use specdec_runtime::tokenizer::ends_inside_a_character;
 
 use crate::engine::Codec;
 
@@ -32,9 +33,19 @@ impl Detokenizer {
         if !now.starts_with(&before) {
             return String::new();
         }
-        // An incomplete character decodes as U+FFFD at the end; the characters before it are final.
-        let complete = !now.ends_with('\u{FFFD}');
-        let end = now.trim_end_matches('\u{FFFD}').len();
+        // An incomplete character decodes as one U+FFFD at the end; the characters before it are
+        // final. Whether the text ends inside a character is read from the tokens' bytes, as a
+        // U+FFFD in the text may also be a character of its own, released like any other.
+        let tail: Vec<u8> = self.ids[self.read..]
+            .iter()
+            .flat_map(|&id| codec.token_bytes(id))
+            .collect();
+        let complete = !ends_inside_a_character(&tail);
+        let end = if complete {
+            now.len()
+        } else {
+            now.strip_suffix('\u{FFFD}').unwrap_or(&now).len()
+        };
         let from = before.len() + self.sent;
         let piece = now.get(from..end).unwrap_or_default().to_string();
         if complete && end > before.len() {
@@ -189,6 +200,9 @@ mod tests {
                 .collect();
             String::from_utf8_lossy(&bytes).into_owned()
         }
+        fn token_bytes(&self, id: TokenId) -> Vec<u8> {
+            self.0[id as usize].clone()
+        }
         fn stop_tokens(&self) -> Vec<TokenId> {
             Vec::new()
         }
@@ -208,6 +222,30 @@ mod tests {
         assert_eq!(d.push(&codec, 0), "x");
         assert_eq!(d.push(&codec, 1), "");
         assert_eq!(d.finish(&codec), "\u{FFFD}");
+    }
+
+    /// A U+FFFD that the text holds (three bytes of its own, not an incomplete character) is
+    /// released with its token like any other character, and the window decoded again moves on.
+    #[test]
+    fn a_replacement_character_of_the_text_is_released_at_once() {
+        let fffd = "\u{FFFD}".as_bytes();
+        let codec = Bytes::of(&[fffd, fffd, b"a", b"\xE6", fffd]);
+        let mut d = Detokenizer::default();
+        let pieces: Vec<String> = (0..5).map(|i| d.push(&codec, i)).collect();
+        // Token 3 begins a character that token 4's bytes do not continue: both are final then.
+        assert_eq!(
+            pieces,
+            ["\u{FFFD}", "\u{FFFD}", "a", "", "\u{FFFD}\u{FFFD}"]
+        );
+        assert_eq!(d.finish(&codec), "");
+        assert!(ends_inside_a_character(b"x\xE6\x97"));
+        assert!(ends_inside_a_character(b"\xF0\x9F\x90"));
+        assert!(!ends_inside_a_character(fffd));
+        assert!(!ends_inside_a_character(b"\xE6\x97\xA5"));
+        // Not a valid start: nothing can complete it.
+        assert!(!ends_inside_a_character(b"\xE0\x80"));
+        assert!(!ends_inside_a_character(b"\x80"));
+        assert!(!ends_inside_a_character(b""));
     }
 
     #[test]

@@ -308,6 +308,108 @@ async fn a_loader_that_panics_fails_the_load() {
     assert!(error.contains("a malformed file"), "{error}");
 }
 
+/// A null `max_completion_tokens` is unset, as every null field is: `max_tokens` still limits.
+#[tokio::test]
+async fn a_null_max_completion_tokens_leaves_max_tokens_in_force() {
+    let app = app();
+    let (s, v) = post(
+        &app,
+        "/v1/completions",
+        json!({"prompt": "abc", "max_tokens": 2, "max_completion_tokens": null, "drafter": "none"}),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert!(
+        v["usage"]["completion_tokens"].as_u64().unwrap() <= 2,
+        "{v}"
+    );
+    assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
+}
+
+/// A target that panics in every call after the first `n`: a bug of the engine's.
+struct Panics(MockModel, std::sync::atomic::AtomicUsize);
+
+impl Target for Panics {
+    type Error = <MockModel as Target>::Error;
+    fn vocab_size(&self) -> usize {
+        self.0.vocab_size()
+    }
+    fn capacity(&self) -> usize {
+        self.0.capacity()
+    }
+    fn score(&mut self, b: &[Score<'_>], out: &mut [Logits]) -> Result<(), Self::Error> {
+        if self.1.fetch_sub(1, Ordering::SeqCst) == 0 {
+            panic!("an engine bug");
+        }
+        self.0.score(b, out)
+    }
+    fn commit(&mut self, seq: SeqId, c: &[TokenId]) -> Result<(), Self::Error> {
+        self.0.commit(seq, c)
+    }
+    fn release(&mut self, seq: SeqId) {
+        self.0.release(seq)
+    }
+}
+
+/// An engine that panics after loading ends its requests with an error and takes the server out
+/// of service: `/health` and new requests get 503 naming the panic, and `serve` would return.
+#[tokio::test]
+async fn an_engine_that_panics_is_reported_not_left_healthy() {
+    let h = start(&one_slot(), || {
+        Ok(Loaded {
+            target: Panics(
+                MockModel::new(target_logits()),
+                std::sync::atomic::AtomicUsize::new(3),
+            ),
+            drafter: MultiDrafter::<MockModel>::new(None),
+            codec: Arc::new(ByteCodec),
+            model: "mock".into(),
+            learner: None,
+        })
+    });
+    wait(|| h.shared.info.get().is_some());
+    let app = router(h.clone(), ServerOptions::default());
+    let (s, _) = call(&app, "GET", "/health", Body::empty()).await;
+    assert_eq!(s, StatusCode::OK);
+    let (s, v) = post(
+        &app,
+        "/v1/completions",
+        json!({"prompt": "abc", "max_tokens": 50, "drafter": "none"}),
+    )
+    .await;
+    assert!(s.is_server_error(), "{s} {v}");
+    wait(|| h.shared.engine_error.get().is_some());
+    let (s, b) = call(&app, "GET", "/health", Body::empty()).await;
+    assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE);
+    let v: Value = serde_json::from_slice(&b).unwrap();
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("an engine bug"),
+        "{v}"
+    );
+    let (s, _) = post(&app, "/v1/completions", json!({"prompt": "abc"})).await;
+    assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE);
+}
+
+/// Once shutdown begins, `/health` says so (503), so that a balancer stops sending requests.
+#[tokio::test]
+async fn health_is_503_once_shutdown_begins() {
+    let h = engine(1, 1, Duration::ZERO);
+    let app = router(h.clone(), ServerOptions::default());
+    let (s, _) = call(&app, "GET", "/health", Body::empty()).await;
+    assert_eq!(s, StatusCode::OK);
+    h.shared.closing.store(true, Ordering::SeqCst);
+    let (s, b) = call(&app, "GET", "/health", Body::empty()).await;
+    assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE);
+    let v: Value = serde_json::from_slice(&b).unwrap();
+    assert!(v["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("shutting down"));
+}
+
 /// A non-streaming request whose generation fails part way keeps the text generated before the
 /// failure, in `error.partial_text`, as a streaming one keeps the chunks it was sent.
 #[tokio::test]
@@ -647,6 +749,20 @@ async fn bad_requests_get_openai_errors_naming_the_field() {
     let (s, v) = post(&app, "/v1/completions", json!({"prompt": long})).await;
     assert_eq!(s, StatusCode::BAD_REQUEST);
     assert_eq!(v["error"]["code"], "context_length_exceeded");
+    assert_eq!(v["error"]["param"], "prompt", "{v}");
+    let (s, v) = post(
+        &app,
+        "/v1/chat/completions",
+        chat_body(json!({"messages": [{"role": "user", "content": long}]})),
+    )
+    .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert_eq!(v["error"]["param"], "messages", "{v}");
+    // A route asked with another method: 405, with an OpenAI error body.
+    let (s, b) = call(&app, "GET", "/v1/chat/completions", Body::empty()).await;
+    assert_eq!(s, StatusCode::METHOD_NOT_ALLOWED);
+    let v: Value = serde_json::from_slice(&b).unwrap();
+    assert!(v["error"]["message"].is_string(), "{v}");
     for raw in ["{", "[1,2]", "null", "\"text\"", ""] {
         let (s, b) = call(&app, "POST", "/v1/completions", raw).await;
         assert_eq!(s, StatusCode::BAD_REQUEST, "{raw:?}");

@@ -39,7 +39,8 @@ const INERT_KEYS: &[&str] = &[
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Arch {
-    /// Llama 2/3, SmolLM2, TinyLlama: see [`crate::arch::llama`].
+    /// Llama 3, SmolLM2 (and Llama 2 and TinyLlama, whose SentencePiece tokenizers the loader
+    /// refuses): see [`crate::arch::llama`].
     Llama,
     /// Qwen2 and Qwen2.5: see [`crate::arch::qwen2`].
     Qwen2,

@@ -65,10 +65,11 @@ fn target_logits() -> MockLogits {
     }
 }
 
-/// A target that sleeps in every call, so requests stay active long enough to fill the slots.
-struct Slow(MockModel, Duration);
+/// A target that calls a hook before every call of the mock's `score`: sleeping in it keeps
+/// requests active long enough to fill the slots; panicking in it is an engine bug.
+struct Hooked(MockModel, Box<dyn FnMut() + Send>);
 
-impl Target for Slow {
+impl Target for Hooked {
     type Error = <MockModel as Target>::Error;
     fn vocab_size(&self) -> usize {
         self.0.vocab_size()
@@ -77,7 +78,7 @@ impl Target for Slow {
         self.0.capacity()
     }
     fn score(&mut self, b: &[Score<'_>], out: &mut [Logits]) -> Result<(), Self::Error> {
-        std::thread::sleep(self.1);
+        (self.1)();
         self.0.score(b, out)
     }
     fn commit(&mut self, seq: SeqId, c: &[TokenId]) -> Result<(), Self::Error> {
@@ -121,7 +122,10 @@ fn engine_learning(
             noise: 1.5,
         });
         Ok(Loaded {
-            target: Slow(MockModel::new(target_logits()).with_capacity(512), delay),
+            target: Hooked(
+                MockModel::new(target_logits()).with_capacity(512),
+                Box::new(move || std::thread::sleep(delay)),
+            ),
             drafter: MultiDrafter::new(Some(ModelDrafter::new(draft))),
             codec: Arc::new(ByteCodec),
             model: "mock".into(),
@@ -326,41 +330,20 @@ async fn a_null_max_completion_tokens_leaves_max_tokens_in_force() {
     assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
 }
 
-/// A target that panics in every call after the first `n`: a bug of the engine's.
-struct Panics(MockModel, std::sync::atomic::AtomicUsize);
-
-impl Target for Panics {
-    type Error = <MockModel as Target>::Error;
-    fn vocab_size(&self) -> usize {
-        self.0.vocab_size()
-    }
-    fn capacity(&self) -> usize {
-        self.0.capacity()
-    }
-    fn score(&mut self, b: &[Score<'_>], out: &mut [Logits]) -> Result<(), Self::Error> {
-        if self.1.fetch_sub(1, Ordering::SeqCst) == 0 {
-            panic!("an engine bug");
-        }
-        self.0.score(b, out)
-    }
-    fn commit(&mut self, seq: SeqId, c: &[TokenId]) -> Result<(), Self::Error> {
-        self.0.commit(seq, c)
-    }
-    fn release(&mut self, seq: SeqId) {
-        self.0.release(seq)
-    }
-}
-
 /// An engine that panics after loading ends its requests with an error and takes the server out
 /// of service: `/health` and new requests get 503 naming the panic, and `serve` would return.
 #[tokio::test]
 async fn an_engine_that_panics_is_reported_not_left_healthy() {
     let h = start(&one_slot(), || {
         Ok(Loaded {
-            target: Panics(
-                MockModel::new(target_logits()),
-                std::sync::atomic::AtomicUsize::new(3),
-            ),
+            // Three calls, then a panic in every call: a bug of the engine's.
+            target: Hooked(MockModel::new(target_logits()), {
+                let mut calls = 0;
+                Box::new(move || {
+                    calls += 1;
+                    assert!(calls <= 3, "an engine bug");
+                })
+            }),
             drafter: MultiDrafter::<MockModel>::new(None),
             codec: Arc::new(ByteCodec),
             model: "mock".into(),

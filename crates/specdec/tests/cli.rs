@@ -243,8 +243,8 @@ fn argument_errors_are_one_clear_line() {
     );
     // A prompt longer than the context.
     let long = "x".repeat(100);
-    assert_clean_error(
-        &specdec(
+    let from_file = |path: &str| {
+        specdec(
             &f,
             &[
                 "generate",
@@ -253,11 +253,11 @@ fn argument_errors_are_one_clear_line() {
                 "--drafter",
                 "none",
                 "--prompt-file",
-                "/dev/null",
+                path,
             ],
-        ),
-        "empty",
-    );
+        )
+    };
+    assert_clean_error(&from_file("/dev/null"), "empty");
     assert_clean_error(
         &specdec(
             &f,
@@ -272,21 +272,7 @@ fn argument_errors_are_one_clear_line() {
         .unwrap()
         .set_len(1 << 30)
         .unwrap();
-    assert_clean_error(
-        &specdec(
-            &f,
-            &[
-                "generate",
-                "--target",
-                t,
-                "--drafter",
-                "none",
-                "--prompt-file",
-                s(&huge),
-            ],
-        ),
-        "1073741824 bytes, far more than",
-    );
+    assert_clean_error(&from_file(s(&huge)), "1073741824 bytes, far more than");
     std::fs::remove_file(&huge).unwrap();
     // One whose size the system does not tell (a pipe) is read only up to the limit.
     let mut child = Command::new(env!("CARGO_BIN_EXE_specdec"))

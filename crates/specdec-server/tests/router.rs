@@ -266,18 +266,23 @@ async fn health_models_and_page() {
     assert!(v["error"]["message"].is_string());
 }
 
+/// What a loader without a draft model returns: `target`, the byte codec.
+fn without_draft<T: Target>(target: T) -> Result<Loaded<MockModel, T>, String> {
+    Ok(Loaded {
+        target,
+        drafter: MultiDrafter::new(None),
+        codec: Arc::new(ByteCodec),
+        model: "mock".into(),
+        learner: None,
+    })
+}
+
 #[tokio::test]
 async fn health_is_503_until_the_models_are_loaded() {
     let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
     let h = start(&one_slot(), move || {
         let _ = go_rx.recv();
-        Ok(Loaded {
-            target: MockModel::new(target_logits()),
-            drafter: MultiDrafter::<MockModel>::new(None),
-            codec: Arc::new(ByteCodec),
-            model: "mock".into(),
-            learner: None,
-        })
+        without_draft(MockModel::new(target_logits()))
     });
     let app = router(h.clone(), ServerOptions::default());
     let (s, _) = call(&app, "GET", "/health", Body::empty()).await;
@@ -335,20 +340,15 @@ async fn a_null_max_completion_tokens_leaves_max_tokens_in_force() {
 #[tokio::test]
 async fn an_engine_that_panics_is_reported_not_left_healthy() {
     let h = start(&one_slot(), || {
-        Ok(Loaded {
-            // Three calls, then a panic in every call: a bug of the engine's.
-            target: Hooked(MockModel::new(target_logits()), {
-                let mut calls = 0;
-                Box::new(move || {
-                    calls += 1;
-                    assert!(calls <= 3, "an engine bug");
-                })
+        // Three calls, then a panic in every call: a bug of the engine's.
+        let mut calls = 0;
+        without_draft(Hooked(
+            MockModel::new(target_logits()),
+            Box::new(move || {
+                calls += 1;
+                assert!(calls <= 3, "an engine bug");
             }),
-            drafter: MultiDrafter::<MockModel>::new(None),
-            codec: Arc::new(ByteCodec),
-            model: "mock".into(),
-            learner: None,
-        })
+        ))
     });
     wait(|| h.shared.info.get().is_some());
     let app = router(h.clone(), ServerOptions::default());
@@ -398,14 +398,8 @@ async fn health_is_503_once_shutdown_begins() {
 #[tokio::test]
 async fn a_failed_generation_returns_the_text_made_before_it() {
     let h = start(&one_slot(), || {
-        Ok(Loaded {
-            // The prefill and 5 decoding steps, then a failure.
-            target: MockModel::new(target_logits()).fail_at_call(7),
-            drafter: MultiDrafter::<MockModel>::new(None),
-            codec: Arc::new(ByteCodec),
-            model: "mock".into(),
-            learner: None,
-        })
+        // The prefill and 5 decoding steps, then a failure.
+        without_draft(MockModel::new(target_logits()).fail_at_call(7))
     });
     wait(|| h.shared.info.get().is_some());
     let app = router(h.clone(), ServerOptions::default());

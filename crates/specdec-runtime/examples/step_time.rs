@@ -4,6 +4,7 @@
 //! the number of timed steps, default 64; `STEP_TIME_THREADS=N` the kernel threads; `STEP_TIME_BLOCK=M`
 //! times verification-shaped steps instead: M tokens scored in one pass with M logits rows, then rolled
 //! back; `STEP_TIME_QUANT=q4_0|q4_k|q8_0` re-quantises every matrix at load, as `--draft-quant` does;
+//! `STEP_TIME_DEVICE=cuda` runs the model on the GPU (a build with `--features cuda`);
 //! `STEP_TIME_PROFILE=1` also prints the milliseconds per timed step of each stage of the forward
 //! pass, from the model's trace spans: `qkv` (norm, q/k/v, rope), `attention` (cache write and
 //! attention), `wo` (output projection and residual), `gate_up` (norm, gate/up, SwiGLU), `down`, and
@@ -97,10 +98,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         Ok(other) => return Err(format!("STEP_TIME_QUANT: unknown type {other}").into()),
         Err(_) => None,
     };
+    let device = std::env::var("STEP_TIME_DEVICE")
+        .map_or(Ok(specdec_runtime::Device::Cpu), |s| s.parse())?;
     let options = LoadOptions {
         logits_vocab,
         threads,
         requantize,
+        device,
         ..LoadOptions::default()
     };
     let stages: Option<&'static Stages> = std::env::var_os("STEP_TIME_PROFILE")

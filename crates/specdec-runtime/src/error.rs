@@ -71,6 +71,12 @@ pub enum Error {
         /// What was expected.
         expected: &'static str,
     },
+    /// The CUDA driver, NVRTC or a kernel failed, or the model does not fit the GPU path.
+    #[error("CUDA: {0}")]
+    Cuda(String),
+    /// A GPU was asked of a build without the cargo feature `cuda`.
+    #[error("this build of specdec has no CUDA support: build it with `--features cuda`")]
+    NoCuda,
     /// The architecture is not one this runtime implements.
     #[error("{}: unsupported architecture `{arch}` (supported: llama, qwen2)", path.display())]
     UnsupportedArch {

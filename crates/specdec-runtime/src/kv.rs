@@ -30,6 +30,12 @@ pub struct KvCache {
     len: usize,
     /// The forward pass's buffers, reused from one pass to the next.
     pub(crate) scratch: crate::model::Scratch,
+    /// A cache of a model on a GPU: its keys and values are there ([`KvCache::gpu`]), and the
+    /// host buffers above are empty.
+    on_device: bool,
+    /// The keys and values on the GPU, allocated by the first pass that writes them.
+    #[cfg(feature = "cuda")]
+    pub(crate) gpu: Option<crate::cuda::GpuCache>,
 }
 
 impl KvCache {
@@ -53,12 +59,33 @@ impl KvCache {
             slots,
             len: 0,
             scratch: crate::model::Scratch::default(),
+            on_device: false,
+            #[cfg(feature = "cuda")]
+            gpu: None,
         }
     }
 
-    /// Layers, KV heads and the head size: what a model's pass needs its cache to have.
-    pub(crate) fn shape(&self) -> (usize, usize, usize) {
-        (self.k.len(), self.heads, self.head_dim)
+    /// A cache for a model on a GPU: the same shape, no host buffers; the device's are allocated
+    /// by the first pass.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn on_device(
+        n_layer: usize,
+        heads: usize,
+        head_dim: usize,
+        capacity: usize,
+    ) -> Self {
+        // No layers: no host buffers.
+        let mut cache = Self::new(0, heads, head_dim, capacity);
+        cache.k = (0..n_layer).map(|_| Vec::new()).collect();
+        cache.v = (0..n_layer).map(|_| Vec::new()).collect();
+        cache.on_device = true;
+        cache
+    }
+
+    /// Layers, KV heads, the head size and whether it is on a GPU: what a model's pass needs its
+    /// cache to have.
+    pub(crate) fn shape(&self) -> (usize, usize, usize, bool) {
+        (self.k.len(), self.heads, self.head_dim, self.on_device)
     }
 
     /// Valid positions.
@@ -170,6 +197,19 @@ impl KvCache {
                 len: n,
                 capacity: self.capacity,
             });
+        }
+        if self.on_device {
+            #[cfg(feature = "cuda")]
+            if let Some(g) = &src.gpu {
+                crate::cuda::GpuCache::copy_prefix(
+                    &mut self.gpu,
+                    g,
+                    (self.heads, self.head_dim, n),
+                    (src.capacity, self.capacity),
+                )?;
+            }
+            self.len = n;
+            return Ok(());
         }
         let hd = self.head_dim;
         let (from, to) = (src.head_stride(), self.head_stride());

@@ -40,6 +40,8 @@
 pub mod arch;
 mod attention;
 pub mod config;
+#[cfg(feature = "cuda")]
+mod cuda;
 pub mod error;
 pub mod fetch;
 pub mod gguf;
@@ -58,7 +60,7 @@ pub use config::{Arch, ModelConfig};
 pub use error::{Error, Result};
 pub use gguf::Gguf;
 pub use kv::KvCache;
-pub use model::{requantized_type, thread_pool, LoadOptions, Model};
+pub use model::{requantized_type, thread_pool, Device, LoadOptions, Model};
 pub use session::Session;
 pub use sessions::Sessions;
 pub use tokenizer::{Message, StreamDecoder, Tokenizer};

@@ -48,6 +48,45 @@ pub struct LoadOptions {
     /// in acceptance. A K-quant applies to matrices whose rows are whole 256-value super-blocks; the
     /// others go to Q4_0 ([`requantized_type`]). `None` keeps the file's types.
     pub requantize: Option<GgmlDType>,
+    /// Where the forward pass runs. [`Device::Cuda`] needs the cargo feature `cuda`.
+    pub device: Device,
+}
+
+/// Where a model's forward pass runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Device {
+    /// This machine's cores, on specdec's own kernels.
+    #[default]
+    Cpu,
+    /// The NVIDIA GPU of this ordinal (cargo feature `cuda`): weights as f16 on the device, our
+    /// own kernels compiled by NVRTC at load.
+    Cuda(usize),
+}
+
+impl std::str::FromStr for Device {
+    type Err = String;
+
+    /// `cpu`, `cuda` (GPU 0) or `cuda:N`.
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "cpu" => Ok(Device::Cpu),
+            "cuda" => Ok(Device::Cuda(0)),
+            _ => s
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(Device::Cuda)
+                .ok_or_else(|| format!("unknown device `{s}` (cpu, cuda or cuda:N)")),
+        }
+    }
+}
+
+impl std::fmt::Display for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Device::Cpu => f.write_str("cpu"),
+            Device::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
 }
 
 impl Default for LoadOptions {
@@ -58,6 +97,7 @@ impl Default for LoadOptions {
             logits_vocab: None,
             logits_also: Vec::new(),
             requantize: None,
+            device: Device::Cpu,
         }
     }
 }
@@ -89,28 +129,28 @@ pub fn thread_pool(threads: Option<usize>) -> Result<Arc<ThreadPool>> {
 }
 
 #[derive(Debug)]
-struct Layer {
-    attn_norm: Vec<f32>,
-    wq: QWeight,
-    wk: QWeight,
-    wv: QWeight,
-    bias: Option<[Vec<f32>; 3]>,
-    wo: QWeight,
-    ffn_norm: Vec<f32>,
-    w_gate: QWeight,
-    w_up: QWeight,
-    w_down: QWeight,
+pub(crate) struct Layer {
+    pub(crate) attn_norm: Vec<f32>,
+    pub(crate) wq: QWeight,
+    pub(crate) wk: QWeight,
+    pub(crate) wv: QWeight,
+    pub(crate) bias: Option<[Vec<f32>; 3]>,
+    pub(crate) wo: QWeight,
+    pub(crate) ffn_norm: Vec<f32>,
+    pub(crate) w_gate: QWeight,
+    pub(crate) w_up: QWeight,
+    pub(crate) w_down: QWeight,
 }
 
 /// A loaded model.
 #[derive(Debug)]
 pub struct Model {
     config: ModelConfig,
-    embd: QWeight,
-    layers: Vec<Layer>,
-    norm: Vec<f32>,
+    pub(crate) embd: QWeight,
+    pub(crate) layers: Vec<Layer>,
+    pub(crate) norm: Vec<f32>,
     /// `None` when the output projection is tied to the embedding.
-    output: Option<QWeight>,
+    pub(crate) output: Option<QWeight>,
     /// The rope frequency of each dimension pair, scaling included (see [`inv_freq`]).
     inv_freq: Vec<f64>,
     /// The threads the matrix kernels run on.
@@ -118,7 +158,10 @@ pub struct Model {
     /// Tokens `0..logits_vocab` are scored (the whole vocabulary unless restricted at load).
     logits_vocab: usize,
     /// And these, past `logits_vocab` ([`LoadOptions::logits_also`]), ascending.
-    logits_also: Vec<u32>,
+    pub(crate) logits_also: Vec<u32>,
+    /// The weights on a GPU, which then runs every pass ([`LoadOptions::device`]).
+    #[cfg(feature = "cuda")]
+    gpu: Option<crate::cuda::Gpu>,
 }
 
 /// The type [`LoadOptions::requantize`] gives a matrix of `cols` columns when it asks for `t`: `t`
@@ -233,7 +276,8 @@ impl Model {
             .collect();
         logits_also.sort_unstable();
         logits_also.dedup();
-        Ok(Self {
+        #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
+        let mut model = Self {
             pool,
             logits_vocab,
             logits_also,
@@ -243,7 +287,35 @@ impl Model {
             layers,
             output,
             inv_freq,
-        })
+            #[cfg(feature = "cuda")]
+            gpu: None,
+        };
+        match options.device {
+            Device::Cpu => {}
+            #[cfg(feature = "cuda")]
+            Device::Cuda(ordinal) => model.gpu = Some(crate::cuda::Gpu::new(&model, ordinal)?),
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda(_) => return Err(Error::NoCuda),
+        }
+        Ok(model)
+    }
+
+    /// Where the forward pass runs, and the GPU's name when on one.
+    pub fn device(&self) -> (Device, Option<&str>) {
+        #[cfg(feature = "cuda")]
+        if let Some(g) = &self.gpu {
+            return (Device::Cuda(g.ordinal()), Some(g.device_name()));
+        }
+        (Device::Cpu, None)
+    }
+
+    /// Whether the forward pass runs on a GPU.
+    fn on_device(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        if self.gpu.is_some() {
+            return true;
+        }
+        false
     }
 
     /// The configuration.
@@ -308,8 +380,17 @@ impl Model {
         types
     }
 
-    /// A KV cache sized for this model.
+    /// A KV cache sized for this model (on its GPU when it is on one).
     pub fn cache(&self, capacity: usize) -> KvCache {
+        #[cfg(feature = "cuda")]
+        if self.gpu.is_some() {
+            return KvCache::on_device(
+                self.config.n_layer,
+                self.config.n_head_kv,
+                self.config.head_dim,
+                capacity,
+            );
+        }
         KvCache::new(
             self.config.n_layer,
             self.config.n_head_kv,
@@ -351,7 +432,7 @@ impl Model {
         let mut m = 0;
         let mut wanted = 0;
         for p in parts.iter() {
-            if p.cache.shape() != (c.n_layer, c.n_head_kv, c.head_dim) {
+            if p.cache.shape() != (c.n_layer, c.n_head_kv, c.head_dim, self.on_device()) {
                 return Err(Error::CacheShape);
             }
             p.cache.reserve(p.cache.len(), p.tokens.len())?;
@@ -363,6 +444,10 @@ impl Model {
             }
             m += p.tokens.len();
             wanted += p.logits_rows;
+        }
+        #[cfg(feature = "cuda")]
+        if let Some(g) = &self.gpu {
+            return g.forward_parts(self, parts, m, wanted);
         }
         let d = c.n_embd;
         let Scratch {
@@ -524,7 +609,7 @@ impl Model {
 
     /// `(cos, sin)` of every rope angle of positions `pos..pos + m`: `[m, rope_dim / 2]` each.
     /// Appended to `cos` and `sin`.
-    fn rope_table(&self, pos: usize, m: usize, cos: &mut Vec<f32>, sin: &mut Vec<f32>) {
+    pub(crate) fn rope_table(&self, pos: usize, m: usize, cos: &mut Vec<f32>, sin: &mut Vec<f32>) {
         for p in pos..pos + m {
             for &f in &self.inv_freq {
                 let a = p as f64 * f;
@@ -764,6 +849,23 @@ fn add_rows(x: &mut [f32], bias: &[f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn devices_parse_and_print() {
+        for (s, d) in [
+            ("cpu", Device::Cpu),
+            ("cuda", Device::Cuda(0)),
+            ("cuda:3", Device::Cuda(3)),
+        ] {
+            assert_eq!(s.parse::<Device>(), Ok(d));
+        }
+        assert_eq!(Device::Cuda(0).to_string(), "cuda:0");
+        assert_eq!(Device::Cpu.to_string(), "cpu");
+        for bad in ["gpu", "cuda:", "cuda:x", "cuda:-1", ""] {
+            let e = bad.parse::<Device>().unwrap_err();
+            assert!(e.contains("cpu, cuda or cuda:N"), "{bad}: {e}");
+        }
+    }
 
     #[test]
     fn exp_is_within_four_ulp_of_the_library_over_its_range() {

@@ -701,3 +701,24 @@ fn rejection_sampling_with_a_restricted_draft_vocabulary_keeps_the_target_distri
     );
     assert!(p >= 1e-6, "chi-square {stat} on {df} df, p = {p}");
 }
+
+#[test]
+fn a_gpu_without_cuda_is_a_clear_error() {
+    let (_dir, path) = tiny(&TinySpec::new(Arch::Qwen2, GgmlDType::Q8_0));
+    let options = LoadOptions {
+        device: specdec_runtime::Device::Cuda(0),
+        ..LoadOptions::default()
+    };
+    let r = Model::load(&path, &options);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let e = r.unwrap_err();
+        assert!(matches!(e, Error::NoCuda), "{e}");
+        assert!(e.to_string().contains("--features cuda"), "{e}");
+    }
+    // With the feature: a model on the GPU where there is one, else a CUDA error saying why.
+    #[cfg(feature = "cuda")]
+    if let Err(e) = r {
+        assert!(matches!(e, Error::Cuda(_)), "{e}");
+    }
+}

@@ -12,7 +12,7 @@ use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 use specdec_core::{isotonic_curve, ContextCost, DraftCost, DraftLenPolicy, FixedCost, Metrics};
 use specdec_runtime::fetch::home;
-use specdec_runtime::Session;
+use specdec_runtime::{Device, Session};
 
 use crate::bench::median;
 use crate::engine::{Loaded, Ui};
@@ -448,15 +448,27 @@ fn sanitize(s: &str) -> String {
 /// Where the calibration of these models on this machine and kernels lives (the kernel level and
 /// [`specdec_kernels::REVISION`]); `draft` is the file and how it was prepared at load
 /// ([`crate::engine::draft_variant`]).
-pub fn path(target: &Path, draft: Option<(&Path, &str)>, threads: usize) -> PathBuf {
+/// On a GPU the threads and the CPU's kernels do not enter the costs; the device does.
+pub fn path(
+    target: &Path,
+    draft: Option<(&Path, &str)>,
+    threads: usize,
+    device: Device,
+) -> PathBuf {
+    let runs_on = match device {
+        Device::Cpu => format!(
+            "{}t__{}-r{}",
+            threads,
+            specdec_kernels::Kernels::get().level().name(),
+            specdec_kernels::REVISION
+        ),
+        Device::Cuda(n) => format!("cuda{n}-r{}", specdec_kernels::REVISION),
+    };
     let name = format!(
-        "{}__{}__{}__{}t__{}-r{}.json",
+        "{}__{}__{}__{runs_on}.json",
         file_key(target),
         draft.map_or_else(|| "none".into(), |(p, v)| format!("{}-{v}", file_key(p))),
         cpu_model(),
-        threads,
-        specdec_kernels::Kernels::get().level().name(),
-        specdec_kernels::REVISION
     );
     home().join("calibration").join(sanitize(&name))
 }
@@ -469,6 +481,7 @@ fn saved_path(loaded: &Loaded) -> PathBuf {
             .as_deref()
             .map(|p| (p, loaded.draft_variant.as_str())),
         loaded.threads,
+        loaded.device,
     )
 }
 

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use specdec_runtime::fetch::{DEFAULT_DRAFT, DEFAULT_TARGET};
+use specdec_runtime::Device;
 
 /// Lossless speculative decoding: a cheap drafter proposes tokens, the target checks them all in one
 /// pass, and the output is exactly what the target alone would have produced.
@@ -80,6 +81,10 @@ pub struct ModelArgs {
     /// CPU threads for the matrix kernels, 1 to 1024 [default: all cores].
     #[arg(long, value_parser = parse_threads)]
     pub threads: Option<usize>,
+    /// Where the models run: `cpu`, or `cuda` / `cuda:N` for an NVIDIA GPU (a build with the cargo
+    /// feature `cuda`; the CUDA driver and NVRTC are loaded at run time).
+    #[arg(long, default_value = "cpu")]
+    pub device: Device,
     /// Let the draft model score only the first N token ids of the vocabulary (roughly the N most
     /// frequent; the others are never drafted; at most its vocabulary), which skips much of its
     /// output matrix, or `all`. The tokens that end generation are scored too. Lossless: the target

@@ -15,7 +15,9 @@ use specdec_core::{
 };
 use specdec_runtime::fetch::{FetchOptions, ModelRef, Progress};
 
-use specdec_runtime::{GgmlDType, Gguf, LoadOptions, Model, ModelConfig, Session, Tokenizer};
+use specdec_runtime::{
+    Device, GgmlDType, Gguf, LoadOptions, Model, ModelConfig, Session, Tokenizer,
+};
 
 use crate::cli::{DecodeArgs, DraftQuant, DraftVocab, DrafterKind, ModelArgs, VerifyModeArg};
 
@@ -131,6 +133,8 @@ pub struct Loaded {
     pub draft_path: Option<PathBuf>,
     /// Kernel threads.
     pub threads: usize,
+    /// Where the models run.
+    pub device: Device,
     /// How the draft was prepared (`--draft-quant`, `--draft-vocab`), part of its calibration's key.
     pub draft_variant: String,
 }
@@ -159,10 +163,14 @@ impl Loaded {
         let tokenizer = Tokenizer::from_gguf(&g)?;
         let options = LoadOptions {
             threads: args.threads,
+            device: args.device,
             ..LoadOptions::default()
         };
         let target = Arc::new(Model::from_gguf(&g, &options)?);
         bar.finish_and_clear();
+        if let (device, Some(name)) = target.device() {
+            ui.note(format!("device: {device} ({name}), weights as f16"));
+        }
         let needs_draft = drafters
             .iter()
             .any(|d| matches!(d, DrafterKind::Model | DrafterKind::Hybrid));
@@ -227,6 +235,7 @@ impl Loaded {
             draft,
             ctx,
             threads: specdec_runtime::thread_pool(args.threads)?.threads(),
+            device: args.device,
             target_path,
             draft_path: draft_path_kept,
             draft_variant: draft_variant(args),

@@ -47,6 +47,7 @@ pub fn command(args: &ServeArgs, ui: Ui) -> Result<()> {
         &target_path,
         draft_path.as_deref().map(|p| (p, variant.as_str())),
         threads,
+        args.model.device,
     );
     // The engine's cost models learn from every finished request in memory (`Learning`), so a
     // request starts from what the ones before it saw; the file is left as it was.

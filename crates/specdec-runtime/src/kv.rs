@@ -199,6 +199,8 @@ impl KvCache {
             });
         }
         if self.on_device {
+            // Invalid until the copy is whole (it can fail part way on the device).
+            self.len = 0;
             #[cfg(feature = "cuda")]
             if let Some(g) = &src.gpu {
                 crate::cuda::GpuCache::copy_prefix(

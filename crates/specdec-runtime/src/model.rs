@@ -73,6 +73,7 @@ impl std::str::FromStr for Device {
             "cuda" => Ok(Device::Cuda(0)),
             _ => s
                 .strip_prefix("cuda:")
+                .filter(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
                 .and_then(|n| n.parse().ok())
                 .map(Device::Cuda)
                 .ok_or_else(|| format!("unknown device `{s}` (cpu, cuda or cuda:N)")),
@@ -861,7 +862,9 @@ mod tests {
         }
         assert_eq!(Device::Cuda(0).to_string(), "cuda:0");
         assert_eq!(Device::Cpu.to_string(), "cpu");
-        for bad in ["gpu", "cuda:", "cuda:x", "cuda:-1", ""] {
+        for bad in [
+            "gpu", "cuda:", "cuda:x", "cuda:-1", "cuda:+1", "cuda: 1", "",
+        ] {
             let e = bad.parse::<Device>().unwrap_err();
             assert!(e.contains("cpu, cuda or cuda:N"), "{bad}: {e}");
         }

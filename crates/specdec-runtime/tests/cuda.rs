@@ -260,6 +260,38 @@ fn logits_match_the_cpu() {
     }
 }
 
+/// A model shaped like the real ones in what the tiny ones are not: heads of 128 values, six query
+/// heads to a KV head, matrices over 512 wide, and 300 positions (two attention chunks) against
+/// the CPU; blocks across the chunk edge against single steps.
+fn a_wide_model_past_the_chunk_edge_matches_the_cpu() {
+    let spec = TinySpec {
+        n_embd: 768,
+        n_head: 6,
+        n_head_kv: 1,
+        head_dim: Some(128),
+        n_ff: 1024,
+        ..TinySpec::new(Arch::Qwen2, GgmlDType::F16)
+    };
+    let gpu = load(&spec, &on_gpu());
+    let cpu = load(&spec, &LoadOptions::default());
+    let t: Vec<u32> = (0..300).map(|i| (i * 13 + 1) % 256).collect();
+    let single = logits_in_blocks(&gpu, &t, 1);
+    assert!(same_bits(&single, &logits_in_blocks(&gpu, &t, 7)));
+    let c = logits_in_blocks(&cpu, &t, 64);
+    let scale = c.iter().fold(1.0f32, |m, x| m.max(x.abs()));
+    let worst = single
+        .iter()
+        .zip(&c)
+        .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+    println!(
+        "wide F16 model, 300 positions: max |gpu - cpu| = {worst:.2e}, max |cpu| = {scale:.2}"
+    );
+    assert!(
+        worst <= 0.01 * scale,
+        "{worst} against logits up to {scale}"
+    );
+}
+
 fn a_cpu_cache_is_refused() {
     let gpu = load(&TinySpec::new(Arch::Qwen2, GgmlDType::Q8_0), &on_gpu());
     let cpu = load(
@@ -292,7 +324,7 @@ fn no_gpu() -> Option<String> {
 
 fn main() {
     let missing = no_gpu();
-    let tests: [(&str, fn()); 8] = [
+    let tests: [(&str, fn()); 9] = [
         (
             "a_copied_prefix_decodes_as_alone",
             a_copied_prefix_decodes_as_alone,
@@ -312,6 +344,10 @@ fn main() {
             speculative_greedy_equals_plain,
         ),
         ("logits_match_the_cpu", logits_match_the_cpu),
+        (
+            "a_wide_model_past_the_chunk_edge_matches_the_cpu",
+            a_wide_model_past_the_chunk_edge_matches_the_cpu,
+        ),
         ("a_cpu_cache_is_refused", a_cpu_cache_is_refused),
     ];
     let require = std::env::var(REQUIRE_GPU).is_ok_and(|v| v == "1");

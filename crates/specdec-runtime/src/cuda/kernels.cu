@@ -176,6 +176,8 @@ extern "C" __global__ void kv_write(const float* __restrict__ k, const float* __
 // [largest, sum, hd values].
 #define WARPS (BLOCK / 32)
 #define CHUNK 256
+// A chunk's weights are one per thread; heads of at most 256 values (the host checks).
+static_assert(CHUNK <= BLOCK, "a chunk has at most one key per thread");
 extern "C" __global__ void attention_chunk(const float* __restrict__ q,
                                            const half_bits* __restrict__ kc,
                                            const half_bits* __restrict__ vc,

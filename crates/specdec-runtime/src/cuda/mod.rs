@@ -34,6 +34,8 @@ const BLOCK: u32 = 256;
 const MAX_HEAD_DIM: usize = 256;
 /// Key positions per chunk of the split attention (`CHUNK` in the source).
 const CHUNK: usize = 256;
+/// The largest finite f16: the weights are held as f16 on the device.
+const F16_MAX: f32 = 65504.0;
 
 fn cuda(what: &str, e: impl std::fmt::Display) -> Error {
     Error::Cuda(format!("{what}: {e}"))
@@ -131,6 +133,13 @@ pub(crate) struct Gpu {
     scratch: Mutex<Scratch>,
 }
 
+impl Drop for Gpu {
+    fn drop(&mut self) {
+        // As `GpuCache`'s: the weights and buffers are freed in this device's context.
+        let _ = self.stream.context().bind_to_thread();
+    }
+}
+
 impl std::fmt::Debug for Gpu {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Gpu")
@@ -167,6 +176,12 @@ fn half_rows(w: &QWeight) -> Result<Vec<u16>> {
                     let mut row = vec![0f32; cols];
                     for (j, dst) in part.chunks_exact_mut(cols).enumerate() {
                         w.row_into(i * chunk_rows + j, &mut row)?;
+                        if let Some(x) = row.iter().find(|x| x.abs() > F16_MAX) {
+                            return Err(cuda(
+                                "weights",
+                                format!("a weight of {x} is outside f16's range"),
+                            ));
+                        }
                         for (d, &x) in dst.iter_mut().zip(&row) {
                             *d = F16::from_f32(x).0;
                         }
@@ -421,13 +436,17 @@ impl Gpu {
         for p in parts.iter_mut() {
             model.rope_table(p.cache.len(), p.tokens.len(), &mut sc.cos, &mut sc.sin);
             span = span.max(p.cache.len() + p.tokens.len());
-            if p.cache.gpu.is_none() {
-                let (layers, heads, hd) = (c.n_layer, c.n_head_kv, c.head_dim);
-                p.cache.gpu = Some(GpuCache::new(
-                    &self.stream,
-                    layers,
-                    heads * p.cache.capacity() * hd,
-                )?);
+            match &p.cache.gpu {
+                Some(g) if g.ordinal != self.ordinal => return Err(Error::CacheShape),
+                Some(_) => {}
+                None => {
+                    p.cache.gpu = Some(GpuCache::new(
+                        &self.stream,
+                        self.ordinal,
+                        c.n_layer,
+                        (c.n_head_kv, p.cache.capacity(), c.head_dim),
+                    )?);
+                }
             }
         }
         let chunks = span.div_ceil(CHUNK);
@@ -709,12 +728,23 @@ impl Gpu {
 }
 
 /// A sequence's keys and values on the device: per layer `[heads, capacity, head_dim]` f16.
-/// Allocated by the first pass that writes it.
+/// Allocated by the first pass that writes it. A clone copies them on the device (cudarc's clone
+/// panics if the device is out of memory).
 #[derive(Clone)]
 pub(crate) struct GpuCache {
     stream: Arc<CudaStream>,
+    /// The device it lives on: a model on another refuses it.
+    ordinal: usize,
     k: Vec<CudaSlice<u16>>,
     v: Vec<CudaSlice<u16>>,
+}
+
+impl Drop for GpuCache {
+    fn drop(&mut self) {
+        // cudarc frees a slice without making its context current: on a thread that has made no
+        // CUDA call the free would fail and the memory leak. The fields are dropped after this.
+        let _ = self.stream.context().bind_to_thread();
+    }
 }
 
 impl std::fmt::Debug for GpuCache {
@@ -726,7 +756,21 @@ impl std::fmt::Debug for GpuCache {
 }
 
 impl GpuCache {
-    fn new(stream: &Arc<CudaStream>, layers: usize, per_layer: usize) -> Result<Self> {
+    fn new(
+        stream: &Arc<CudaStream>,
+        ordinal: usize,
+        layers: usize,
+        (heads, capacity, hd): (usize, usize, usize),
+    ) -> Result<Self> {
+        let per_layer = heads
+            .checked_mul(capacity)
+            .and_then(|n| n.checked_mul(hd))
+            .ok_or_else(|| {
+                cuda(
+                    "KV cache",
+                    format!("{capacity} positions do not fit in memory"),
+                )
+            })?;
         let alloc = || {
             stream
                 .alloc_zeros::<u16>(per_layer.max(1))
@@ -734,6 +778,7 @@ impl GpuCache {
         };
         Ok(Self {
             stream: Arc::clone(stream),
+            ordinal,
             k: (0..layers).map(|_| alloc()).collect::<Result<_>>()?,
             v: (0..layers).map(|_| alloc()).collect::<Result<_>>()?,
         })
@@ -751,11 +796,19 @@ impl GpuCache {
             return Ok(());
         }
         if dst.is_none() {
-            *dst = Some(GpuCache::new(&src.stream, src.k.len(), heads * to * hd)?);
+            *dst = Some(GpuCache::new(
+                &src.stream,
+                src.ordinal,
+                src.k.len(),
+                (heads, to, hd),
+            )?);
         }
         let Some(dst) = dst.as_mut() else {
             return Ok(());
         };
+        if dst.ordinal != src.ordinal {
+            return Err(Error::CacheShape);
+        }
         let stream = Arc::clone(&src.stream);
         let pairs = dst
             .k

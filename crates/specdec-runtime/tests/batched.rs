@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::ops::ControlFlow;
 
 use candle_core::quantized::GgmlDType;
-use common::tiny_model;
+use common::{decode_together, score_alone, tiny_model};
 use specdec_core::{
     generate, Batch, DraftLenPolicy, GenerateConfig, Logits, ModelDrafter, NoDraft, SamplingParams,
     Score, SeqId, Target, TokenId,
@@ -88,23 +88,13 @@ fn batched_scores_equal_separate_scores_bit_for_bit() {
             let mut out = vec![Logits::new(0); 4];
             batched.score(&reqs, &mut out).unwrap();
             for (s, req) in reqs.iter().enumerate() {
-                let mut alone = Session::new(model.clone(), 128);
-                let mut want = [Logits::new(0)];
-                alone
-                    .score(
-                        &[Score {
-                            seq: SeqId(0),
-                            ..*req
-                        }],
-                        &mut want,
-                    )
-                    .unwrap();
+                let want = score_alone(&model, req);
                 assert_eq!(out[s].rows(), req.draft.len() + 1);
                 for r in 0..out[s].rows() {
                     let same = out[s]
                         .row(r)
                         .iter()
-                        .zip(want[0].row(r))
+                        .zip(want.row(r))
                         .all(|(a, b)| a.to_bits() == b.to_bits());
                     assert!(same, "{arch:?} {dtype:?} round {round} seq {s} row {r}");
                 }
@@ -256,18 +246,7 @@ fn chunked_prefill_reuses_the_whole_released_prefix() {
     // takes the cache over, the other (claimed after it) copies the shared prefix from the first;
     // both decode as alone.
     let (p3, p4) = (prompt(10), prompt(11));
-    batch
-        .add(SeqId(3), p3.clone(), config.clone(), None)
-        .unwrap();
-    batch
-        .add(SeqId(4), p4.clone(), config.clone(), None)
-        .unwrap();
-    let mut got = HashMap::new();
-    while got.len() < 2 {
-        for f in batch.step(&mut |_, _| ControlFlow::Continue(())) {
-            got.insert(f.seq, f.result.unwrap().tokens);
-        }
-    }
+    let got = decode_together(&mut batch, &[(SeqId(3), &p3), (SeqId(4), &p4)], config);
     assert_eq!(got[&SeqId(3)], alone(&p3));
     assert_eq!(got[&SeqId(4)], alone(&p4));
     assert_eq!(batch.target().reused_tokens(), 120);
@@ -283,18 +262,7 @@ fn a_new_sequence_waits_for_an_earlier_one_computing_their_shared_prefix() {
     let alone = |p: &[TokenId]| case.alone(p);
     let mut batch = case.batch();
     let (p1, p2) = (prompt(8), prompt(9));
-    batch
-        .add(SeqId(1), p1.clone(), config.clone(), None)
-        .unwrap();
-    batch
-        .add(SeqId(2), p2.clone(), config.clone(), None)
-        .unwrap();
-    let mut got = HashMap::new();
-    while got.len() < 2 {
-        for f in batch.step(&mut |_, _| ControlFlow::Continue(())) {
-            got.insert(f.seq, f.result.unwrap().tokens);
-        }
-    }
+    let got = decode_together(&mut batch, &[(SeqId(1), &p1), (SeqId(2), &p2)], config);
     assert_eq!(got[&SeqId(1)], alone(&p1));
     assert_eq!(got[&SeqId(2)], alone(&p2));
     assert_eq!(
@@ -332,22 +300,12 @@ fn scores_as_alone(s: &mut Sessions, seq: u64, context: &[TokenId], draft: &[Tok
         draft,
     };
     s.score(&[req], &mut out).unwrap();
-    let mut fresh = Session::new(s.model().clone(), 128);
-    let mut want = [Logits::new(0)];
-    fresh
-        .score(
-            &[Score {
-                seq: SeqId(0),
-                ..req
-            }],
-            &mut want,
-        )
-        .unwrap();
+    let want = score_alone(s.model(), &req);
     for r in 0..=draft.len() {
         let same = out[0]
             .row(r)
             .iter()
-            .zip(want[0].row(r))
+            .zip(want.row(r))
             .all(|(x, y)| x.to_bits() == y.to_bits());
         assert!(same, "sequence {seq}, row {r}");
     }

@@ -9,16 +9,14 @@
 
 mod common;
 
-use std::collections::HashMap;
 use std::ops::ControlFlow;
 use std::sync::Arc;
 
 use candle_core::quantized::GgmlDType;
-use common::{all_specs, tiny};
+use common::{all_specs, decode_together, generate_drafted, score_alone, tiny};
 use libtest_mimic::{Completion, Failed, Trial};
 use specdec_core::{
-    generate, Batch, DraftLenPolicy, GenerateConfig, Logits, ModelDrafter, NoDraft, SamplingParams,
-    Score, SeqId, Target,
+    generate, Batch, GenerateConfig, Logits, NoDraft, SamplingParams, Score, SeqId, Target,
 };
 use specdec_runtime::testing::{run_trials, TinySpec};
 use specdec_runtime::{Arch, Device, Error, LoadOptions, Model, Session, Sessions};
@@ -128,19 +126,9 @@ fn batched_parts_equal_passes_of_their_own() {
     let mut out = vec![Logits::new(0); 3];
     batched.score(&reqs, &mut out).unwrap();
     for (s, req) in reqs.iter().enumerate() {
-        let mut alone = Session::new(model.clone(), 128);
-        let mut want = [Logits::new(0)];
-        alone
-            .score(
-                &[Score {
-                    seq: SeqId(0),
-                    ..*req
-                }],
-                &mut want,
-            )
-            .unwrap();
+        let want = score_alone(&model, req);
         for r in 0..out[s].rows() {
-            assert!(same_bits(out[s].row(r), want[0].row(r)), "seq {s} row {r}");
+            assert!(same_bits(out[s].row(r), want.row(r)), "seq {s} row {r}");
         }
     }
 }
@@ -166,18 +154,7 @@ fn a_copied_prefix_decodes_as_alone() {
     let mut batch = Batch::new(Sessions::new(model.clone(), 128, 2), NoDraft);
     batch.set_prefill_chunk(Some(8));
     let (p1, p2) = (prompt(8), prompt(9));
-    batch
-        .add(SeqId(1), p1.clone(), config.clone(), None)
-        .unwrap();
-    batch
-        .add(SeqId(2), p2.clone(), config.clone(), None)
-        .unwrap();
-    let mut got = HashMap::new();
-    while got.len() < 2 {
-        for f in batch.step(&mut |_, _| ControlFlow::Continue(())) {
-            got.insert(f.seq, f.result.unwrap().tokens);
-        }
-    }
+    let got = decode_together(&mut batch, &[(SeqId(1), &p1), (SeqId(2), &p2)], &config);
     assert_eq!(got[&SeqId(1)], alone(&p1));
     assert_eq!(got[&SeqId(2)], alone(&p2));
     assert_eq!(batch.target().reused_tokens(), 40, "the prefix was copied");
@@ -208,16 +185,7 @@ fn speculative_greedy_equals_plain() {
         })
         .unwrap();
         for k in [1, 3, 6] {
-            let config = GenerateConfig {
-                draft_len: DraftLenPolicy::Fixed { draft_len: k },
-                ..plain.clone()
-            };
-            let mut t = Session::new(target.clone(), 128);
-            let mut d = ModelDrafter::new(Session::new(draft.clone(), 128));
-            let got = generate(&mut t, &mut d, &prompt, &config, &mut |_| {
-                ControlFlow::Continue(())
-            })
-            .unwrap();
+            let got = generate_drafted((&target, &draft), &prompt, &plain, k, 128);
             assert_eq!(got.tokens, want.tokens, "k = {k}");
             assert!(got.metrics.drafted > 0);
         }

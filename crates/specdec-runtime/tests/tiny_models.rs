@@ -9,7 +9,7 @@ use std::ops::ControlFlow;
 use std::sync::Arc;
 
 use candle_core::quantized::GgmlDType;
-use common::{all_specs, tiny, tiny_model};
+use common::{all_specs, generate_drafted, tiny, tiny_model};
 use proptest::prelude::*;
 use specdec_core::{
     generate, DraftLenPolicy, GenerateConfig, ModelDrafter, NoDraft, SamplingParams, Target,
@@ -214,16 +214,7 @@ fn greedy_speculative_equals_greedy_plain_on_tiny_models() {
         assert_eq!(reference.tokens.len(), 40);
         let mut accepted = 0;
         for k in 1..=8 {
-            let config = GenerateConfig {
-                draft_len: DraftLenPolicy::Fixed { draft_len: k },
-                ..base.clone()
-            };
-            let mut t = Session::new(target.clone(), 256);
-            let mut d = ModelDrafter::new(Session::new(draft.clone(), 256));
-            let out = generate(&mut t, &mut d, &prompt, &config, &mut |_| {
-                ControlFlow::Continue(())
-            })
-            .unwrap();
+            let out = generate_drafted((&target, &draft), &prompt, &base, k, 256);
             assert_eq!(out.tokens, reference.tokens, "{arch:?} k {k}");
             accepted += out.metrics.accepted;
         }

@@ -400,6 +400,22 @@ impl Gpu {
         )
     }
 
+    /// `out[r] = x[r] / rms(x[r]) · w` for `rows` rows of `d` values.
+    fn rms_norm(
+        &self,
+        x: u64,
+        w: u64,
+        out: u64,
+        (rows, d): (usize, usize),
+        eps: f32,
+    ) -> Result<()> {
+        self.launch(
+            &self.kernels.rms_norm,
+            (rows, 1, 1),
+            &[Arg::P(x), Arg::P(w), Arg::P(out), Arg::I(d), Arg::F(eps)],
+        )
+    }
+
     fn elementwise(&self, f: &CudaFunction, n: usize, args: &[Arg]) -> Result<()> {
         self.launch(f, (n.div_ceil(BLOCK as usize), 1, 1), args)
     }
@@ -499,16 +515,12 @@ impl Gpu {
         let neox = usize::from(c.rope_style == RopeStyle::Neox);
         let scale = 1.0 / (c.head_dim as f32).sqrt();
         for (li, l) in self.layers.iter().enumerate() {
-            self.launch(
-                &k.rms_norm,
-                (m, 1, 1),
-                &[
-                    Arg::P(buf(Buf::X)),
-                    Arg::P(self.ptr(&l.attn_norm)),
-                    Arg::P(buf(Buf::H)),
-                    Arg::I(d),
-                    Arg::F(c.rms_eps),
-                ],
+            self.rms_norm(
+                buf(Buf::X),
+                self.ptr(&l.attn_norm),
+                buf(Buf::H),
+                (m, d),
+                c.rms_eps,
             )?;
             self.matvec(
                 self.ptr(&l.qkv),
@@ -608,16 +620,12 @@ impl Gpu {
                 (q_dim, d),
                 true,
             )?;
-            self.launch(
-                &k.rms_norm,
-                (m, 1, 1),
-                &[
-                    Arg::P(buf(Buf::X)),
-                    Arg::P(self.ptr(&l.ffn_norm)),
-                    Arg::P(buf(Buf::H)),
-                    Arg::I(d),
-                    Arg::F(c.rms_eps),
-                ],
+            self.rms_norm(
+                buf(Buf::X),
+                self.ptr(&l.ffn_norm),
+                buf(Buf::H),
+                (m, d),
+                c.rms_eps,
             )?;
             let gu = 2 * c.n_ff;
             self.matvec(
@@ -651,19 +659,13 @@ impl Gpu {
         let (mut row, mut out_row) = (0, 0);
         for p in parts.iter() {
             let n = p.tokens.len();
-            if p.logits_rows > 0 {
-                self.launch(
-                    &k.rms_norm,
-                    (p.logits_rows, 1, 1),
-                    &[
-                        Arg::P(f32s(Buf::X, row + n - p.logits_rows, d)),
-                        Arg::P(self.ptr(&self.norm)),
-                        Arg::P(f32s(Buf::H, out_row, d)),
-                        Arg::I(d),
-                        Arg::F(c.rms_eps),
-                    ],
-                )?;
-            }
+            self.rms_norm(
+                f32s(Buf::X, row + n - p.logits_rows, d),
+                self.ptr(&self.norm),
+                f32s(Buf::H, out_row, d),
+                (p.logits_rows, d),
+                c.rms_eps,
+            )?;
             row += n;
             out_row += p.logits_rows;
         }

@@ -1,12 +1,18 @@
 //! Shared helpers for the runtime's tests.
 #![allow(dead_code)]
 
+use std::collections::HashMap;
+use std::ops::ControlFlow;
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use candle_core::quantized::GgmlDType;
+use specdec_core::{
+    generate, Batch, Draft, DraftLenPolicy, GenerateConfig, Logits, ModelDrafter, Output, Score,
+    SeqId, Target, TokenId,
+};
 use specdec_runtime::testing::TinySpec;
-use specdec_runtime::{Arch, LoadOptions, Model, StreamDecoder, Tokenizer};
+use specdec_runtime::{Arch, LoadOptions, Model, Session, StreamDecoder, Tokenizer};
 
 /// Writes a tiny model into a fresh temporary folder; the folder lives as long as the guard.
 pub fn tiny(spec: &TinySpec) -> (tempfile::TempDir, PathBuf) {
@@ -19,6 +25,62 @@ pub fn tiny(spec: &TinySpec) -> (tempfile::TempDir, PathBuf) {
 pub fn tiny_model(spec: &TinySpec) -> Arc<Model> {
     let (_dir, path) = tiny(spec);
     Arc::new(Model::load(&path, &LoadOptions::default()).unwrap())
+}
+
+/// The logits of `req` scored by a session of its own, on a cache of 128 positions.
+pub fn score_alone(model: &Arc<Model>, req: &Score<'_>) -> Logits {
+    let mut alone = Session::new(model.clone(), 128);
+    let mut want = [Logits::new(0)];
+    alone
+        .score(
+            &[Score {
+                seq: SeqId(0),
+                ..*req
+            }],
+            &mut want,
+        )
+        .unwrap();
+    let [want] = want;
+    want
+}
+
+/// `config` with `k` tokens drafted a round by `draft`'s model, sessions of `capacity` positions.
+pub fn generate_drafted(
+    (target, draft): (&Arc<Model>, &Arc<Model>),
+    prompt: &[u32],
+    config: &GenerateConfig,
+    k: usize,
+    capacity: usize,
+) -> Output {
+    let config = GenerateConfig {
+        draft_len: DraftLenPolicy::Fixed { draft_len: k },
+        ..config.clone()
+    };
+    let mut t = Session::new(target.clone(), capacity);
+    let mut d = ModelDrafter::new(Session::new(draft.clone(), capacity));
+    generate(&mut t, &mut d, prompt, &config, &mut |_| {
+        ControlFlow::Continue(())
+    })
+    .unwrap()
+}
+
+/// Adds `prompts` to `batch` with `config` and steps it until all of them have finished: the
+/// tokens of each.
+pub fn decode_together<T: Target, D: Draft>(
+    batch: &mut Batch<T, D>,
+    prompts: &[(SeqId, &[TokenId])],
+    config: &GenerateConfig,
+) -> HashMap<SeqId, Vec<TokenId>> {
+    for (id, p) in prompts {
+        batch.add(*id, p.to_vec(), config.clone(), None).unwrap();
+    }
+    let mut got = HashMap::new();
+    while got.len() < prompts.len() {
+        for f in batch.step(&mut |_, _| ControlFlow::Continue(())) {
+            got.insert(f.seq, f.result.unwrap().tokens);
+        }
+    }
+    got
 }
 
 /// Every architecture with every quantisation type the tests cover.

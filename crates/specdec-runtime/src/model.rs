@@ -186,6 +186,11 @@ impl Model {
 
     /// Loads the weights of an open GGUF file.
     pub fn from_gguf(g: &Gguf, options: &LoadOptions) -> Result<Self> {
+        #[cfg(not(feature = "cuda"))]
+        if let Device::Cuda(_) = options.device {
+            // Before the weights are read: a large model would take seconds to refuse.
+            return Err(Error::NoCuda);
+        }
         let c = ModelConfig::from_gguf(g)?;
         check_tensors(g, &c)?;
         let prep = |w: QWeight| -> Result<QWeight> {
@@ -295,6 +300,7 @@ impl Model {
             Device::Cpu => {}
             #[cfg(feature = "cuda")]
             Device::Cuda(ordinal) => model.gpu = Some(crate::cuda::Gpu::new(&model, ordinal)?),
+            // Refused before the weights were read (above); kept for the match.
             #[cfg(not(feature = "cuda"))]
             Device::Cuda(_) => return Err(Error::NoCuda),
         }

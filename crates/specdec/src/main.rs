@@ -23,7 +23,8 @@ use crate::engine::Ui;
 /// Exit code for a failure (bad arguments exit with clap's 2).
 const EXIT_FAILURE: u8 = 1;
 
-/// The version line: the crate version and the matrix kernels this CPU runs.
+/// The version line: the crate version, the matrix kernels this CPU runs and whether `--device
+/// cuda` is built in.
 fn version() -> String {
     let kernels = match specdec_kernels::Kernels::from_env() {
         Ok(k) => format!("kernels {}", k.level().name()),
@@ -37,8 +38,13 @@ fn version() -> String {
         .into_iter()
         .map(|l| l.name())
         .collect();
+    let cuda = if cfg!(feature = "cuda") {
+        "with"
+    } else {
+        "without"
+    };
     format!(
-        "{} ({kernels}; this CPU supports {})",
+        "{} ({kernels}; this CPU supports {}; built {cuda} CUDA)",
         env!("CARGO_PKG_VERSION"),
         supported.join(", ")
     )

@@ -196,6 +196,50 @@ fn half_rows(w: &QWeight) -> Result<Vec<u16>> {
     Ok(out)
 }
 
+/// One `matvec` launch: `y[t, r] (+)= w[r] · x[t] (+ bias[r])` for `n` rows of the f16 matrix
+/// `w` (`k` columns) and `m` tokens (device pointers).
+struct Product {
+    w: u64,
+    x: u64,
+    y: u64,
+    bias: Option<u64>,
+    /// The matrix rows to compute, as `int`s, when not `0..n`.
+    rows: Option<u64>,
+    n: usize,
+    k: usize,
+    m: usize,
+    /// The distance between two tokens' inputs in `x`.
+    ldx: usize,
+    /// The distance between two tokens' outputs in `y`.
+    ldy: usize,
+    /// Add into `y` (the residual) rather than overwrite it.
+    accumulate: bool,
+}
+
+impl Product {
+    /// `y[t, 0..n] = w · x[t]`, no bias, every row.
+    fn new(
+        w: u64,
+        (x, ldx): (u64, usize),
+        (y, ldy): (u64, usize),
+        (n, k, m): (usize, usize, usize),
+    ) -> Self {
+        Self {
+            w,
+            x,
+            y,
+            bias: None,
+            rows: None,
+            n,
+            k,
+            m,
+            ldx,
+            ldy,
+            accumulate: false,
+        }
+    }
+}
+
 impl Gpu {
     /// Copies `model`'s weights to GPU `ordinal` and compiles the kernels for it.
     pub(crate) fn new(model: &Model, ordinal: usize) -> Result<Self> {
@@ -366,36 +410,24 @@ impl Gpu {
         Ok(())
     }
 
-    /// `y[t, r] (+)= w[r] · x[t] (+ bias[r])` for `n` rows of `w` (those listed in `rows`, else
-    /// `0..n`) and `m` tokens of `k` values; the rows of `x` are `ldx` apart, those of `y` `ldy`.
-    #[allow(clippy::too_many_arguments)]
-    fn matvec(
-        &self,
-        w: u64,
-        x: u64,
-        y: u64,
-        bias: Option<u64>,
-        rows: Option<u64>,
-        (n, k, m): (usize, usize, usize),
-        (ldx, ldy): (usize, usize),
-        accumulate: bool,
-    ) -> Result<()> {
+    /// Launches `matvec` for `p`.
+    fn matvec(&self, p: Product) -> Result<()> {
         let per_block = BLOCK as usize / 32;
         self.launch(
             &self.kernels.matvec,
-            (n.div_ceil(per_block), 1, 1),
+            (p.n.div_ceil(per_block), 1, 1),
             &[
-                Arg::P(w),
-                Arg::P(x),
-                Arg::P(y),
-                Arg::P(bias.unwrap_or(0)),
-                Arg::P(rows.unwrap_or(0)),
-                Arg::I(n),
-                Arg::I(k),
-                Arg::I(m),
-                Arg::I(ldx),
-                Arg::I(ldy),
-                Arg::I(usize::from(accumulate)),
+                Arg::P(p.w),
+                Arg::P(p.x),
+                Arg::P(p.y),
+                Arg::P(p.bias.unwrap_or(0)),
+                Arg::P(p.rows.unwrap_or(0)),
+                Arg::I(p.n),
+                Arg::I(p.k),
+                Arg::I(p.m),
+                Arg::I(p.ldx),
+                Arg::I(p.ldy),
+                Arg::I(usize::from(p.accumulate)),
             ],
         )
     }
@@ -522,16 +554,15 @@ impl Gpu {
                 (m, d),
                 c.rms_eps,
             )?;
-            self.matvec(
-                self.ptr(&l.qkv),
-                buf(Buf::H),
-                buf(Buf::Qkv),
-                l.qkv_bias.as_ref().map(|b| self.ptr(b)),
-                None,
-                (qkv, d, m),
-                (d, qkv),
-                false,
-            )?;
+            self.matvec(Product {
+                bias: l.qkv_bias.as_ref().map(|b| self.ptr(b)),
+                ..Product::new(
+                    self.ptr(&l.qkv),
+                    (buf(Buf::H), d),
+                    (buf(Buf::Qkv), qkv),
+                    (qkv, d, m),
+                )
+            })?;
             // q at the start of each row, k after it.
             for (offset, heads) in [(0, c.n_head), (q_dim, c.n_head_kv)] {
                 self.elementwise(
@@ -610,16 +641,15 @@ impl Gpu {
                 )?;
                 row += n;
             }
-            self.matvec(
-                self.ptr(&l.wo),
-                buf(Buf::Attn),
-                buf(Buf::X),
-                None,
-                None,
-                (d, q_dim, m),
-                (q_dim, d),
-                true,
-            )?;
+            self.matvec(Product {
+                accumulate: true,
+                ..Product::new(
+                    self.ptr(&l.wo),
+                    (buf(Buf::Attn), q_dim),
+                    (buf(Buf::X), d),
+                    (d, q_dim, m),
+                )
+            })?;
             self.rms_norm(
                 buf(Buf::X),
                 self.ptr(&l.ffn_norm),
@@ -628,32 +658,27 @@ impl Gpu {
                 c.rms_eps,
             )?;
             let gu = 2 * c.n_ff;
-            self.matvec(
+            self.matvec(Product::new(
                 self.ptr(&l.gate_up),
-                buf(Buf::H),
-                buf(Buf::GateUp),
-                None,
-                None,
+                (buf(Buf::H), d),
+                (buf(Buf::GateUp), gu),
                 (gu, d, m),
-                (d, gu),
-                false,
-            )?;
+            ))?;
             self.elementwise(
                 &k.swiglu,
                 m * c.n_ff,
                 &[Arg::P(buf(Buf::GateUp)), Arg::I(m), Arg::I(c.n_ff)],
             )?;
             // The gates, now silu(gate) · up, are the first half of each row.
-            self.matvec(
-                self.ptr(&l.w_down),
-                buf(Buf::GateUp),
-                buf(Buf::X),
-                None,
-                None,
-                (d, c.n_ff, m),
-                (gu, d),
-                true,
-            )?;
+            self.matvec(Product {
+                accumulate: true,
+                ..Product::new(
+                    self.ptr(&l.w_down),
+                    (buf(Buf::GateUp), gu),
+                    (buf(Buf::X), d),
+                    (d, c.n_ff, m),
+                )
+            })?;
         }
         // The final norm of the rows whose logits are asked, into `h`.
         let (mut row, mut out_row) = (0, 0);
@@ -680,27 +705,22 @@ impl Gpu {
                 )?;
             }
             let out = self.ptr(&self.output);
-            self.matvec(
+            self.matvec(Product::new(
                 out,
-                buf(Buf::H),
-                logits,
-                None,
-                None,
+                (buf(Buf::H), d),
+                (logits, c.vocab),
                 (limit, d, wanted),
-                (d, c.vocab),
-                false,
-            )?;
+            ))?;
             if let Some(also) = &self.also {
-                self.matvec(
-                    out,
-                    buf(Buf::H),
-                    logits,
-                    None,
-                    Some(self.ptr(also)),
-                    (also.len(), d, wanted),
-                    (d, c.vocab),
-                    false,
-                )?;
+                self.matvec(Product {
+                    rows: Some(self.ptr(also)),
+                    ..Product::new(
+                        out,
+                        (buf(Buf::H), d),
+                        (logits, c.vocab),
+                        (also.len(), d, wanted),
+                    )
+                })?;
             }
         }
         let all = sc.bufs[Buf::Logits as usize]

@@ -318,11 +318,13 @@ impl Model {
 
     /// Whether the forward pass runs on a GPU.
     fn on_device(&self) -> bool {
-        #[cfg(feature = "cuda")]
-        if self.gpu.is_some() {
-            return true;
-        }
-        false
+        self.device().0 != Device::Cpu
+    }
+
+    /// The threads of the matrix kernels (and of the GPU path's load).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn pool(&self) -> &ThreadPool {
+        &self.pool
     }
 
     /// The configuration.
@@ -449,6 +451,12 @@ impl Model {
                     tokens: p.tokens.len(),
                 });
             }
+            if let Some(&t) = p.tokens.iter().find(|&&t| t as usize >= c.vocab) {
+                return Err(Error::TokenOutOfRange {
+                    token: t,
+                    vocab: c.vocab,
+                });
+            }
             m += p.tokens.len();
             wanted += p.logits_rows;
         }
@@ -488,13 +496,8 @@ impl Model {
             buf.resize(len, 0.0);
         }
         let tokens = parts.iter().flat_map(|p| p.tokens.iter());
+        // Every token was checked against the vocabulary above.
         for (row, &t) in x.chunks_exact_mut(d).zip(tokens) {
-            if t as usize >= c.vocab {
-                return Err(Error::TokenOutOfRange {
-                    token: t,
-                    vocab: c.vocab,
-                });
-            }
             self.embd.row_into(t as usize, row)?;
         }
         cos.clear();

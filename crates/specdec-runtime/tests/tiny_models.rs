@@ -713,3 +713,21 @@ fn a_gpu_without_cuda_is_a_clear_error() {
         assert!(matches!(e, Error::Cuda(_)), "{e}");
     }
 }
+
+#[test]
+fn a_token_past_the_vocabulary_is_refused_and_the_cache_keeps_its_length() {
+    let model = tiny_model(&TinySpec::new(Arch::Qwen2, GgmlDType::Q8_0));
+    let vocab = model.config().vocab as u32;
+    let mut cache = model.cache(16);
+    model
+        .forward(&mut cache, &[1, 2], 1, &mut Vec::new())
+        .unwrap();
+    let e = model
+        .forward(&mut cache, &[3, vocab], 1, &mut Vec::new())
+        .unwrap_err();
+    assert!(
+        matches!(e, Error::TokenOutOfRange { token, .. } if token == vocab),
+        "{e}"
+    );
+    assert_eq!(cache.len(), 2);
+}

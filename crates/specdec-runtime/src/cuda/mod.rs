@@ -19,7 +19,7 @@ use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
-use specdec_kernels::F16;
+use specdec_kernels::{ThreadPool, F16};
 
 use crate::config::RopeStyle;
 use crate::error::{Error, Result};
@@ -149,51 +149,49 @@ impl std::fmt::Debug for Gpu {
     }
 }
 
-/// The dequantised rows of the matrices `ws` (of the same width), stacked, as f16 bit patterns,
-/// on all cores.
-fn half_matrix(ws: &[&QWeight]) -> Result<Vec<u16>> {
-    let mut out = Vec::new();
+/// The dequantised rows of the matrices `ws`, stacked, as f16 bit patterns, on `pool`'s threads.
+fn half_matrix(ws: &[&QWeight], pool: &ThreadPool) -> Result<Vec<u16>> {
+    let mut out = vec![0u16; ws.iter().map(|w| w.rows() * w.cols()).sum()];
+    let failed: Mutex<Option<Error>> = Mutex::new(None);
+    let mut rest = &mut out[..];
     for w in ws {
-        out.extend(half_rows(w)?);
+        let (rows, cols) = (w.rows(), w.cols());
+        let (part, after) = rest.split_at_mut(rows * cols);
+        rest = after;
+        // Whole rows per chunk, a few chunks per thread.
+        let chunk = rows.div_ceil(4 * pool.threads()).max(1) * cols;
+        pool.for_chunks_mut(part, chunk, &|start, dst| {
+            if let Err(e) = half_rows(w, start / cols, dst) {
+                failed
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .get_or_insert(e);
+            }
+        });
     }
-    Ok(out)
+    match failed.into_inner().unwrap_or_else(|e| e.into_inner()) {
+        Some(e) => Err(e),
+        None => Ok(out),
+    }
 }
 
-/// The dequantised rows of `w` as f16 bit patterns, `[rows, cols]`, on all cores.
-fn half_rows(w: &QWeight) -> Result<Vec<u16>> {
-    let (rows, cols) = (w.rows(), w.cols());
-    let mut out = vec![0u16; rows * cols];
-    let threads = std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .min(32);
-    let chunk_rows = rows.div_ceil(threads).max(1);
-    std::thread::scope(|s| {
-        let jobs: Vec<_> = out
-            .chunks_mut(chunk_rows * cols)
-            .enumerate()
-            .map(|(i, part)| {
-                s.spawn(move || -> Result<()> {
-                    let mut row = vec![0f32; cols];
-                    for (j, dst) in part.chunks_exact_mut(cols).enumerate() {
-                        w.row_into(i * chunk_rows + j, &mut row)?;
-                        if let Some(x) = row.iter().find(|x| x.abs() > F16_MAX) {
-                            return Err(cuda(
-                                "weights",
-                                format!("a weight of {x} is outside f16's range"),
-                            ));
-                        }
-                        for (d, &x) in dst.iter_mut().zip(&row) {
-                            *d = F16::from_f32(x).0;
-                        }
-                    }
-                    Ok(())
-                })
-            })
-            .collect();
-        jobs.into_iter()
-            .try_for_each(|j| j.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-    })?;
-    Ok(out)
+/// Rows `first..` of `w` as f16 bit patterns into `dst` (whole rows); a value beyond f16's range is
+/// an error.
+fn half_rows(w: &QWeight, first: usize, dst: &mut [u16]) -> Result<()> {
+    let mut row = vec![0f32; w.cols()];
+    for (j, d) in dst.chunks_exact_mut(w.cols()).enumerate() {
+        w.row_into(first + j, &mut row)?;
+        if let Some(x) = row.iter().find(|x| x.abs() > F16_MAX) {
+            return Err(cuda(
+                "weights",
+                format!("a weight of {x} is outside f16's range"),
+            ));
+        }
+        for (h, &x) in d.iter_mut().zip(&row) {
+            *h = F16::from_f32(x).0;
+        }
+    }
+    Ok(())
 }
 
 /// One `matvec` launch: `y[t, r] (+)= w[r] · x[t] (+ bias[r])` for `n` rows of the f16 matrix
@@ -330,7 +328,7 @@ impl Gpu {
         }
         let norm = up_f32(&model.norm)?;
         let mut up_matrix = |ws: &[&QWeight]| -> Result<CudaSlice<u16>> {
-            let h = half_matrix(ws)?;
+            let h = half_matrix(ws, model.pool())?;
             bytes += 2 * h.len();
             stream.clone_htod(&h).map_err(|e| cuda("copy", e))
         };
@@ -469,13 +467,8 @@ impl Gpu {
         sc.host_x.clear();
         sc.host_x.resize(m * d, 0.0);
         let tokens = parts.iter().flat_map(|p| p.tokens.iter());
+        // `Model::forward_parts` checked every token against the vocabulary.
         for (row, &t) in sc.host_x.chunks_exact_mut(d).zip(tokens) {
-            if t as usize >= c.vocab {
-                return Err(Error::TokenOutOfRange {
-                    token: t,
-                    vocab: c.vocab,
-                });
-            }
             model.embd.row_into(t as usize, row)?;
         }
         sc.cos.clear();
@@ -847,5 +840,44 @@ impl GpuCache {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::quantized::GgmlDType;
+
+    use super::*;
+
+    #[test]
+    fn stacked_matrices_are_their_rows_in_f16() {
+        let pool = ThreadPool::new(2).unwrap();
+        let values = |rows: usize, seed: f32| -> Vec<f32> {
+            (0..rows * 64)
+                .map(|i| (i as f32 * 0.37 + seed).sin() * 3.0)
+                .collect()
+        };
+        let a = QWeight::quantize(&values(37, 0.0), 37, 64, GgmlDType::Q8_0).unwrap();
+        let b = QWeight::quantize(&values(5, 1.0), 5, 64, GgmlDType::F32).unwrap();
+        let got = half_matrix(&[&a, &b], &pool).unwrap();
+        let mut want = Vec::new();
+        let mut row = vec![0f32; 64];
+        for w in [&a, &b] {
+            for r in 0..w.rows() {
+                w.row_into(r, &mut row).unwrap();
+                want.extend(row.iter().map(|&x| F16::from_f32(x).0));
+            }
+        }
+        assert_eq!(got, want);
+    }
+
+    #[test]
+    fn a_weight_beyond_f16_is_refused() {
+        let pool = ThreadPool::new(2).unwrap();
+        let mut v = vec![1.0f32; 8 * 64];
+        v[5 * 64 + 3] = 1e5;
+        let w = QWeight::quantize(&v, 8, 64, GgmlDType::F32).unwrap();
+        let e = half_matrix(&[&w], &pool).unwrap_err();
+        assert!(e.to_string().contains("outside f16's range"), "{e}");
     }
 }

@@ -228,6 +228,18 @@ impl ModelConfig {
             .first()
             .copied()
             .unwrap_or(0);
+        // Every token of the tokenizer must have a row of the embedding table (llama.cpp wants as
+        // many rows as tokens; a table padded past the tokens, as Qwen2.5's, is fine): else a
+        // prompt holding a token past the table fails only when scored.
+        if g.array_len("tokenizer.ggml.tokens")
+            .is_ok_and(|n| n > vocab)
+        {
+            return Err(Error::BadKey {
+                path: g.path().to_path_buf(),
+                key: "tokenizer.ggml.tokens".into(),
+                expected: "no more tokens than the rows of `token_embd.weight`",
+            });
+        }
         // The layer count sizes loops and allocations before any layer's tensors are read: it
         // must be what the file's tensors hold (the last layer's first tensor present, and no
         // more layers than tensors), not whatever a corrupt header says.

@@ -46,7 +46,8 @@ pub struct LoadOptions {
     /// Re-quantise every matrix (the embedding table included, which a tied output matrix reads) to
     /// this type at load, when it is another: fewer bytes per step for a draft model, at some cost
     /// in acceptance. A K-quant applies to matrices whose rows are whole 256-value super-blocks; the
-    /// others go to Q4_0 ([`requantized_type`]). `None` keeps the file's types.
+    /// others go to Q4_0, and those no 32-value block divides keep their type
+    /// ([`requantized_type`]). `None` keeps the file's types.
     pub requantize: Option<GgmlDType>,
     /// Where the forward pass runs. [`Device::Cuda`] needs the cargo feature `cuda`.
     pub device: Device,
@@ -168,13 +169,12 @@ pub struct Model {
 /// The type [`LoadOptions::requantize`] gives a matrix of `cols` columns when it asks for `t`: `t`
 /// itself, or Q4_0 (as many bits per weight as Q4_K) where `t` is a K-quant whose 256-value
 /// super-blocks do not divide the rows (the 0.5B draft's 896-wide matrices; llama.cpp's quantiser
-/// falls back to Q5_0 there, a draft wants the bytes).
-pub fn requantized_type(t: GgmlDType, cols: usize) -> GgmlDType {
-    if cols.is_multiple_of(t.block_size()) {
-        t
-    } else {
-        GgmlDType::Q4_0
-    }
+/// falls back to Q5_0 there, a draft wants the bytes); `None`, keeping the file's type, where not
+/// even Q4_0's 32-value blocks divide them (a float matrix of another width).
+pub fn requantized_type(t: GgmlDType, cols: usize) -> Option<GgmlDType> {
+    [t, GgmlDType::Q4_0]
+        .into_iter()
+        .find(|t| cols.is_multiple_of(t.block_size()))
 }
 
 impl Model {
@@ -194,7 +194,10 @@ impl Model {
         let c = ModelConfig::from_gguf(g)?;
         check_tensors(g, &c)?;
         let prep = |w: QWeight| -> Result<QWeight> {
-            match options.requantize.map(|t| requantized_type(t, w.cols())) {
+            match options
+                .requantize
+                .and_then(|t| requantized_type(t, w.cols()))
+            {
                 Some(t) if w.dtype() != t => return w.requantize(t),
                 Some(_) => return Ok(w),
                 None => {}
@@ -207,7 +210,10 @@ impl Model {
         };
         let mat = |name: &str, rows: usize, cols: usize| g.matrix(name, rows, cols).and_then(prep);
         let embd = g.matrix("token_embd.weight", c.vocab, c.n_embd)?;
-        let embd = match options.requantize.map(|t| requantized_type(t, embd.cols())) {
+        let embd = match options
+            .requantize
+            .and_then(|t| requantized_type(t, embd.cols()))
+        {
             Some(t) if embd.dtype() != t => embd.requantize(t)?,
             _ => embd,
         };

@@ -8,11 +8,13 @@ use specdec_core::TokenId;
 use crate::error::{Error, Result};
 use crate::gguf::Gguf;
 
-/// Tokens that end a turn in the chat formats we know, when the vocabulary has them.
-const END_OF_TURN: [&str; 6] = [
+/// Tokens that end a turn in the chat formats we know, when the vocabulary has them (Llama 3.1's
+/// `<|eom_id|>` ends a turn that called a tool).
+const END_OF_TURN: [&str; 7] = [
     "<|im_end|>",
     "<|endoftext|>",
     "<|eot_id|>",
+    "<|eom_id|>",
     "<|end_of_text|>",
     "</s>",
     "<|end|>",
@@ -120,11 +122,18 @@ impl Tokenizer {
         let bos = token("tokenizer.ggml.bos_token_id")?;
         let eos = token("tokenizer.ggml.eos_token_id")?;
         let mut stop: Vec<TokenId> = eos.iter().map(|(id, _)| *id).collect();
-        for name in END_OF_TURN {
-            if let Some(id) = inner.token_to_id(name) {
-                if !stop.contains(&id) {
-                    stop.push(id);
-                }
+        // The end-of-turn tokens the file names (llama.cpp's end-of-generation set), then those we
+        // know by their text.
+        let named = [
+            token("tokenizer.ggml.eot_token_id")?,
+            token("tokenizer.ggml.eom_token_id")?,
+        ];
+        let known = END_OF_TURN
+            .iter()
+            .filter_map(|name| inner.token_to_id(name));
+        for id in named.into_iter().flatten().map(|(id, _)| id).chain(known) {
+            if !stop.contains(&id) {
+                stop.push(id);
             }
         }
         let mut plain = inner.clone();
@@ -180,8 +189,9 @@ impl Tokenizer {
         self.vocab
     }
 
-    /// Tokens that end generation: the EOS token and any end-of-turn tokens the vocabulary has
-    /// (`<|im_end|>`, `<|endoftext|>` for Qwen).
+    /// Tokens that end generation: the EOS token, the end-of-turn tokens the file names
+    /// (`tokenizer.ggml.eot_token_id`, `eom_token_id`) and any the vocabulary has of those we know
+    /// by their text (`<|im_end|>`, `<|endoftext|>` for Qwen, `<|eot_id|>`, `<|eom_id|>` for Llama 3).
     pub fn stop_tokens(&self) -> &[TokenId] {
         &self.stop
     }
@@ -464,15 +474,86 @@ fn encode_into(t: &tokenizers::Tokenizer, text: &str, ids: &mut Vec<TokenId>) ->
     Ok(())
 }
 
-/// candle maps pre-tokenizer names it does not know to GPT-2's, which adds a prefix space. Where the
-/// file says `add_space_prefix = false` that is wrong; for `smollm` llama.cpp also splits digits one by
-/// one before the byte-level step.
+/// The pre-tokenizer names llama.cpp reads as Llama 3's (`LLAMA_VOCAB_PRE_TYPE_LLAMA3` in
+/// `llama-vocab.cpp`): its converter writes `llama-bpe` for Llama 3, 3.1 and 3.2, a name candle
+/// does not know.
+const LLAMA3_PRE: [&str; 8] = [
+    "llama3",
+    "llama-v3",
+    "llama-bpe",
+    "falcon3",
+    "falcon-h1",
+    "pixtral",
+    "midm-2.0",
+    "lfm2",
+];
+
+/// The pre-tokenizer names llama.cpp reads as Qwen2's (`LLAMA_VOCAB_PRE_TYPE_QWEN2`), as the
+/// DeepSeek-R1 distillations of Qwen2.5 name theirs.
+const QWEN2_PRE: [&str; 2] = ["qwen2", "deepseek-r1-qwen"];
+
+/// Llama 3's split (llama.cpp's `LLAMA3` regex, as candle writes it): letters, numbers in groups of
+/// at most three, punctuation, newlines, spaces.
+const LLAMA3_SPLIT: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// Qwen2's split (numbers one digit at a time), as candle writes it.
+const QWEN2_SPLIT: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// Sets the pre-tokenizer (and what goes with it) that llama.cpp uses for the file's
+/// `tokenizer.ggml.pre`, where candle's differs. candle knows `qwen2`, `llama3`, `smaug-bpe` and
+/// `lfm2` and maps every other name to GPT-2's byte-level step, which adds a prefix space:
+/// - llama.cpp's other names for Llama 3's ([`LLAMA3_PRE`], `llama-bpe` among them) get its split
+///   and no prefix space, and every one of them, candle's own `llama3` included, the BPE option
+///   `ignore_merges` (a word that is a token of the vocabulary is that token, whatever the merges
+///   would make of it), as llama.cpp and Hugging Face's Llama 3 tokenizer set it;
+/// - `deepseek-r1-qwen` gets Qwen2's NFC normalisation and split;
+/// - any other name keeps GPT-2's step, with the prefix space only where the file does not say
+///   `add_space_prefix = false`; for `smollm` llama.cpp also splits digits one by one before it.
 fn fix_pre_tokenizer(g: &Gguf, inner: &mut tokenizers::Tokenizer) -> Result<()> {
+    use tokenizers::normalizers::unicode::NFC;
     use tokenizers::pre_tokenizers::{
-        byte_level::ByteLevel, digits::Digits, sequence::Sequence, PreTokenizerWrapper,
+        byte_level::ByteLevel,
+        digits::Digits,
+        sequence::Sequence,
+        split::{Split, SplitPattern},
+        PreTokenizerWrapper,
     };
+    use tokenizers::SplitDelimiterBehavior;
     let pre = g.str("tokenizer.ggml.pre").unwrap_or("gpt2");
-    if matches!(pre, "qwen2" | "llama3" | "smaug-bpe" | "lfm2") {
+    let split = |regex: &str, byte_level: ByteLevel| -> Result<PreTokenizerWrapper> {
+        let split = Split::new(
+            SplitPattern::Regex(regex.to_string()),
+            SplitDelimiterBehavior::Isolated,
+            false,
+        )
+        .map_err(|e| Error::Tokenizer(e.to_string()))?;
+        Ok(Sequence::new(vec![split.into(), byte_level.into()]).into())
+    };
+    if LLAMA3_PRE.contains(&pre) {
+        inner.with_pre_tokenizer(Some(split(
+            LLAMA3_SPLIT,
+            ByteLevel::new(false, true, false),
+        )?));
+        if let tokenizers::ModelWrapper::BPE(bpe) = inner.get_model() {
+            let mut bpe = bpe.clone();
+            bpe.ignore_merges = true;
+            inner.with_model(bpe);
+        }
+        return Ok(());
+    }
+    if QWEN2_PRE.contains(&pre) {
+        if pre != "qwen2" {
+            inner
+                .with_normalizer(Some(NFC))
+                .map_err(|e| Error::Tokenizer(e.to_string()))?;
+            inner.with_pre_tokenizer(Some(split(
+                QWEN2_SPLIT,
+                ByteLevel::new(false, false, false),
+            )?));
+        }
+        return Ok(());
+    }
+    if pre == "smaug-bpe" {
         return Ok(());
     }
     let prefix_space = g

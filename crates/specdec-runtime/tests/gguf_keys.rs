@@ -357,6 +357,37 @@ fn a_token_id_past_2_32_is_a_bad_key() {
     }
 }
 
+/// A tokenizer with more tokens than the embedding table has rows is refused at load, naming the
+/// key, not when a prompt first holds a token past the table; a table padded past the tokens (as
+/// Qwen2.5's 151,936 rows for 151,665 tokens) loads.
+#[test]
+fn more_tokens_than_embedding_rows_is_a_bad_key() {
+    for arch in [Arch::Qwen2, Arch::Llama] {
+        let spec = TinySpec::new(arch, GgmlDType::Q8_0);
+        let words = |n: usize| {
+            Value::Array(
+                (0..n)
+                    .map(|i| Value::String(format!("<|token_{i}|>")))
+                    .collect(),
+            )
+        };
+        let e = load_err(&TinySpec {
+            extra_keys: vec![("tokenizer.ggml.tokens".into(), words(spec.vocab + 1))],
+            ..spec.clone()
+        });
+        match &e {
+            Error::BadKey { key, .. } => assert_eq!(key, "tokenizer.ggml.tokens", "{arch:?}"),
+            _ => panic!("{arch:?}: expected BadKey, got {e}"),
+        }
+        assert!(e.to_string().contains("token_embd.weight"), "{e}");
+        let (_dir, path) = tiny(&TinySpec {
+            extra_keys: vec![("tokenizer.ggml.tokens".into(), words(spec.vocab - 7))],
+            ..spec
+        });
+        Model::load(&path, &LoadOptions::default()).unwrap();
+    }
+}
+
 #[test]
 fn unimplemented_rope_scaling_types_are_rejected_by_name() {
     for arch in [Arch::Llama, Arch::Qwen2] {

@@ -110,10 +110,36 @@ fn requantizing_to_a_k_quant_falls_back_where_rows_are_too_short() {
     let mut loaded = model.matrix_types();
     loaded.sort_by_key(|t| format!("{t:?}"));
     assert_eq!(loaded, vec![Q4K, Q4_0]);
-    assert_eq!(specdec_runtime::requantized_type(Q4K, 4864), Q4K);
-    assert_eq!(specdec_runtime::requantized_type(Q4K, 896), Q4_0);
-    assert_eq!(specdec_runtime::requantized_type(Q8_0, 896), Q8_0);
+    assert_eq!(specdec_runtime::requantized_type(Q4K, 4864), Some(Q4K));
+    assert_eq!(specdec_runtime::requantized_type(Q4K, 896), Some(Q4_0));
+    assert_eq!(specdec_runtime::requantized_type(Q8_0, 896), Some(Q8_0));
+    assert_eq!(specdec_runtime::requantized_type(Q4_0, 40), None);
     check_block_equals_single(&model, "Q8_0 file re-quantised to Q4_K");
+}
+
+/// A float model whose rows no 32-value block divides keeps those matrices' own type when a
+/// re-quantisation is asked for (`--draft-quant`'s default is Q4_0), and re-quantises the others,
+/// instead of failing to load.
+#[test]
+fn requantizing_keeps_the_files_type_where_no_block_divides_the_rows() {
+    use GgmlDType::*;
+    let spec = TinySpec {
+        n_embd: 40,
+        ..TinySpec::new(Arch::Llama, F32)
+    };
+    let (_dir, path) = tiny(&spec);
+    let options = LoadOptions {
+        requantize: Some(Q4_0),
+        ..LoadOptions::default()
+    };
+    let model = Arc::new(Model::load(&path, &options).unwrap());
+    let mut loaded = model.matrix_types();
+    loaded.sort_by_key(|t| format!("{t:?}"));
+    assert_eq!(loaded, vec![F32, Q4_0]);
+    check_block_equals_single(
+        &model,
+        "F32 file 40 wide, its 128-wide rows re-quantised to Q4_0",
+    );
 }
 
 #[test]

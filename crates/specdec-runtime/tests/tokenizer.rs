@@ -176,3 +176,123 @@ fn a_replacement_character_of_the_text_streams_at_once() {
     assert_eq!(out, text);
     assert_eq!(stream.finish(&t).unwrap(), None);
 }
+
+/// The tiny byte-level tokenizer with `pre` as `tokenizer.ggml.pre`, and its last three reserved
+/// tokens made the ordinary tokens `ab`, `bc` and `abc` with the one merge `b c`: `abc` is then a
+/// token of the vocabulary that the merges alone never make.
+fn tokenizer_with_words(pre: &str) -> (tempfile::TempDir, Tokenizer) {
+    use candle_core::quantized::gguf_file::Value;
+    let spec = TinySpec::new(Arch::Llama, GgmlDType::Q8_0);
+    let (_plain_dir, plain) = common::tiny(&spec);
+    let g = Gguf::open(&plain).unwrap();
+    let array = |key: &str| match &g.content().metadata[key] {
+        Value::Array(a) => a.clone(),
+        other => panic!("{key}: {other:?}"),
+    };
+    let (mut tokens, mut types) = (
+        array("tokenizer.ggml.tokens"),
+        array("tokenizer.ggml.token_type"),
+    );
+    let n = tokens.len();
+    for (i, word) in ["ab", "bc", "abc"].into_iter().enumerate() {
+        tokens[n - 3 + i] = Value::String(word.into());
+        types[n - 3 + i] = Value::I32(1);
+    }
+    let mut spec = spec;
+    spec.extra_keys = vec![
+        ("tokenizer.ggml.pre".into(), Value::String(pre.into())),
+        ("tokenizer.ggml.tokens".into(), Value::Array(tokens)),
+        ("tokenizer.ggml.token_type".into(), Value::Array(types)),
+        (
+            "tokenizer.ggml.merges".into(),
+            Value::Array(vec![Value::String("b c".into())]),
+        ),
+    ];
+    let (dir, path) = common::tiny(&spec);
+    let t = Tokenizer::from_gguf(&Gguf::open(&path).unwrap()).unwrap();
+    (dir, t)
+}
+
+/// llama.cpp writes `llama-bpe` as the pre-tokenizer of Llama 3, 3.1 and 3.2 (and reads six other
+/// names the same way): no prefix space before the text, and a word that is a token of the
+/// vocabulary is that token (`ignore_merges`), as llama.cpp and Hugging Face tokenize them. candle
+/// knows none of these names but `llama3` and `lfm2`, and gave the others GPT-2's prefix space.
+#[test]
+fn llama_3s_pre_tokenizer_names_add_no_prefix_space_and_keep_vocabulary_words_whole() {
+    let (_d, t) = tokenizer_with_words("qwen2");
+    // Ids 256..259 are the specials, so the three words are the last ids, 269..272.
+    let (a, bc, abc) = (u32::from(b'a'), 270, 271);
+    let bytes = |s: &str| s.bytes().map(u32::from).collect::<Vec<_>>();
+    // Without `ignore_merges` the merges make `bc`, never `abc`.
+    assert_eq!(t.encode("abc", false).unwrap(), vec![a, bc]);
+    for pre in [
+        "llama-bpe",
+        "llama3",
+        "llama-v3",
+        "falcon3",
+        "falcon-h1",
+        "pixtral",
+        "midm-2.0",
+        "lfm2",
+    ] {
+        let (_d, t) = tokenizer_with_words(pre);
+        assert_eq!(t.encode("abc", false).unwrap(), vec![abc], "{pre}");
+        assert_eq!(t.encode("Hi", false).unwrap(), bytes("Hi"), "{pre}");
+        // Numbers split in threes, then each group into its bytes (there are no merges of digits).
+        assert_eq!(t.encode("12345", false).unwrap(), bytes("12345"), "{pre}");
+        let chat = t.encode_chat(&[Message::new("user", "Hi")]).unwrap();
+        assert_eq!(
+            t.decode(&chat).unwrap(),
+            "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
+            "{pre}"
+        );
+    }
+    // A name llama.cpp does not read as Llama 3's keeps GPT-2's prefix space (the file does not
+    // say `add_space_prefix = false`).
+    let (_d, t) = tokenizer_with_words("gpt2");
+    assert_eq!(
+        t.decode(&t.encode("Hi", false).unwrap()).unwrap(),
+        " Hi",
+        "gpt2"
+    );
+}
+
+/// `deepseek-r1-qwen` (the DeepSeek-R1 distillations of Qwen2.5) is Qwen2's pre-tokenizer to
+/// llama.cpp: NFC normalisation and no prefix space, as the file's `qwen2` gets.
+#[test]
+fn the_deepseek_r1_qwen_pre_tokenizer_is_qwen2s() {
+    let (_d, qwen) = tokenizer_with_words("qwen2");
+    let (_d, r1) = tokenizer_with_words("deepseek-r1-qwen");
+    // "e" and a combining acute accent: NFC makes them one character, two bytes.
+    for text in ["Hi there, 12345!", "e\u{301}t\u{e9}", "abc bc"] {
+        assert_eq!(
+            r1.encode(text, false).unwrap(),
+            qwen.encode(text, false).unwrap(),
+            "{text}"
+        );
+    }
+    assert_eq!(r1.encode("e\u{301}", false).unwrap().len(), 2);
+}
+
+/// The end-of-turn tokens a file names by id (`tokenizer.ggml.eot_token_id`, `eom_token_id`) stop
+/// generation as llama.cpp's end-of-generation set does, besides EOS and those known by their text.
+#[test]
+fn the_files_end_of_turn_tokens_stop_generation() {
+    use candle_core::quantized::gguf_file::Value;
+    let mut spec = TinySpec::new(Arch::Llama, GgmlDType::Q8_0);
+    spec.extra_keys = vec![
+        ("tokenizer.ggml.eot_token_id".into(), Value::U32(260)),
+        ("tokenizer.ggml.eom_token_id".into(), Value::U32(261)),
+    ];
+    let (_d, path) = common::tiny(&spec);
+    let t = Tokenizer::from_gguf(&Gguf::open(&path).unwrap()).unwrap();
+    for id in [258, 260, 261] {
+        assert!(t.stop_tokens().contains(&id), "{id}: {:?}", t.stop_tokens());
+    }
+    assert!(!t.stop_tokens().contains(&259), "{:?}", t.stop_tokens());
+    // An id past the vocabulary names no token, and stops nothing.
+    spec.extra_keys = vec![("tokenizer.ggml.eom_token_id".into(), Value::U32(100_000))];
+    let (_d, path) = common::tiny(&spec);
+    let t = Tokenizer::from_gguf(&Gguf::open(&path).unwrap()).unwrap();
+    assert!(!t.stop_tokens().contains(&100_000));
+}

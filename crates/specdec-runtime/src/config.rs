@@ -229,8 +229,8 @@ impl ModelConfig {
             .copied()
             .unwrap_or(0);
         // Every token of the tokenizer must have a row of the embedding table (llama.cpp wants as
-        // many rows as tokens; a table padded past the tokens, as Qwen2.5's, is fine): else a
-        // prompt holding a token past the table fails only when scored.
+        // many rows as tokens, as its converter writes them; more rows than tokens are fine
+        // here): else a prompt holding a token past the table fails only when scored.
         if g.array_len("tokenizer.ggml.tokens")
             .is_ok_and(|n| n > vocab)
         {

@@ -474,9 +474,9 @@ fn encode_into(t: &tokenizers::Tokenizer, text: &str, ids: &mut Vec<TokenId>) ->
     Ok(())
 }
 
-/// The pre-tokenizer names llama.cpp reads as Llama 3's (`LLAMA_VOCAB_PRE_TYPE_LLAMA3` in
-/// `llama-vocab.cpp`): its converter writes `llama-bpe` for Llama 3, 3.1 and 3.2, a name candle
-/// does not know.
+/// Names llama.cpp reads as Llama 3's pre-tokenizer (`LLAMA_VOCAB_PRE_TYPE_LLAMA3` in
+/// `llama-vocab.cpp`; newer versions add more): its converter writes `llama-bpe` for Llama 3, 3.1
+/// and 3.2, a name candle does not know.
 const LLAMA3_PRE: [&str; 8] = [
     "llama3",
     "llama-v3",
@@ -488,8 +488,8 @@ const LLAMA3_PRE: [&str; 8] = [
     "lfm2",
 ];
 
-/// The pre-tokenizer names llama.cpp reads as Qwen2's (`LLAMA_VOCAB_PRE_TYPE_QWEN2`), as the
-/// DeepSeek-R1 distillations of Qwen2.5 name theirs.
+/// Names llama.cpp reads as Qwen2's pre-tokenizer (`LLAMA_VOCAB_PRE_TYPE_QWEN2`) that files of the
+/// `qwen2` architecture carry: `deepseek-r1-qwen` is the DeepSeek-R1 distillations of Qwen2.5's.
 const QWEN2_PRE: [&str; 2] = ["qwen2", "deepseek-r1-qwen"];
 
 /// Llama 3's split (llama.cpp's `LLAMA3` regex, as candle writes it): letters, numbers in groups of
@@ -506,7 +506,8 @@ const QWEN2_SPLIT: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'
 ///   and no prefix space, and every one of them, candle's own `llama3` included, the BPE option
 ///   `ignore_merges` (a word that is a token of the vocabulary is that token, whatever the merges
 ///   would make of it), as llama.cpp and Hugging Face's Llama 3 tokenizer set it;
-/// - `deepseek-r1-qwen` gets Qwen2's NFC normalisation and split;
+/// - `deepseek-r1-qwen` gets what candle gives `qwen2` (Hugging Face's Qwen2 tokenizer: NFC
+///   normalisation, then its split);
 /// - any other name keeps GPT-2's step, with the prefix space only where the file does not say
 ///   `add_space_prefix = false`; for `smollm` llama.cpp also splits digits one by one before it.
 fn fix_pre_tokenizer(g: &Gguf, inner: &mut tokenizers::Tokenizer) -> Result<()> {

@@ -220,7 +220,7 @@ fn tokenizer_with_words(pre: &str) -> (tempfile::TempDir, Tokenizer) {
 #[test]
 fn llama_3s_pre_tokenizer_names_add_no_prefix_space_and_keep_vocabulary_words_whole() {
     let (_d, t) = tokenizer_with_words("qwen2");
-    // Ids 256..259 are the specials, so the three words are the last ids, 269..272.
+    // Ids 256 to 258 are the specials, the words the last three ids: 269, 270 and 271.
     let (a, bc, abc) = (u32::from(b'a'), 270, 271);
     let bytes = |s: &str| s.bytes().map(u32::from).collect::<Vec<_>>();
     // Without `ignore_merges` the merges make `bc`, never `abc`.
@@ -258,7 +258,8 @@ fn llama_3s_pre_tokenizer_names_add_no_prefix_space_and_keep_vocabulary_words_wh
 }
 
 /// `deepseek-r1-qwen` (the DeepSeek-R1 distillations of Qwen2.5) is Qwen2's pre-tokenizer to
-/// llama.cpp: NFC normalisation and no prefix space, as the file's `qwen2` gets.
+/// llama.cpp, so it gets what `qwen2` gets: Hugging Face's Qwen2 tokenizer (NFC normalisation, its
+/// split, no prefix space).
 #[test]
 fn the_deepseek_r1_qwen_pre_tokenizer_is_qwen2s() {
     let (_d, qwen) = tokenizer_with_words("qwen2");

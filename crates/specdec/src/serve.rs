@@ -26,6 +26,9 @@ pub fn command(args: &ServeArgs, ui: Ui) -> Result<()> {
     if args.decode.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
     }
+    if let Some(why) = args.api_key.as_deref().and_then(unsendable_key) {
+        bail!("--api-key (or SPECDEC_API_KEY): {why}; every request would be refused");
+    }
     let drafter = match args.decode.drafter {
         CliDrafter::None => DrafterKind::None,
         CliDrafter::Ngram => DrafterKind::Ngram,
@@ -176,4 +179,23 @@ pub fn command(args: &ServeArgs, ui: Ui) -> Result<()> {
     }
     ui.note("stopped");
     Ok(())
+}
+
+/// Why no client could send `key` as `Authorization: Bearer KEY`, if that is so: the header's
+/// value arrives with the whitespace at its ends trimmed, and the server reads only a value of
+/// visible ASCII, spaces and tabs. The key itself is never echoed (it may come from the
+/// environment, into a log).
+fn unsendable_key(key: &str) -> Option<&'static str> {
+    if key.is_empty() {
+        Some("the API key is empty (to serve without one, leave out --api-key and unset SPECDEC_API_KEY)")
+    } else if key.ends_with([' ', '\t']) {
+        Some("the API key ends with whitespace, which a client's header loses")
+    } else if !key
+        .bytes()
+        .all(|b| b.is_ascii_graphic() || b == b' ' || b == b'\t')
+    {
+        Some("the API key holds characters other than visible ASCII, spaces and tabs, which no header carries")
+    } else {
+        None
+    }
 }

@@ -175,18 +175,23 @@ fn argument_errors_are_one_clear_line() {
     assert_clean_error(&serve(&["--min-confidence", "2"]), "min_confidence");
     assert_clean_error(&serve(&["--stop", ""]), "stop");
     // An API key no client could send would refuse every request: refused at start, from the flag
-    // or from the environment.
-    for key in ["", "two words", "k\u{e9}y", " key"] {
-        assert_clean_error(&serve(&["--api-key", key]), "API key");
+    // or from the environment, without echoing it.
+    for key in ["", "s3cr3t ", "s\u{e9}cr3t", "s3cr3t\u{7f}"] {
+        let out = serve(&["--api-key", key]);
+        assert_clean_error(&out, "API key");
+        if !key.is_empty() {
+            assert!(!String::from_utf8_lossy(&out.stderr).contains("cr3t"));
+        }
     }
     let out = Command::new(env!("CARGO_BIN_EXE_specdec"))
         .args(["serve", "--target", t, "--drafter", "ngram", "--port", "0"])
         .env("SPECDEC_HOME", &f.home)
         .env("SPECDEC_PYTHON", "specdec-tests-fetch-nothing")
-        .env("SPECDEC_API_KEY", "with space")
+        .env("SPECDEC_API_KEY", "secret\t")
         .output()
         .unwrap();
     assert_clean_error(&out, "API key");
+    assert!(!String::from_utf8_lossy(&out.stderr).contains("secret"));
     // A thread count of 0 or past the pool's limit: clap's usage error, not a crash.
     for threads in ["0", "5000", "18446744073709551615"] {
         let out = run(base(&["--threads", threads]));

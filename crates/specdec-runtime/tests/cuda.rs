@@ -60,6 +60,17 @@ fn same_bits(a: &[f32], b: &[f32]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
 }
 
+/// The largest difference between the GPU's logits and the CPU's, and the largest CPU logit (at
+/// least 1) it is measured against.
+fn gap(gpu: &[f32], cpu: &[f32]) -> (f32, f32) {
+    let scale = cpu.iter().fold(1.0f32, |m, x| m.max(x.abs()));
+    let worst = gpu
+        .iter()
+        .zip(cpu)
+        .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+    (worst, scale)
+}
+
 fn blocks_equal_single_steps() {
     for spec in all_specs() {
         let model = load(&spec, &on_gpu());
@@ -205,11 +216,7 @@ fn logits_match_the_cpu() {
             logits_in_blocks(&gpu, &t, 16),
             logits_in_blocks(&cpu, &t, 16),
         );
-        let scale = c.iter().fold(1.0f32, |m, x| m.max(x.abs()));
-        let worst = g
-            .iter()
-            .zip(&c)
-            .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+        let (worst, scale) = gap(&g, &c);
         println!(
             "{:?} {:?}: max |gpu - cpu| = {worst:.2e}, max |cpu| = {scale:.2}",
             spec.arch, spec.dtype
@@ -246,11 +253,7 @@ fn a_wide_model_past_the_chunk_edge_matches_the_cpu() {
     let single = logits_in_blocks(&gpu, &t, 1);
     assert!(same_bits(&single, &logits_in_blocks(&gpu, &t, 7)));
     let c = logits_in_blocks(&cpu, &t, 64);
-    let scale = c.iter().fold(1.0f32, |m, x| m.max(x.abs()));
-    let worst = single
-        .iter()
-        .zip(&c)
-        .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+    let (worst, scale) = gap(&single, &c);
     println!(
         "wide F16 model, 300 positions: max |gpu - cpu| = {worst:.2e}, max |cpu| = {scale:.2}"
     );
